@@ -1,0 +1,83 @@
+"""The StreamingJob config model: defaults, and errors that name the field."""
+
+import copy
+
+import pytest
+
+from splitfeed.trainer_client import specs, topology
+
+GOOD = {
+    "apiVersion": "splitfeed.io/v1alpha1",
+    "kind": "StreamingJob",
+    "metadata": {"name": "resnet"},
+    "spec": {
+        "replicas": 4,
+        "data": {"uri": "/data/db", "table": "frames", "numSplits": 48, "globalBatchSize": 960},
+    },
+}
+
+
+def with_(path, value):
+    manifest = copy.deepcopy(GOOD)
+    node = manifest
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return manifest
+
+
+def test_a_minimal_job_gets_the_documented_defaults():
+    job = specs.parse_job(GOOD)
+    assert job.name == "resnet" and job.namespace == "default"
+    assert (job.replicas, job.gpus_per_replica, job.world_size) == (4, 1, 4)
+    assert job.data.shuffle is True and job.data.shuffle_seed == 0
+    assert job.data.epochs == 1 and job.data.num_workers == 1 and job.data.read_batch_size == 64
+    assert job.data.columns is None and job.data.filter is None
+    assert job.sidecar.prefetch_batches == 4 and job.sidecar.shm_size == "2Gi"
+    assert job.checkpoint.uri is None and job.checkpoint.timeout_seconds == 300
+
+
+@pytest.mark.parametrize(
+    "path,value,field,words",
+    [
+        pytest.param("spec.data.numSplit", 48, "spec.data.numSplit", "did you mean 'numSplits'", id="typo"),
+        pytest.param("spec.replica", 2, "spec.replica", "did you mean 'replicas'", id="typo-top"),
+        pytest.param("spec.data.numSplits", "48", "spec.data.numSplits", "must be an integer", id="string-int"),
+        pytest.param("spec.data.numSplits", 0, "spec.data.numSplits", "at least 1", id="zero"),
+        pytest.param("spec.data.shuffle", "yes", "spec.data.shuffle", "true or false", id="bool"),
+        pytest.param("spec.data.columns", ["id", "id"], "spec.data.columns", "twice", id="dup-col"),
+        pytest.param("spec.sidecar.shmSize", "lots", "spec.sidecar.shmSize", "quantity", id="quantity"),
+        pytest.param("spec.data.uri", None, "spec.data.uri", "is required", id="missing"),
+        pytest.param("kind", "Job", "kind", "StreamingJob", id="kind"),
+        pytest.param("spec.data", "frames", "spec.data", "mapping", id="section-type"),
+    ],
+)
+def test_bad_fields_are_named_with_a_fix(path, value, field, words):
+    with pytest.raises(specs.SpecError) as info:
+        specs.parse_job(with_(path, value))
+    assert info.value.field == field
+    assert words in str(info.value)
+
+
+def test_an_invalid_replica_count_is_a_topology_error_listing_valid_counts():
+    with pytest.raises(topology.TopologyError) as info:
+        specs.parse_job(with_("spec.replicas", 5))
+    assert "[1, 2, 3, 4, 6, 8, 12, 16, 24, 48]" in str(info.value)
+    job = specs.parse_job(with_("spec.replicas", 5), check_replicas=False)
+    assert job.replicas == 5
+
+
+def test_data_config_round_trips_and_its_checksum_changes_with_any_field():
+    job = specs.parse_job(with_("spec.data.filter", "label >= 0"))
+    config = job.data_config()
+    again = specs.parse_data_config(config)
+    assert again.data == job.data
+    other = specs.parse_job(with_("spec.data.shuffleSeed", 7)).data_config()
+    assert specs.data_config_checksum(config) != specs.data_config_checksum(other)
+    assert specs.data_config_checksum(config) == specs.data_config_checksum(again.data_config())
+
+
+@pytest.mark.parametrize("text,expected", [("2Gi", 2 * 2**30), ("512Mi", 512 * 2**20), ("1000", 1000), ("1G", 10**9)])
+def test_quantities_parse_to_bytes(text, expected):
+    assert specs.parse_quantity_bytes(text) == expected

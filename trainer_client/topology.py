@@ -1,0 +1,179 @@
+"""Topology math: which world sizes a job can run on, and who reads what.
+
+Pure functions, shared by every layer: the operator's admission checks, the
+sidecar's split assignment and `splitfeed plan` all call these, so a rule is
+written once. The rules are ARCHITECTURE.md's "Validity rules"; the split
+assignment mirrors `lancedb.streaming.StreamingDataset` (contiguous blocks of
+splits per rank, contiguous sub-blocks per worker), which tests pin against
+lancedb itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One broken validity rule, phrased for the person who can fix it."""
+
+    rule: str
+    message: str
+
+
+class TopologyError(ValueError):
+    """A replica count that the job's splits, workers and batch size cannot serve."""
+
+    def __init__(self, violations: list[Violation], allowed: list[int]) -> None:
+        self.violations = violations
+        self.allowed = allowed
+        valid = ", ".join(map(str, allowed)) if allowed else "none"
+        details = "; ".join(v.message for v in violations)
+        super().__init__(f"{details}. Valid replica counts for this job: [{valid}]")
+
+
+def world_size(replicas: int, gpus_per_replica: int) -> int:
+    return replicas * gpus_per_replica
+
+
+def violations(
+    *,
+    replicas: int,
+    gpus_per_replica: int,
+    num_splits: int,
+    num_workers: int,
+    global_batch_size: int,
+) -> list[Violation]:
+    """Every validity rule the topology breaks (empty when it is valid)."""
+    found: list[Violation] = []
+    for name, value in (
+        ("replicas", replicas),
+        ("gpusPerReplica", gpus_per_replica),
+        ("numSplits", num_splits),
+        ("numWorkers", num_workers),
+        ("globalBatchSize", global_batch_size),
+    ):
+        if value < 1:
+            found.append(Violation(f"{name} >= 1", f"{name} must be at least 1, got {value}"))
+    if found:
+        return found
+    w = world_size(replicas, gpus_per_replica)
+    if num_splits % (w * num_workers):
+        found.append(
+            Violation(
+                "numSplits % (worldSize * numWorkers) == 0",
+                f"numSplits={num_splits} is not divisible by worldSize*numWorkers="
+                f"{w}*{num_workers}={w * num_workers} (worldSize = replicas*gpusPerReplica"
+                f" = {replicas}*{gpus_per_replica})",
+            )
+        )
+    if global_batch_size % num_splits:
+        found.append(
+            Violation(
+                "globalBatchSize % numSplits == 0",
+                f"globalBatchSize={global_batch_size} is not divisible by "
+                f"numSplits={num_splits}; pick a multiple of {num_splits}",
+            )
+        )
+    if global_batch_size % w:
+        found.append(
+            Violation(
+                "globalBatchSize % worldSize == 0",
+                f"globalBatchSize={global_batch_size} is not divisible by worldSize={w}",
+            )
+        )
+    return found
+
+
+def allowed_replicas(
+    *, gpus_per_replica: int, num_splits: int, num_workers: int, global_batch_size: int
+) -> list[int]:
+    """Replica counts that satisfy every rule, ascending.
+
+    Bounded because worldSize * numWorkers must divide numSplits, so no valid
+    replica count exceeds numSplits.
+    """
+    if min(gpus_per_replica, num_splits, num_workers, global_batch_size) < 1:
+        return []
+    return [
+        r
+        for r in range(1, num_splits + 1)
+        if not violations(
+            replicas=r,
+            gpus_per_replica=gpus_per_replica,
+            num_splits=num_splits,
+            num_workers=num_workers,
+            global_batch_size=global_batch_size,
+        )
+    ]
+
+
+def check(
+    *,
+    replicas: int,
+    gpus_per_replica: int,
+    num_splits: int,
+    num_workers: int,
+    global_batch_size: int,
+) -> None:
+    """Raise TopologyError naming each broken rule and the valid replica counts."""
+    found = violations(
+        replicas=replicas,
+        gpus_per_replica=gpus_per_replica,
+        num_splits=num_splits,
+        num_workers=num_workers,
+        global_batch_size=global_batch_size,
+    )
+    if found:
+        raise TopologyError(
+            found,
+            allowed_replicas(
+                gpus_per_replica=gpus_per_replica,
+                num_splits=num_splits,
+                num_workers=num_workers,
+                global_batch_size=global_batch_size,
+            ),
+        )
+
+
+def rank_splits(rank: int, world: int, num_splits: int) -> range:
+    """The contiguous block of global split indices rank `rank` reads."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside world of size {world}")
+    if num_splits % world:
+        raise ValueError(f"numSplits={num_splits} is not divisible by worldSize={world}")
+    per_rank = num_splits // world
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def worker_splits(rank: int, world: int, num_splits: int, num_workers: int, worker: int) -> range:
+    """The contiguous sub-block of a rank's splits that loader worker `worker` reads."""
+    splits = rank_splits(rank, world, num_splits)
+    if not 0 <= worker < num_workers or len(splits) % num_workers:
+        raise ValueError(
+            f"worker {worker} of {num_workers} cannot share {len(splits)} splits evenly"
+        )
+    per_worker = len(splits) // num_workers
+    return splits[worker * per_worker : (worker + 1) * per_worker]
+
+
+def rank_batch_size(global_batch_size: int, world: int) -> int:
+    """Rows per rank per global step (B = G / W)."""
+    return global_batch_size // world
+
+
+def rows_per_split_per_step(global_batch_size: int, num_splits: int) -> int:
+    """Each global step takes this many consecutive rows from every split (G / N)."""
+    return global_batch_size // num_splits
+
+
+def split_size(num_rows: int, num_splits: int) -> int:
+    """Rows in each split; lancedb drops the surplus so every split is as long."""
+    return num_rows // num_splits
+
+
+def steps_per_epoch(num_rows: int, num_splits: int, global_batch_size: int) -> int:
+    """Whole global steps in an epoch: rows that cannot fill one are not delivered."""
+    return split_size(num_rows, num_splits) // rows_per_split_per_step(
+        global_batch_size, num_splits
+    )
