@@ -26,8 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for ep in sorted(entry_points(group="splitfeed.commands"), key=lambda e: e.name):
-        ep.load()(sub.add_parser, ep.name)
+        try:
+            configure = ep.load()
+        except ImportError as exc:
+            # One layer's missing dependency must not take the other commands down.
+            _unavailable(sub.add_parser, ep.name, exc)
+            continue
+        configure(sub.add_parser, ep.name)
     return parser
+
+
+def _unavailable(add_parser, name: str, exc: ImportError) -> None:  # type: ignore[no-untyped-def]
+    def fail(_args: argparse.Namespace) -> int:
+        raise errors.UserError(f"the {name!r} command cannot load: {exc}")
+
+    add_parser(name, help=f"(unavailable: {exc})").set_defaults(func=fail)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

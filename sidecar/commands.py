@@ -1,0 +1,135 @@
+"""The sidecar layer's subcommands: `plan`, `sidecar` and `local`.
+
+Each function configures its argparse sub-parser (see trainer_client/cli.py);
+heavy imports happen only when the command runs, so `splitfeed --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from splitfeed.trainer_client import errors, specs, topology
+
+AddParser = Callable[..., argparse.ArgumentParser]
+
+
+def load_manifest(path: str) -> dict[str, Any]:
+    """A StreamingJob from a YAML or JSON file ("-" reads standard input)."""
+    import yaml
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise errors.UserError(f"cannot read {path}: {exc}") from exc
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise errors.UserError(f"{path} is not valid YAML: {exc}") from exc
+    jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == specs.KIND]
+    if len(jobs) != 1:
+        raise errors.UserError(f"{path} must hold exactly one StreamingJob, found {len(jobs)}")
+    return jobs[0]
+
+
+def parse_job_file(path: str, replicas: int | None = None) -> specs.JobSpec:
+    import dataclasses
+
+    try:
+        job = specs.parse_job(load_manifest(path), check_replicas=False)
+        if replicas is not None:
+            job = dataclasses.replace(job, replicas=replicas)
+        job.check_topology()
+    except ValueError as exc:  # SpecError, TopologyError
+        raise errors.UserError(str(exc)) from exc
+    return job
+
+
+# -- plan ----------------------------------------------------------------------
+
+
+def plan(add_parser: AddParser, name: str) -> None:
+    p = add_parser(name, help="show valid replica counts, splits per rank and steps per epoch")
+    p.add_argument("-f", "--file", required=True, help="StreamingJob manifest (YAML/JSON)")
+    p.add_argument("--replicas", type=int, help="plan for this many replicas instead")
+    p.add_argument("--offline", action="store_true", help="do not open the table")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    job = parse_job_file(args.file, args.replicas)
+    w = job.world_size
+    data = job.data
+    print(f"job {job.name}: {job.replicas} replicas x {job.gpus_per_replica} GPUs = world size {w}")
+    print(f"valid replica counts: {job.allowed_replicas()}")
+    print(f"numSplits {data.num_splits}, numWorkers {data.num_workers}: "
+          f"{data.num_splits // w} splits per rank, "
+          f"{data.num_splits // (w * data.num_workers)} per worker")
+    print(f"batch: {data.global_batch_size} rows per global step, "
+          f"{topology.rank_batch_size(data.global_batch_size, w)} per rank, "
+          f"{topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)} per split")
+    for rank in range(w):
+        splits = topology.rank_splits(rank, w, data.num_splits)
+        print(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}")
+    if not args.offline:
+        from . import main, reading
+
+        table = reading.open_table(data, main.read_storage_options(None))
+        layout = reading.layout_epoch(table, data, 0)
+        rows = layout.permutation_table.count_rows()
+        print(f"table {data.table}: {rows} rows{' after filter' if data.filter else ''}, "
+              f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
+              f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
+    return 0
+
+
+# -- sidecar -------------------------------------------------------------------
+
+
+def sidecar(add_parser: AddParser, name: str) -> None:
+    p = add_parser(name, help="run the loader sidecar of one pod (ranks from the environment)")
+    p.add_argument("--config", required=True, type=Path, help="job data config (JSON)")
+    p.add_argument("--socket-dir", type=Path, help="default: $SPLITFEED_SOCKET_DIR")
+    p.add_argument("--podinfo-dir", type=Path, help="downward-API volume with annotations")
+    p.add_argument("--storage-options-dir", type=Path, help="one storage option per file")
+    p.add_argument("--termination-log", type=Path, help="where to write the exit report")
+    p.add_argument("--resume", choices=["latest", "none"], help="default: $SPLITFEED_RESUME or latest")
+    p.set_defaults(func=_sidecar)
+
+
+def _sidecar(args: argparse.Namespace) -> int:
+    from . import main
+
+    settings = main.SidecarSettings.from_env(
+        config=args.config, socket_dir=args.socket_dir, podinfo_dir=args.podinfo_dir,
+        storage_options_dir=args.storage_options_dir, termination_log=args.termination_log,
+        resume=args.resume)
+    return main.run(settings)
+
+
+# -- local ---------------------------------------------------------------------
+
+
+def local(add_parser: AddParser, name: str) -> None:
+    p = add_parser(name, help="run a StreamingJob's ranks as local processes")
+    p.add_argument("-f", "--file", required=True, help="StreamingJob manifest (YAML/JSON)")
+    p.add_argument("--replicas", type=int, help="override spec.replicas")
+    p.add_argument("--resume", choices=["latest", "none"], default="latest")
+    p.add_argument("--storage-options-dir", type=Path, help="one storage option per file")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- CMD ARGS... (default: the trainer container's command)")
+    p.set_defaults(func=_local)
+
+
+def _local(args: argparse.Namespace) -> int:
+    from . import local as launching
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    job = parse_job_file(args.file, args.replicas)
+    return launching.run(job, command=command or None, resume=args.resume,
+                         storage_options_dir=args.storage_options_dir, progress=not args.quiet)

@@ -1,0 +1,76 @@
+"""Data positions: global step <-> (epoch, step) <-> StreamingDataset state dicts.
+
+Pure. At a step boundary every split has consumed the same number of rows
+(G / N per step), so a position is fully described by (epoch, step); the state
+dicts written into checkpoints are in `StreamingDataset.state_dict()`'s format
+so that `StreamingDataset.merge_state_dicts` and `load_state_dict` accept them,
+and tests compare them with what lancedb itself reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from splitfeed.trainer_client import specs, topology
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """The next batch to deliver: epoch `epoch`, step `step` within it."""
+
+    epoch: int
+    step: int
+
+    def global_step(self, steps_per_epoch: int) -> int:
+        return self.epoch * steps_per_epoch + self.step
+
+
+def position_of(global_step: int, steps_per_epoch: int) -> Position:
+    if steps_per_epoch < 1:
+        raise ValueError("an epoch must hold at least one step")
+    return Position(*divmod(global_step, steps_per_epoch))
+
+
+def state_dict(data: specs.DataSpec, position: Position) -> dict[str, Any]:
+    """The StreamingDataset state after every step before `position` was consumed."""
+    consumed = position.step * topology.rows_per_split_per_step(
+        data.global_batch_size, data.num_splits
+    )
+    return {
+        "shuffle_seed": data.shuffle_seed,
+        "num_splits": data.num_splits,
+        "epoch": position.epoch,
+        "samples_consumed_per_split": [consumed] * data.num_splits,
+        "positions_consumed_per_split": [consumed] * data.num_splits,
+    }
+
+
+class IncompatibleState(ValueError):
+    """A checkpoint state that cannot continue this job (other seed, splits, ...)."""
+
+
+def position_from_state(data: specs.DataSpec, state: Mapping[str, Any]) -> Position:
+    """Where to continue from a (merged) state dict; refuses partial steps."""
+    for key, ours in (("num_splits", data.num_splits), ("shuffle_seed", data.shuffle_seed)):
+        if state.get(key) != ours:
+            raise IncompatibleState(
+                f"checkpoint has {key}={state.get(key)!r} but the job has {ours!r}; "
+                "a checkpoint only resumes the job that wrote it"
+            )
+    samples = list(state.get("samples_consumed_per_split") or [])
+    positions = list(state.get("positions_consumed_per_split") or samples)
+    if len(samples) != data.num_splits or len(set(samples)) != 1 or positions != samples:
+        raise IncompatibleState(
+            "checkpoint is not at a global step boundary "
+            f"(samples_consumed_per_split={samples[:8]}...)"
+        )
+    per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    consumed = samples[0]
+    if consumed % per_step:
+        raise IncompatibleState(
+            f"checkpoint consumed {consumed} rows per split, not a multiple of "
+            f"globalBatchSize/numSplits={per_step}; was globalBatchSize changed?"
+        )
+    return Position(int(state["epoch"]), consumed // per_step)

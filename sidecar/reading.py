@@ -1,0 +1,206 @@
+"""Reading a rank's splits from LanceDB, columnar, in StreamingDataset's order.
+
+The only module that imports lancedb. `lancedb.streaming.StreamingDataset`
+defines the order (its permutation table, its rank/worker split assignment,
+one row per split per cycle); iterating it yields one Python dict per row,
+which caps a loader at a few thousand rows/s. So the split permutation is
+built by StreamingDataset itself, and the rows are then read columnar through
+lancedb's `Permutation` (1 take per split per `read_batch_size` rows) and put
+in the reference order by `batching.interleave`. Tests compare every batch
+with StreamingDataset's own in-process iteration, which catches any drift of
+the pinned lancedb.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import lancedb
+import pyarrow as pa
+from lancedb.permutation import Permutation, Transforms
+from lancedb.streaming import StreamingDataset
+
+from splitfeed.trainer_client import errors, specs, topology
+
+from . import batching, positions
+
+log = logging.getLogger(__name__)
+
+
+def open_table(data: specs.DataSpec, storage_options: Mapping[str, str] | None = None) -> Any:
+    """Open `data.table` at `data.uri`; a missing table is the user's to fix."""
+    options = {**data.storage_options, **(storage_options or {})}
+    try:
+        db = lancedb.connect(data.uri, storage_options=options or None)
+        names = list(db.table_names())
+    except Exception as exc:  # lancedb raises many kinds for a bad uri / credentials
+        raise errors.UserError(f"cannot open LanceDB at spec.data.uri={data.uri!r}: {exc}") from exc
+    if data.table not in names:
+        raise errors.UserError(
+            f"table spec.data.table={data.table!r} does not exist at {data.uri!r} "
+            f"(tables there: {names or 'none'})"
+        )
+    table = db.open_table(data.table)
+    if data.columns:
+        missing = sorted(set(data.columns) - set(table.schema.names))
+        if missing:
+            raise errors.UserError(
+                f"spec.data.columns names {missing}, which table {data.table!r} lacks "
+                f"(its columns: {table.schema.names})"
+            )
+    return table
+
+
+def reference_dataset(
+    table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int
+) -> StreamingDataset:
+    """The StreamingDataset whose in-process order is the determinism contract."""
+    return StreamingDataset(
+        table,
+        num_splits=data.num_splits,
+        shuffle=data.shuffle,
+        shuffle_seed=data.shuffle_seed,
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        columns=list(data.columns) if data.columns else None,
+        filter=data.filter,
+        shuffle_clump_size=data.shuffle_clump_size or None,
+        read_batch_size=data.read_batch_size,
+    )
+
+
+@dataclasses.dataclass
+class EpochLayout:
+    """One epoch's split permutation, shared by every read of that epoch."""
+
+    epoch: int
+    permutation_table: Any
+    split_size: int
+    steps_per_epoch: int
+
+
+def layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
+    """Build the epoch's permutation exactly as StreamingDataset does, and size it.
+
+    Raises UserError when the (filtered) table cannot fill one global step.
+    """
+    where = f" after spec.data.filter={data.filter!r}" if data.filter else ""
+    try:
+        dataset = reference_dataset(table, data, epoch=epoch, rank=0, world_size=1)
+    except ValueError as exc:
+        # lancedb rejects bad input while building the permutation ("Invalid input,
+        # ..."): an unparsable filter, or fewer rows than splits, so the row-count
+        # check below never sees that case.
+        try:
+            num_rows = table.count_rows(data.filter) if data.filter else table.count_rows()
+        except ValueError:
+            num_rows = None  # the filter itself is bad; `exc` says why
+        if num_rows is not None and num_rows < data.num_splits:
+            raise errors.UserError(
+                f"table {data.table!r} has {num_rows} rows{where}, fewer than "
+                f"spec.data.numSplits={data.num_splits}; loosen the filter or use fewer splits"
+            ) from exc
+        using = f" with spec.data.filter={data.filter!r}" if data.filter else ""
+        raise errors.UserError(
+            f"cannot cut table {data.table!r}{using} into spec.data.numSplits="
+            f"{data.num_splits} splits: {exc}"
+        ) from exc
+    # StreamingDataset builds its permutation in __init__ and keeps it here; reading
+    # it (rather than rebuilding with the same seed formula) keeps one source of truth.
+    perm_table = dataset._perm_table
+    num_rows = perm_table.count_rows()
+    split_size = topology.split_size(num_rows, data.num_splits)
+    steps = topology.steps_per_epoch(num_rows, data.num_splits, data.global_batch_size)
+    if num_rows < data.num_splits:
+        raise errors.UserError(
+            f"table {data.table!r} has {num_rows} rows{where}, fewer than "
+            f"spec.data.numSplits={data.num_splits}; loosen the filter or use fewer splits"
+        )
+    if steps < 1:
+        raise errors.UserError(
+            f"table {data.table!r} has {num_rows} rows{where}: {data.num_splits} splits of "
+            f"{split_size} rows cannot fill one global step of "
+            f"spec.data.globalBatchSize={data.global_batch_size} rows"
+        )
+    return EpochLayout(epoch, perm_table, split_size, steps)
+
+
+class _SplitCursor:
+    """Sequential columnar reads of one split, `chunk` rows per lancedb take."""
+
+    def __init__(self, table: Any, layout: EpochLayout, split: int, data: specs.DataSpec,
+                 start_row: int, chunk: int) -> None:
+        perm = Permutation.from_tables(table, layout.permutation_table, split=split)
+        if data.columns:
+            perm = perm.select_columns(list(data.columns))
+        self._perm = perm.with_transform(Transforms.arrow2arrow)
+        self._next_row = start_row
+        self._end = layout.split_size
+        self._chunk = chunk
+        self._buffer: pa.RecordBatch | None = None
+        self._offset = 0
+
+    def take(self, rows: int) -> pa.RecordBatch:
+        if self._buffer is None or self._offset + rows > self._buffer.num_rows:
+            rest = [] if self._buffer is None else [self._buffer.slice(self._offset)]
+            want = max(self._chunk, rows)
+            stop = min(self._end, self._next_row + want)
+            fresh = self._perm.__getitems__(list(range(self._next_row, stop)))
+            self._next_row = stop
+            parts = [b for b in rest if b.num_rows] + [fresh]
+            self._buffer = (
+                parts[0] if len(parts) == 1
+                else pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+            )
+            self._offset = 0
+        out = self._buffer.slice(self._offset, rows)
+        self._offset += rows
+        return out
+
+
+def iter_blocks(
+    table: Any,
+    data: specs.DataSpec,
+    splits: Sequence[int],
+    *,
+    start_global_step: int,
+    stop_global_step: int | None = None,
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Yield (global_step, block) for `splits`: G/N cycles over them, reference order.
+
+    `splits` is a rank's block (one sidecar, numWorkers=1) or a worker's
+    sub-block; blocks of a rank's workers are merged with batching.interleave.
+    Runs through every epoch of the job unless `stop_global_step` comes first.
+    """
+    per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    chunk = max(per_step, -(-data.read_batch_size // per_step) * per_step)
+    layout = layout_epoch(table, data, 0)
+    spe = layout.steps_per_epoch
+    end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
+    global_step = start_global_step
+    while global_step < end:
+        pos = positions.position_of(global_step, spe)
+        if layout.epoch != pos.epoch:
+            layout = layout_epoch(table, data, pos.epoch)
+        cursors = [
+            _SplitCursor(table, layout, s, data, pos.step * per_step, chunk) for s in splits
+        ]
+        for step in range(pos.step, spe):
+            if global_step >= end:
+                return
+            parts = [c.take(per_step) for c in cursors]
+            yield global_step, batching.interleave(parts, per_step)
+            global_step += 1
+
+
+def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """lancedb's own merge of per-rank states into one topology-free state."""
+    return StreamingDataset.merge_state_dicts(states)
+
+
+def steps_per_epoch(table: Any, data: specs.DataSpec) -> int:
+    return layout_epoch(table, data, 0).steps_per_epoch

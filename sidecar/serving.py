@@ -1,0 +1,417 @@
+"""The sidecar's serving loop: fill each local rank's ring, answer its trainer.
+
+One thread owns the ZeroMQ ROUTER socket and every control block; data is
+produced by one `Source` thread per rank. The loop never blocks on data: it
+polls the socket with a short timeout while a source or a slot is pending.
+A malformed message gets an error reply and a log line; nothing a trainer
+sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import zmq
+
+from splitfeed.trainer_client import errors, protocol, ring
+
+log = logging.getLogger(__name__)
+
+SourceFactory = Callable[[int, int], Iterator[tuple[int, pa.RecordBatch]]]
+"""(global rank, first global step) -> (global_step, batch) in delivery order."""
+
+
+class Source:
+    """Runs a batch iterator in a thread, a few batches ahead, restartable."""
+
+    def __init__(self, factory: SourceFactory, rank: int, depth: int = 2) -> None:
+        self._factory = factory
+        self._rank = rank
+        self._depth = depth
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Any] = queue.Queue(depth)
+        self._thread: threading.Thread | None = None
+
+    def start(self, first_step: int) -> None:
+        self.stop()
+        self._stop = threading.Event()
+        self._queue = queue.Queue(self._depth)
+        self._thread = threading.Thread(
+            target=self._run, args=(first_step, self._stop, self._queue),
+            name=f"source-r{self._rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self, first_step: int, stop: threading.Event, out: queue.Queue[Any]) -> None:
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        iterator = self._factory(self._rank, first_step)
+        try:
+            for item in iterator:
+                if not put(item):
+                    return
+            put(StopIteration())
+        except BaseException as exc:  # handed to the loop, which reports it
+            put(exc)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    def poll(self) -> Any:
+        """(global_step, batch), StopIteration(), an exception, or None if not ready."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+
+def ipc_size(batch: pa.RecordBatch) -> int:
+    sink = pa.MockOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return int(sink.size())
+
+
+class RankFeed:
+    """One local rank: its control block, slot pool, source and trainer."""
+
+    def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
+                 source: Source, prefetch: int, start_step: int, total_steps: int) -> None:
+        self.local_rank = local_rank
+        self.rank = rank
+        self.source = source
+        self.prefetch = prefetch
+        self.start_step = start_step
+        self.total_steps = total_steps
+        self._dir = directory
+        self._instance = instance
+        self.control = ring.Control(ring.control_path(directory, instance, local_rank), create=True)
+        self.slots: list[ring.SlotFile] = []
+        self.peer: bytes | None = None
+        self.trainer_pid: int | None = None
+        self.next_step = start_step  # next global step the source will yield
+        self.pending: tuple[int, pa.RecordBatch] | None = None
+        self.end_sent = False
+        self.drained = False
+        self.said_bye = False
+        self.failure: str | None = None
+
+    # -- slots ---------------------------------------------------------------
+
+    def filled(self) -> int:
+        states = self.control.slots["state"][: len(self.slots)]
+        return int((states == ring.SlotState.FILLED).sum())
+
+    def free_slot(self, size: int) -> int | None:
+        """A FREE slot that fits `size` bytes (grown if needed), or None."""
+        states = self.control.slots["state"][: len(self.slots)]
+        free = [i for i, s in enumerate(states) if s == ring.SlotState.FREE]
+        if not free:
+            if len(self.slots) >= ring.MAX_SLOTS:
+                return None
+            self.slots.append(self._slot_file(len(self.slots), 0, size))
+            index = len(self.slots) - 1
+            self.control.slots[index]["gen"] = 0
+            self.control.slots[index]["state"] = ring.SlotState.FREE
+            self.control.header["num_slots"] = len(self.slots)
+            return index
+        index = free[0]
+        if self.slots[index].size < size:
+            # Too small: a new file (a trainer may still map the old one, which
+            # stays valid until it unmaps it).
+            gen = int(self.control.slots[index]["gen"]) + 1
+            old = self.slots[index]
+            self.slots[index] = self._slot_file(index, gen, size)
+            os.unlink(old.path)
+            old.close()
+            self.control.slots[index]["gen"] = gen
+        return index
+
+    def _slot_file(self, index: int, gen: int, size: int) -> ring.SlotFile:
+        # Headroom so that slightly larger later batches reuse the file.
+        capacity = ring.round_up(size + size // 8)
+        path = ring.slot_path(self._dir, self._instance, self.local_rank, index, gen)
+        return ring.SlotFile(path, capacity, create=True)
+
+    def write(self, index: int, batch: pa.RecordBatch) -> int:
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(self.slots[index].view))
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        return int(sink.tell())
+
+    def reset(self, next_step: int, *, trainer_gone: bool) -> None:
+        """Discard what was prefetched and continue at `next_step`."""
+        states = self.control.slots["state"]
+        for i in range(len(self.slots)):
+            if states[i] == ring.SlotState.FILLED or (trainer_gone and states[i] == ring.SlotState.TAKEN):
+                states[i] = ring.SlotState.FREE
+        self.pending = None
+        self.end_sent = False
+        self.next_step = next_step
+        self.source.start(next_step)
+
+    def close(self) -> None:
+        self.source.stop()
+        for slot in self.slots:
+            try:
+                os.unlink(slot.path)
+            except FileNotFoundError:
+                pass
+            slot.close()
+        os.unlink(self.control.path)
+        self.control.close()
+
+
+class Server:
+    """Serves the local ranks of one pod (or one local process group)."""
+
+    def __init__(self, *, directory: Path, ranks: list[int], world_size: int,
+                 factory: SourceFactory, steps_per_epoch: int, total_steps: int,
+                 start_step: int, resume_step: int, prefetch: int,
+                 checkpoint: Callable[[int, int], str] | None = None,
+                 context: zmq.Context | None = None) -> None:
+        self.directory = Path(directory)
+        self.instance = uuid.uuid4().hex[:12]
+        self.world_size = world_size
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = total_steps
+        self.resume_step = resume_step
+        self._checkpoint = checkpoint
+        self._ctx = context or zmq.Context.instance()
+        sweep(self.directory)
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"ipc://{self.directory / protocol.SOCKET_NAME}")
+        self.feeds = [
+            RankFeed(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
+                     source=Source(factory, rank), prefetch=prefetch,
+                     start_step=start_step, total_steps=total_steps)
+            for i, rank in enumerate(ranks)
+        ]
+        self.stopping = threading.Event()
+        self.last_checkpoint: dict[str, Any] | None = None
+        self.drain_token: str | None = None
+
+    # -- requests from the operator ------------------------------------------------
+
+    def request_checkpoint(self, *, drain: bool) -> None:
+        for feed in self.feeds:
+            feed.control.header["checkpoint_requested"] = 1
+            if drain:
+                feed.control.header["drain_requested"] = 1
+
+    def fail_all(self, message: str, *, grace_s: float) -> None:
+        """Tell every trainer that says hello why this sidecar cannot serve, then stop."""
+        for feed in self.feeds:
+            feed.failure = message
+        deadline = time.monotonic() + grace_s
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            if self.sock.poll(100):
+                self._receive()
+            if all(feed.peer is not None for feed in self.feeds):
+                break  # every trainer has been told
+
+    # -- the loop -----------------------------------------------------------------
+
+    def finished(self) -> bool:
+        return all(
+            f.drained or f.said_bye or (f.end_sent and int(f.control.header["acked"]) + 1 >= f.total_steps)
+            for f in self.feeds
+        )
+
+    def run(self, tick: Callable[[], None] | None = None) -> None:
+        """Serve until every rank is finished or `stopping` is set."""
+        while not self.stopping.is_set() and not self.finished():
+            waiting = any(self._fill(feed) for feed in self.feeds)
+            if self.sock.poll(2 if waiting else 50):
+                self._receive()
+            if tick is not None:
+                tick()
+
+    def close(self) -> None:
+        for feed in self.feeds:
+            feed.close()
+        self.sock.close(linger=0)
+        try:
+            os.unlink(self.directory / protocol.SOCKET_NAME)
+        except FileNotFoundError:
+            pass
+
+    def _send(self, peer: bytes, kind: str, **fields: Any) -> None:
+        try:
+            self.sock.send_multipart([peer, protocol.encode(kind, **fields)])
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: that trainer is gone
+            log.debug("cannot reach trainer %r: %s", peer, exc)
+
+    def _fill(self, feed: RankFeed) -> bool:
+        """Publish what fits; True while the feed waits on its source or slots."""
+        if feed.peer is None or feed.drained or feed.end_sent or feed.failure:
+            return False
+        while True:
+            if feed.pending is None:
+                item = feed.source.poll()
+                if item is None:
+                    return True
+                if isinstance(item, StopIteration):
+                    self._send(feed.peer, "end", next_step=feed.next_step)
+                    feed.end_sent = True
+                    return False
+                if isinstance(item, BaseException):
+                    self._fail(feed, item)
+                    return False
+                feed.pending = item
+            if feed.filled() >= feed.prefetch:
+                feed.control.header["sidecar_waiting"] = 1
+                return True
+            global_step, batch = feed.pending
+            index = feed.free_slot(ipc_size(batch))
+            if index is None:
+                feed.control.header["sidecar_waiting"] = 1
+                return True
+            nbytes = feed.write(index, batch)
+            slot = feed.control.slots[index]
+            slot["global_step"] = global_step
+            slot["nbytes"] = nbytes
+            slot["state"] = ring.SlotState.FILLED
+            epoch, step = divmod(global_step, self.steps_per_epoch)
+            self._send(feed.peer, "ready", slot=index, gen=int(slot["gen"]),
+                       path=str(feed.slots[index].path), nbytes=nbytes,
+                       global_step=global_step, epoch=epoch, step=step)
+            feed.pending = None
+            feed.next_step = global_step + 1
+
+    def _fail(self, feed: RankFeed, exc: BaseException) -> None:
+        user = isinstance(exc, (errors.UserError, errors.SidecarFailed))
+        feed.failure = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        log.error("rank %d cannot continue: %s", feed.rank, feed.failure, exc_info=not user)
+        if feed.peer is not None:
+            self._send(feed.peer, "error", code="source", message=feed.failure, fatal=True)
+        self.stopping.set()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer, body = frames[0], frames[1:]
+            try:
+                if len(body) != 1:
+                    raise errors.ProtocolError(f"expected 1 frame, got {len(body)}")
+                message = protocol.decode(body[0])
+                self._handle(peer, message)
+            except errors.ProtocolError as exc:
+                log.warning("bad message from %r: %s", peer, exc)
+                self._send(peer, "error", code="protocol", message=str(exc), fatal=False)
+
+    def _feed_for(self, peer: bytes) -> RankFeed:
+        for feed in self.feeds:
+            if feed.peer == peer:
+                return feed
+        raise errors.ProtocolError("say hello first")
+
+    def _handle(self, peer: bytes, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "hello":
+            self._hello(peer, message)
+        elif kind == "checkpoint":
+            self._checkpoint_rank(self._feed_for(peer), message["step"])
+        elif kind == "bye":
+            self._feed_for(peer).said_bye = True
+        elif kind == "wake":
+            pass  # the loop re-checks the control block anyway
+        else:
+            raise errors.ProtocolError(f"a trainer does not send {kind!r}")
+
+    def _hello(self, peer: bytes, message: dict[str, Any]) -> None:
+        local_rank = message["local_rank"]
+        if not 0 <= local_rank < len(self.feeds):
+            raise errors.ProtocolError(
+                f"local_rank {local_rank} is not served here (0..{len(self.feeds) - 1})")
+        feed = self.feeds[local_rank]
+        if feed.failure:
+            feed.peer = peer
+            self._send(peer, "error", code="source", message=feed.failure, fatal=True)
+            return
+        new_trainer = message["pid"] != feed.trainer_pid
+        acked = int(feed.control.header["acked"])
+        wanted = message["next_step"]
+        if wanted is None:  # a new trainer process: continue after its predecessor
+            wanted = acked + 1 if acked >= 0 else feed.start_step
+        if not 0 <= wanted <= feed.total_steps:
+            raise errors.ProtocolError(f"next_step {wanted} is outside 0..{feed.total_steps}")
+        in_step = feed.peer == peer and not new_trainer and self._oldest_unsent(feed) == wanted
+        feed.peer, feed.trainer_pid, feed.said_bye = peer, message["pid"], False
+        if not in_step:
+            log.info("rank %d: trainer pid %d continues at global step %d",
+                     feed.rank, message["pid"], wanted)
+            feed.control.header["acked"] = wanted - 1
+            feed.reset(wanted, trainer_gone=new_trainer)
+        self._send(peer, "welcome", instance=self.instance, rank=feed.rank,
+                   world_size=self.world_size, ctl=str(feed.control.path),
+                   resume_step=self.resume_step, next_step=wanted,
+                   total_steps=feed.total_steps, steps_per_epoch=self.steps_per_epoch)
+
+    @staticmethod
+    def _oldest_unsent(feed: RankFeed) -> int:
+        """The global step the trainer should expect next if nothing was lost."""
+        return int(feed.control.header["acked"]) + 1
+
+    def _checkpoint_rank(self, feed: RankFeed, step: int) -> None:
+        acked = int(feed.control.header["acked"])
+        if step != acked + 1:
+            raise errors.ProtocolError(
+                f"checkpoint of step {step}, but the trainer has received {acked + 1} steps")
+        if self._checkpoint is None:
+            self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
+                       message="checkpoints are disabled: set spec.checkpoint.uri")
+            return
+        try:
+            uri = self._checkpoint(feed.rank, step)
+        except Exception as exc:  # storage errors: the trainer decides what to do
+            log.error("checkpoint of step %d failed: %s", step, exc)
+            self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
+                       message=f"checkpoint of step {step} failed: {exc}")
+            return
+        header = feed.control.header
+        drained = bool(header["drain_requested"])
+        header["checkpoint_requested"] = 0
+        feed.drained = feed.drained or drained
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        self.last_checkpoint = {"step": step, "epoch": epoch, "worldSize": self.world_size,
+                                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self._send(feed.peer or b"", "checkpointed", step=step, drained=drained, uri=uri)
+
+
+def sweep(directory: Path) -> None:
+    """Remove ring files and sockets a crashed sidecar left behind."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in directory.iterdir():
+        if path.name.startswith(("ctl-", "slot-")) or path.name == protocol.SOCKET_NAME:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass

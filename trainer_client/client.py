@@ -1,0 +1,382 @@
+"""StreamClient: what a training script iterates (the trainer-side contract).
+
+    client = StreamClient()
+    for batch in client:             # column name -> torch.Tensor (numpy without torch)
+        ...
+        if client.checkpoint_requested:
+            step = client.checkpoint()
+
+Batches are mapped from the sidecar's ring without a copy. A slot goes back to
+the sidecar only when nothing the trainer got from it is referenced any more:
+every array handed out is a view of one per-batch root array, and a finalizer
+on that root frees the slot. Acknowledgements (the consumer commit behind
+checkpoints) are a counter in shared memory, so the steady state costs one
+small ZeroMQ message per batch (`ready`).
+
+Either side may restart: the client says `hello` with the next global step it
+expects, so a new sidecar continues exactly there, and a new trainer process
+(which sends no step) continues after the last batch its predecessor received.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import zmq
+
+from . import protocol, ring
+from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
+
+log = logging.getLogger(__name__)
+
+try:  # torch is optional: numpy arrays are handed out without it.
+    import torch
+except ImportError:  # pragma: no cover - exercised only where torch is absent
+    torch = None
+
+
+class Batch(Mapping[str, Any]):
+    """One rank's batch of one global step: column name -> tensor/array."""
+
+    def __init__(self, columns: dict[str, Any], *, epoch: int, step: int, global_step: int) -> None:
+        self._columns = columns
+        self.epoch = epoch
+        self.step = step
+        self.global_step = global_step
+
+    def __getitem__(self, key: str) -> Any:
+        return self._columns[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    def __repr__(self) -> str:
+        return f"Batch(global_step={self.global_step}, epoch={self.epoch}, step={self.step}, columns={list(self._columns)})"
+
+
+def _column(array: pa.Array, root: np.ndarray, base_address: int) -> Any:
+    """A zero-copy view of `array` carved out of `root`, else a copy.
+
+    Views are made from the root array (not by pyarrow) so that they are
+    writable, torch accepts them without copying, and each one keeps the root
+    (and so the slot) alive exactly as long as it lives.
+    """
+    typ = array.type
+    if array.null_count == 0 and (pa.types.is_integer(typ) or pa.types.is_floating(typ)):
+        dtype = np.dtype(typ.to_pandas_dtype())
+        data = array.buffers()[1]
+        start = data.address - base_address + array.offset * dtype.itemsize
+        return root[start : start + len(array) * dtype.itemsize].view(dtype)
+    if pa.types.is_fixed_size_list(typ) and array.null_count == 0:
+        flat = array.flatten()
+        if flat.null_count == 0:
+            inner = _column(flat, root, base_address)
+            if isinstance(inner, np.ndarray):
+                return inner.reshape(len(array), typ.list_size)
+    # Strings, nested lists, booleans (bit-packed), nulls: no zero-copy numpy form.
+    return array.to_numpy(zero_copy_only=False)
+
+
+def _to_tensor(value: Any) -> Any:
+    if torch is not None and isinstance(value, np.ndarray) and value.dtype != object:
+        return torch.from_numpy(value)
+    return value
+
+
+class _Stats:
+    """Rows, steps and time spent waiting for data; `splitfeed local` reads the file."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.batches = 0
+        self.rows = 0
+        self.wait_s = 0.0
+        self.first: float | None = None
+        self.last_step = -1
+        self._written = 0.0
+
+    def record(self, batch: Batch, wait_s: float) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now  # the first wait is start-up, not a stall
+        else:
+            self.wait_s += wait_s
+        self.batches += 1
+        self.rows += len(next(iter(batch.values()))) if len(batch) else 0
+        self.last_step = batch.global_step
+        if now - self._written > 1.0:
+            self.write()
+
+    def write(self, final: bool = False) -> None:
+        if not self.path:
+            return
+        now = time.perf_counter()
+        self._written = now
+        elapsed = now - self.first if self.first is not None else 0.0
+        blob = json.dumps({"batches": self.batches, "rows": self.rows, "wait_s": self.wait_s,
+                           "elapsed_s": elapsed, "last_step": self.last_step, "final": final})
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(blob)
+        os.replace(tmp, self.path)
+
+
+class StreamClient:
+    """Connects to this rank's sidecar and yields its batches in order."""
+
+    def __init__(
+        self,
+        socket_dir: str | os.PathLike[str] | None = None,
+        local_rank: int | None = None,
+        *,
+        timeout_s: float = 300.0,
+        heartbeat_s: float = 1.0,
+        as_tensors: bool = True,
+        context: zmq.Context | None = None,
+    ) -> None:
+        directory = socket_dir or os.environ.get("SPLITFEED_SOCKET_DIR")
+        if not directory:
+            raise SidecarUnavailable(
+                "no sidecar socket directory: set SPLITFEED_SOCKET_DIR "
+                "(the operator and `splitfeed local` do this for you)"
+            )
+        self._dir = Path(directory)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0") if local_rank is None else local_rank)
+        self._timeout_s = timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._as_tensors = as_tensors
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IDENTITY, f"t{self.local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
+        self._sock.connect(f"ipc://{self._dir / protocol.SOCKET_NAME}")
+        self._inbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._slot_files: dict[str, ring.SlotFile] = {}
+        self._control: ring.Control | None = None
+        self._instance = ""
+        self._next_step: int | None = None  # None until the first welcome: "continue"
+        self._ended = False
+        self.drained = False
+        self._released: list[tuple[ring.Control, int, int]] = []
+        self._release_lock = threading.Lock()
+        self.stats = _Stats(os.environ.get("SPLITFEED_STATS_FILE"))
+        self._welcome(self._hello())
+
+    # -- public API -----------------------------------------------------------
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """The operator asked for a checkpoint (e.g. before a rescale)."""
+        return bool(self._control is not None and self._control.header["checkpoint_requested"])
+
+    def __iter__(self) -> StreamClient:
+        return self
+
+    def __next__(self) -> Batch:
+        self._flush_releases()
+        if self._ended or self.drained:
+            self.stats.write(final=True)
+            raise StopIteration
+        started = time.perf_counter()
+        batch = self._next_batch()
+        if batch is None:
+            self.stats.write(final=True)
+            raise StopIteration
+        self.stats.record(batch, time.perf_counter() - started)
+        return batch
+
+    def _next_batch(self) -> Batch | None:
+        while True:
+            message = self._receive()
+            kind = message["type"]
+            if kind == "ready":
+                if message["global_step"] != self._next_step:
+                    log.warning("out-of-order batch %s (expected %s); resynchronising",
+                                message["global_step"], self._next_step)
+                    self._welcome(self._hello())
+                    continue
+                return self._take(message)
+            if kind == "end":
+                self._ended = True
+                return None
+            if kind == "welcome":
+                self._welcome(message)
+                continue
+            # checkpointed replies are only expected inside checkpoint()
+            log.debug("ignoring %s message while waiting for a batch", kind)
+
+    def checkpoint(self) -> int:
+        """Persist this rank's data position; returns the global steps completed.
+
+        The position is that of the last batch this iterator returned (the
+        consumer commit), never what the sidecar has prefetched.
+        """
+        step = self._next_step or 0
+        self._sock.send(protocol.encode("checkpoint", step=step))
+        deadline = time.monotonic() + self._timeout_s
+        held: list[dict[str, Any]] = []
+        try:
+            while time.monotonic() < deadline:
+                message = self._receive_raw(self._heartbeat_s)
+                if message is None:
+                    continue
+                if message["type"] == "checkpointed" and message["step"] == step:
+                    self.drained = message["drained"]
+                    return step
+                if message["type"] == "error":
+                    raise CheckpointError(message["message"])
+                held.append(message)
+            raise CheckpointError(f"no answer to checkpoint of step {step} in {self._timeout_s} s")
+        finally:
+            self._inbox.extendleft(reversed(held))
+
+    def close(self) -> None:
+        if self._sock.closed:
+            return
+        self.stats.write(final=True)
+        try:
+            self._sock.send(protocol.encode("bye"), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._sock.close(linger=100)
+
+    def __enter__(self) -> StreamClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- handshake --------------------------------------------------------------
+
+    def _hello(self) -> dict[str, Any]:
+        """Send hello until a welcome arrives; the sidecar may be (re)starting."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            self._sock.send(protocol.encode(
+                "hello", local_rank=self.local_rank, pid=os.getpid(), next_step=self._next_step))
+            while True:
+                message = self._receive_raw(self._heartbeat_s)
+                if message is None:
+                    break  # no answer yet: say hello again
+                if message["type"] == "welcome":
+                    return message
+                if message["type"] == "error" and message["fatal"]:
+                    raise SidecarFailed(message["message"])
+                # a stale ready/end from before the resync: drop it
+            if time.monotonic() > deadline:
+                raise SidecarUnavailable(
+                    f"no sidecar answered at {self._dir / protocol.SOCKET_NAME} "
+                    f"within {self._timeout_s} s")
+
+    def _welcome(self, message: dict[str, Any]) -> None:
+        self._inbox.clear()
+        if message["instance"] != self._instance:
+            if self._control is not None:
+                log.warning("sidecar restarted (instance %s -> %s); continuing at step %s",
+                            self._instance, message["instance"], message["next_step"])
+            self._instance = message["instance"]
+            self._control = ring.Control(Path(message["ctl"]), create=False)
+        self.rank = message["rank"]
+        self.world_size = message["world_size"]
+        self.resume_step = message["resume_step"]
+        self.steps_per_epoch = message["steps_per_epoch"]
+        self.total_steps = message["total_steps"]
+        self._next_step = message["next_step"]
+
+    # -- receiving ----------------------------------------------------------------
+
+    def _receive_raw(self, timeout_s: float) -> dict[str, Any] | None:
+        if self._inbox:
+            return self._inbox.popleft()
+        if not self._sock.poll(int(timeout_s * 1000)):
+            return None
+        frame = self._sock.recv()
+        try:
+            message = protocol.decode(frame)
+        except ProtocolError as exc:
+            log.error("sidecar sent a malformed message (%s); resynchronising", exc)
+            return None
+        if message["type"] == "error":
+            if message["fatal"]:
+                raise SidecarFailed(message["message"])
+            log.warning("sidecar: %s", message["message"])
+        return message
+
+    def _receive(self) -> dict[str, Any]:
+        """The next message; a silent sidecar gets a hello (it may have restarted)."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            message = self._receive_raw(self._heartbeat_s)
+            if message is not None:
+                return message
+            if time.monotonic() > deadline:
+                raise SidecarUnavailable(f"no batch from the sidecar in {self._timeout_s} s")
+            self._sock.send(protocol.encode(
+                "hello", local_rank=self.local_rank, pid=os.getpid(), next_step=self._next_step))
+
+    # -- batches --------------------------------------------------------------------
+
+    def _take(self, message: dict[str, Any]) -> Batch:
+        control = self._control
+        assert control is not None  # set by the first welcome
+        slot_file = self._slot_files.get(message["path"])
+        if slot_file is None:
+            slot_file = ring.SlotFile(Path(message["path"]), os.path.getsize(message["path"]), create=False)
+            self._slot_files[message["path"]] = slot_file
+        nbytes = message["nbytes"]
+        root = np.frombuffer(slot_file._mm, dtype=np.uint8, count=nbytes)
+        slot, gen = message["slot"], message["gen"]
+        control.slots[slot]["state"] = ring.SlotState.TAKEN
+        weakref.finalize(root, self._release, control, slot, gen)
+        base = root.ctypes.data
+        record_batch = pa.ipc.open_stream(pa.py_buffer(root)).read_next_batch()
+        columns: dict[str, Any] = {}
+        for name, array in zip(record_batch.schema.names, record_batch.columns):
+            value = _column(array, root, base)
+            columns[name] = _to_tensor(value) if self._as_tensors else value
+        del record_batch, root
+        control.header["acked"] = message["global_step"]
+        self._next_step = message["global_step"] + 1
+        if control.header["sidecar_waiting"]:
+            self._wake()
+        return Batch(columns, epoch=message["epoch"], step=message["step"],
+                     global_step=message["global_step"])
+
+    def _release(self, control: ring.Control, slot: int, gen: int) -> None:
+        # Runs from a finalizer, on whatever thread dropped the last reference:
+        # only a shared-memory store, never a socket call (sockets are per thread).
+        try:
+            if int(control.slots[slot]["gen"]) == gen:
+                control.slots[slot]["state"] = ring.SlotState.FREE
+        except (ValueError, AttributeError):
+            return  # control block already closed
+        with self._release_lock:
+            self._released.append((control, slot, gen))
+
+    def _flush_releases(self) -> None:
+        if not self._released:
+            return
+        with self._release_lock:
+            self._released.clear()
+        if self._control is not None and self._control.header["sidecar_waiting"]:
+            self._wake()
+
+    def _wake(self) -> None:
+        assert self._control is not None
+        self._control.header["sidecar_waiting"] = 0
+        self._sock.send(protocol.encode("wake"))

@@ -1,0 +1,94 @@
+"""The control protocol between trainer and sidecar (ZeroMQ DEALER <-> ROUTER).
+
+Payload never travels here: batches live in ring slots (see `ring`), and these
+messages only say where. Each message is one frame of compact JSON carrying
+the protocol version and a type; decoding validates both, the size and every
+field's type, so garbage gets an error reply instead of crashing the sidecar.
+JSON rather than pickle: pickle would execute code on the receiver.
+
+Trainer -> sidecar: hello, checkpoint, wake, bye.
+Sidecar -> trainer: welcome, ready, end, checkpointed, error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+SOCKET_NAME = "sidecar.sock"
+
+# type -> {field: allowed python types}; None allowed where listed.
+_SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
+    "hello": {"local_rank": (int,), "pid": (int,), "next_step": (int, type(None))},
+    "checkpoint": {"step": (int,)},
+    "wake": {},
+    "bye": {},
+    "welcome": {
+        "instance": (str,), "rank": (int,), "world_size": (int,), "ctl": (str,),
+        "resume_step": (int,), "next_step": (int,), "total_steps": (int,),
+        "steps_per_epoch": (int,),
+    },
+    "ready": {
+        "slot": (int,), "gen": (int,), "path": (str,), "nbytes": (int,),
+        "global_step": (int,), "epoch": (int,), "step": (int,),
+    },
+    "end": {"next_step": (int,)},
+    "checkpointed": {"step": (int,), "drained": (bool,), "uri": (str,)},
+    "error": {"code": (str,), "message": (str,), "fatal": (bool,)},
+}
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    """One frame; raises ProtocolError for a message we would refuse to receive."""
+    message = {"v": PROTOCOL_VERSION, "type": kind, **fields}
+    _validate(message)
+    blob = json.dumps(message, separators=(",", ":")).encode()
+    if len(blob) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{kind} message of {len(blob)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return blob
+
+
+def decode(frame: bytes) -> dict[str, Any]:
+    """Parse and validate one frame; ProtocolError says what is wrong with it."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        message = json.loads(frame)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"message is not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a JSON object")
+    _validate(message)
+    return message
+
+
+def _validate(message: Mapping[str, Any]) -> None:
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not {PROTOCOL_VERSION}; "
+            "run the same splitfeed version in the trainer and the sidecar"
+        )
+    kind = message.get("type")
+    schema = _SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    extra = set(message) - set(schema) - {"v", "type"}
+    if extra:
+        raise ProtocolError(f"{kind} message has unknown fields {sorted(extra)}")
+    for field, types in schema.items():
+        value = message.get(field, _MISSING)
+        if value is _MISSING:
+            raise ProtocolError(f"{kind} message lacks field {field!r}")
+        if isinstance(value, bool) and bool not in types:
+            raise ProtocolError(f"{kind}.{field} must be {types[0].__name__}, got a bool")
+        if not isinstance(value, types):
+            raise ProtocolError(f"{kind}.{field} must be {types[0].__name__}, got {value!r}")
+
+
+_MISSING = object()
