@@ -96,6 +96,17 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _http_get(url: str, timeout: float, context: ssl.SSLContext | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        with exc:  # an HTTPError holds the open response: close it
+            return exc.code, exc.read()
+
+
 _OPENSSL_CNF = """\
 [req]
 distinguished_name = dn
@@ -200,10 +211,16 @@ class ControlPlane:
         return proc
 
     def api_get(self, path: str, timeout: float = 10.0) -> dict:
-        """GET a JSON API path with the admin token (raises urllib.error.HTTPError)."""
-        req = urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(req, timeout=timeout, context=self._ssl_context()) as resp:
-            return json.loads(resp.read())
+        """GET a JSON API path with the admin token; ControlPlaneError unless 200."""
+        status, body = self._http_get(path, timeout=timeout)
+        if status != 200:
+            raise ControlPlaneError(f"GET {path}: HTTP {status}: {body[:500]!r}")
+        return json.loads(body)
+
+    def _http_get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+        """GET with the admin token; returns (status, body) and always closes the socket."""
+        return _http_get(self.server + path, timeout, self._ssl_context(),
+                         {"Authorization": f"Bearer {self.token}"})
 
     def start(self) -> "ControlPlane":
         if not _has_binaries(self.assets):
@@ -341,8 +358,8 @@ class ControlPlane:
         ], env=env)
 
         def healthy() -> bool:
-            with urllib.request.urlopen(self.etcd_url + "/health", timeout=2) as resp:
-                return json.loads(resp.read()).get("health") == "true"
+            status, body = _http_get(self.etcd_url + "/health", 2)
+            return status == 200 and json.loads(body).get("health") == "true"
 
         self._wait("etcd", healthy, "healthy")
 
@@ -369,20 +386,13 @@ class ControlPlane:
             "--profiling=false",
             *self.apiserver_args,
         ])
-        ctx = self._ssl_context()
-
         def ready() -> bool:
-            req = urllib.request.Request(self.server + "/readyz",
-                                         headers={"Authorization": f"Bearer {self.token}"})
-            try:
-                with urllib.request.urlopen(req, timeout=3, context=ctx) as resp:
-                    return resp.status == 200
-            except urllib.error.HTTPError as exc:
-                if exc.code == 404:  # very old servers: no /readyz
-                    req.full_url = self.server + "/healthz"
-                    with urllib.request.urlopen(req, timeout=3, context=ctx) as resp:
-                        return resp.status == 200
-                raise
+            status, body = self._http_get("/readyz", timeout=3)
+            if status == 404:  # very old servers: no /readyz
+                status, body = self._http_get("/healthz", timeout=3)
+            if status != 200:
+                raise ControlPlaneError(f"HTTP {status}: {body[-300:]!r}")
+            return True
 
         self._wait("kube-apiserver", ready, "ready (/readyz)")
 
