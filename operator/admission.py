@@ -1,0 +1,116 @@
+"""Whether a StreamingJob (or a new replica count for one) may be admitted.
+
+Pure. Called by the validating webhooks (create/update and the scale subresource)
+and again by `rescaling` before every reshape, so both say the same thing.
+The divisibility rules live in trainer_client.topology and the field rules in
+trainer_client.specs; this module adds what only a pod-building operator cares
+about (names that fit DNS, a "trainer" container, reserved volume names) and
+phrases a rejection: the rule that failed and the replica counts that would pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from splitfeed.trainer_client import specs, topology
+
+from . import planning
+
+MAX_NAME_LENGTH = 45
+"""Pod names are `<job>-w<epoch>-<replica>` and double as hostnames (63 characters)."""
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class Rejected(ValueError):
+    """A job or scale request that breaks a rule; the message is for the user."""
+
+    def __init__(self, rule: str, detail: str, allowed: list[int] | None = None) -> None:
+        self.rule = rule
+        self.detail = detail
+        self.allowed = allowed
+        text = f"rule {rule!r} failed: {detail}"
+        if allowed is not None and "Valid replica counts" not in detail:
+            text += f". Valid replica counts for this job: [{', '.join(map(str, allowed))}]"
+        super().__init__(text)
+
+
+def _allowed_or_none(job: specs.JobSpec) -> list[int] | None:
+    try:
+        return job.allowed_replicas()
+    except Exception:  # noqa: BLE001 - only a hint for the message
+        return None
+
+
+def check_name(name: str) -> None:
+    if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
+        raise Rejected(
+            "metadata.name is a DNS-1035 label of at most 45 characters",
+            f"{name!r} is not: it names the headless Service and prefixes pod hostnames",
+        )
+
+
+def check_template(job: specs.JobSpec) -> None:
+    """The pod template must be something `planning.pod` can inject into."""
+    template: Mapping[str, Any] = job.trainer.template
+    spec = template.get("spec") or {}
+    containers = spec.get("containers") or []
+    names = [c.get("name") for c in containers if isinstance(c, Mapping)]
+    if planning.TRAINER_NAME not in names:
+        raise Rejected(
+            "spec.trainer.template has a container named 'trainer'",
+            f"containers are {names or 'missing'}",
+        )
+    taken = {c.get("name") for c in (spec.get("initContainers") or []) if isinstance(c, Mapping)}
+    if planning.SIDECAR_NAME in set(names) | taken:
+        raise Rejected(
+            f"container name {planning.SIDECAR_NAME!r} is reserved",
+            "the operator injects its loader sidecar under that name",
+        )
+    clash = sorted({v.get("name") for v in spec.get("volumes") or []} & set(planning.RESERVED_VOLUMES))
+    if clash:
+        raise Rejected("volume names splitfeed-* are reserved", f"template uses {clash}")
+    if spec.get("restartPolicy", "Never") not in ("Never", "OnFailure"):
+        raise Rejected(
+            "spec.trainer.template.spec.restartPolicy is Never or OnFailure",
+            f"got {spec.get('restartPolicy')!r}: a pod that always restarts never finishes",
+        )
+
+
+def check_replicas(job: specs.JobSpec, replicas: int) -> None:
+    """The divisibility rules for `replicas` (ARCHITECTURE.md, "Validity rules")."""
+    try:
+        job.check_topology(replicas)
+    except topology.TopologyError as exc:
+        rules = "; ".join(v.rule for v in exc.violations)
+        raise Rejected(rules, f"replicas={replicas}: {exc}", exc.allowed) from exc
+
+
+def parse(manifest: Mapping[str, Any]) -> specs.JobSpec:
+    """A JobSpec without the replica check (callers decide which count to check)."""
+    try:
+        return specs.parse_job(manifest, check_replicas=False)
+    except specs.SpecError as exc:
+        raise Rejected(f"field {exc.field}", str(exc)) from exc
+    except topology.TopologyError as exc:  # pragma: no cover - parse_job does not check here
+        raise Rejected("topology", str(exc), exc.allowed) from exc
+
+
+def review_job(manifest: Mapping[str, Any]) -> specs.JobSpec:
+    """Every admission rule for a whole StreamingJob; returns the parsed spec or raises Rejected."""
+    job = parse(manifest)
+    check_name(job.name)
+    check_template(job)
+    check_replicas(job, job.replicas)
+    return job
+
+
+def review_scale(manifest: Mapping[str, Any], replicas: int) -> None:
+    """A scale request: the job as stored, with `replicas` instead of its own count."""
+    job = parse(manifest)
+    check_replicas(job, replicas)
+
+
+def allowed_replicas(job: specs.JobSpec) -> list[int]:
+    return _allowed_or_none(job) or []

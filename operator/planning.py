@@ -1,0 +1,282 @@
+"""The objects of a world, built from a StreamingJob: pods, headless Service, ConfigMap.
+
+Pure: a JobSpec, a world epoch and the operator's settings in, plain dicts out.
+Called by `rescaling` (which decides *when* a world starts) and by the tests,
+which validate every object against the Kubernetes schemas. What goes into a pod
+is docs/pod-contract.md; change that document and this module together.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from splitfeed.trainer_client import specs
+
+GROUP = "splitfeed.io"
+VERSION = "v1alpha1"
+PLURAL = "streamingjobs"
+
+LABEL_JOB = "splitfeed.io/job"
+LABEL_REPLICA = "splitfeed.io/replica"
+LABEL_EPOCH = "splitfeed.io/world-epoch"
+ANNOTATION_DRAIN = "splitfeed.io/drain"
+ANNOTATION_CHECKSUM = "splitfeed.io/config-checksum"
+
+SIDECAR_NAME = "splitfeed-sidecar"
+TRAINER_NAME = "trainer"
+SOCKET_DIR = "/var/run/splitfeed"
+CONFIG_DIR = "/etc/splitfeed/config"
+PODINFO_DIR = "/etc/splitfeed/podinfo"
+STORAGE_DIR = "/etc/splitfeed/storage"
+TERMINATION_LOG = "/dev/termination-log"
+MASTER_PORT = 29500
+VOLUME_SHM = "splitfeed-shm"
+VOLUME_CONFIG = "splitfeed-config"
+VOLUME_PODINFO = "splitfeed-podinfo"
+VOLUME_STORAGE = "splitfeed-storage"
+RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE)
+
+SidecarMode = Literal["native", "container"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """The StreamingJob that owns every object of its worlds (for the garbage collector)."""
+
+    name: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": specs.KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Operator-wide choices that are not part of a job's spec."""
+
+    sidecar_mode: SidecarMode = "native"
+    """native: an initContainer with restartPolicy Always (Kubernetes >= 1.29);
+    container: a plain container, for older clusters."""
+    sidecar_image: str | None = None
+    """Overrides spec.sidecar.image for every job (pinning the loader to the operator)."""
+
+
+def pod_name(job: str, world_epoch: int, replica: int) -> str:
+    return f"{job}-w{world_epoch}-{replica}"
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-data"
+
+
+def job_selector(job: str) -> dict[str, str]:
+    return {LABEL_JOB: job}
+
+
+def selector_string(job: str) -> str:
+    """status.selector: what the scale subresource (and HPA) uses to count pods."""
+    return ",".join(f"{k}={v}" for k, v in job_selector(job).items())
+
+
+def config_json(job: specs.JobSpec) -> str:
+    return json.dumps(job.data_config(), sort_keys=True, indent=2)
+
+
+def config_checksum(job: specs.JobSpec) -> str:
+    return specs.data_config_checksum(job.data_config())
+
+
+def _meta(job: specs.JobSpec, name: str, owner: Owner, labels: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": dict(labels),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def config_map(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
+    """`<job>-data`: the loader's view of the job. Never credentials (see storage secret)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            **_meta(job, config_map_name(job.name), owner, job_selector(job.name)),
+            "annotations": {ANNOTATION_CHECKSUM: config_checksum(job)},
+        },
+        "data": {"config.json": config_json(job)},
+    }
+
+
+def service(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
+    """Headless Service `<job>`: stable DNS `<pod>.<job>` for MASTER_ADDR, also before Ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, job.name, owner, job_selector(job.name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": job_selector(job.name),
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}],
+        },
+    }
+
+
+def _env(items: Mapping[str, str | int]) -> list[dict[str, str]]:
+    return [{"name": k, "value": str(v)} for k, v in items.items()]
+
+
+def _merge_env(existing: list[dict[str, Any]], ours: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """The user's env with ours appended; ours wins on a name clash (it is the contract)."""
+    names = {e["name"] for e in ours}
+    return [e for e in existing if e.get("name") not in names] + ours
+
+
+def pod_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str, str | int]:
+    """Environment both containers get (docs/pod-contract.md, "Environment")."""
+    return {
+        "WORLD_SIZE": job.world_size,
+        "NODE_RANK": replica,
+        "RANK": replica * job.gpus_per_replica,
+        "LOCAL_RANK": 0,
+        "LOCAL_WORLD_SIZE": job.gpus_per_replica,
+        "MASTER_ADDR": f"{pod_name(job.name, world_epoch, 0)}.{job.name}",
+        "MASTER_PORT": MASTER_PORT,
+        "SPLITFEED_SOCKET_DIR": SOCKET_DIR,
+        "SPLITFEED_WORLD_EPOCH": world_epoch,
+    }
+
+
+def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str, str | int]:
+    env = pod_env(job, world_epoch, replica)
+    if job.gpus_per_replica > 1:  # torchrun's own variables; it spawns one process per GPU
+        env.update({
+            "PET_NNODES": job.replicas,
+            "PET_NPROC_PER_NODE": job.gpus_per_replica,
+            "PET_NODE_RANK": replica,
+            "PET_MASTER_ADDR": env["MASTER_ADDR"],
+            "PET_MASTER_PORT": MASTER_PORT,
+        })
+    return env
+
+
+def sidecar_container(
+    job: specs.JobSpec, world_epoch: int, replica: int, settings: Settings
+) -> dict[str, Any]:
+    args = ["sidecar", "--config", f"{CONFIG_DIR}/config.json", "--podinfo-dir", PODINFO_DIR]
+    mounts = [
+        {"name": VOLUME_SHM, "mountPath": SOCKET_DIR},
+        {"name": VOLUME_CONFIG, "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": VOLUME_PODINFO, "mountPath": PODINFO_DIR, "readOnly": True},
+    ]
+    if job.data.storage_options_secret:
+        args += ["--storage-options-dir", STORAGE_DIR]
+        mounts.append({"name": VOLUME_STORAGE, "mountPath": STORAGE_DIR, "readOnly": True})
+    args += ["--termination-log", TERMINATION_LOG]
+    env = {
+        **pod_env(job, world_epoch, replica),
+        "SPLITFEED_RESUME": "latest",
+        "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
+    }
+    container: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": settings.sidecar_image or job.sidecar.image,
+        "command": ["splitfeed"],
+        "args": args,
+        "env": _env(env),
+        "volumeMounts": mounts,
+        "resources": copy.deepcopy(dict(job.sidecar.resources)),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
+    }
+    if settings.sidecar_mode == "native":
+        container["restartPolicy"] = "Always"
+    return container
+
+
+def volumes(job: specs.JobSpec) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [
+        {"name": VOLUME_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": job.sidecar.shm_size}},
+        {
+            "name": VOLUME_CONFIG,
+            "configMap": {
+                "name": config_map_name(job.name),
+                "items": [{"key": "config.json", "path": "config.json"}],
+            },
+        },
+        {
+            "name": VOLUME_PODINFO,
+            "downwardAPI": {"items": [
+                {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+            ]},
+        },
+    ]
+    if job.data.storage_options_secret:
+        out.append({"name": VOLUME_STORAGE, "secret": {"secretName": job.data.storage_options_secret}})
+    return out
+
+
+def pod(
+    job: specs.JobSpec, world_epoch: int, replica: int, owner: Owner, settings: Settings
+) -> dict[str, Any]:
+    """Replica `replica` of world `world_epoch`: the user's template plus the sidecar.
+
+    The template is assumed admitted (admission.check_template): it has a container
+    named "trainer" and uses none of the reserved volume names.
+    """
+    template = copy.deepcopy(dict(job.trainer.template))
+    tmeta = template.get("metadata") or {}
+    spec: dict[str, Any] = template.get("spec") or {}
+    name = pod_name(job.name, world_epoch, replica)
+    labels = {
+        **(tmeta.get("labels") or {}),
+        LABEL_JOB: job.name,
+        LABEL_REPLICA: str(replica),
+        LABEL_EPOCH: str(world_epoch),
+    }
+    annotations = {**(tmeta.get("annotations") or {}), ANNOTATION_CHECKSUM: config_checksum(job)}
+
+    containers = spec.get("containers") or []
+    for c in containers:
+        if c.get("name") == TRAINER_NAME:
+            c["env"] = _merge_env(c.get("env") or [], _env(trainer_env(job, world_epoch, replica)))
+            c["volumeMounts"] = (c.get("volumeMounts") or []) + [
+                {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
+            ]
+    sidecar = sidecar_container(job, world_epoch, replica, settings)
+    if settings.sidecar_mode == "native":
+        spec["initContainers"] = (spec.get("initContainers") or []) + [sidecar]
+    else:
+        containers = containers + [sidecar]
+    spec["containers"] = containers
+    spec["volumes"] = (spec.get("volumes") or []) + volumes(job)
+    spec["hostname"] = name
+    spec["subdomain"] = job.name
+    # A world is replaced as a whole: a failed pod must show as Failed, not loop in place.
+    spec.setdefault("restartPolicy", "Never")
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**_meta(job, name, owner, labels), "annotations": annotations},
+        "spec": spec,
+    }
+
+
+def world(job: specs.JobSpec, world_epoch: int, owner: Owner, settings: Settings) -> list[dict[str, Any]]:
+    """Every object world `world_epoch` needs, in creation order (ConfigMap and Service first)."""
+    return [config_map(job, owner), service(job, owner)] + [
+        pod(job, world_epoch, r, owner, settings) for r in range(job.replicas)
+    ]

@@ -1,0 +1,352 @@
+"""The world life cycle as one pure function: what to do next, given what is observed.
+
+`decide(job, status, pods, ...)` looks at the StreamingJob's spec and status and at the
+pods that exist now, and returns one step: objects to create, pods to annotate or
+delete, a status merge patch, events, and when to look again. It keeps no memory
+of its own; everything it needs to resume is in `status` (notably `status.drain`),
+and the caller writes the status patch *before* acting. So an operator restarted
+at any point re-derives the same step (or the next one) and finishes the job:
+every action is idempotent (create-or-ignore, delete-if-exists, annotate with a
+token derived from the world epoch).
+
+Phases: Pending -> Running -> (Rescaling -> Running)* -> Succeeded | Failed, and
+Suspended. While Rescaling, the `Rescaling` condition's reason is the step:
+CheckpointRequested -> WaitingForCheckpoint -> RemovingOldWorld -> StartingNewWorld.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from splitfeed.trainer_client import specs
+
+from . import admission, conditions, planning
+
+PENDING, RUNNING, RESCALING, SUSPENDED, SUCCEEDED, FAILED = (
+    "Pending", "Running", "Rescaling", "Suspended", "Succeeded", "Failed",
+)
+CHECKPOINT_REQUESTED = "CheckpointRequested"
+WAITING_FOR_CHECKPOINT = "WaitingForCheckpoint"
+REMOVING_OLD_WORLD = "RemovingOldWorld"
+STARTING_NEW_WORLD = "StartingNewWorld"
+POLL_S = 2.0
+"""How soon to look again while a step waits on pods."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass
+class Decision:
+    """One step. Apply in this order: status, create, annotate, delete."""
+
+    step: str
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """A JSON merge patch for the status subresource (None values delete keys)."""
+    create: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Objects to create; one that exists already counts as created (a ConfigMap is replaced)."""
+    annotate: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    delete: list[str] = dataclasses.field(default_factory=list)
+    """Pod names, deleted if they still exist."""
+    events: list[Event] = dataclasses.field(default_factory=list)
+    requeue_s: float | None = None
+    """Look again after this long (the step waits on pods or a deadline); None: nothing pending."""
+    permanent_error: str | None = None
+    """The spec can never run as it is; the handler raises kopf.PermanentError."""
+
+
+def _phase(p: Mapping[str, Any]) -> str:
+    return str((p.get("status") or {}).get("phase") or "Pending")
+
+
+def _epoch(p: Mapping[str, Any]) -> int | None:
+    try:
+        return int(((p.get("metadata") or {}).get("labels") or {})[planning.LABEL_EPOCH])
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _name(p: Mapping[str, Any]) -> str:
+    return str((p.get("metadata") or {}).get("name"))
+
+
+def _terminated(p: Mapping[str, Any]) -> bool:
+    return _phase(p) in (SUCCEEDED, FAILED)
+
+
+def _deleting(p: Mapping[str, Any]) -> bool:
+    return bool((p.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def is_terminal(status: Mapping[str, Any]) -> bool:
+    """Succeeded, or Failed for a reason other than an invalid spec (which a fix revives)."""
+    phase = status.get("phase")
+    conds = status.get("conditions") or []
+    return phase == SUCCEEDED or (phase == FAILED and conditions.is_true(conds, conditions.VALIDATED))
+
+
+class _Ctx:
+    """The inputs of one decision plus the status being built."""
+
+    def __init__(self, job: specs.JobSpec, status: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
+                 owner: planning.Owner, settings: planning.Settings, now: datetime.datetime,
+                 generation: int | None) -> None:
+        self.job, self.status, self.owner, self.settings, self.now = job, status, owner, settings, now
+        self.generation = generation
+        self.epoch: int | None = status.get("worldEpoch")
+        self.pods = list(pods)
+        self.world = [p for p in pods if self.epoch is not None and _epoch(p) == self.epoch]
+        self.stale = [p for p in pods if p not in self.world]
+        self.conds: list[dict[str, Any]] = [dict(c) for c in status.get("conditions") or []]
+        self.patch: dict[str, Any] = {}
+        self.events: list[Event] = []
+
+    def cond(self, type_: str, ok: bool, reason: str, message: str) -> None:
+        self.conds = conditions.set_condition(self.conds, type_, ok, reason, message, self.now,
+                                              self.generation)
+
+    def decision(self, step: str, **kw: Any) -> Decision:
+        patch = {
+            "allowedReplicas": admission.allowed_replicas(self.job),
+            "selector": planning.selector_string(self.job.name),
+            **conditions.progress(self.pods, self.status),
+            **self.patch,
+            "conditions": self.conds,
+        }
+        if self.generation is not None:
+            patch["observedGeneration"] = self.generation
+        changed = {k: v for k, v in patch.items() if self.status.get(k) != v}
+        deletes = sorted(set(kw.pop("delete", [])) | {_name(p) for p in self.stale if not _deleting(p)})
+        return Decision(step=step, status=changed, events=self.events, delete=deletes, **kw)
+
+
+def decide(
+    job: specs.JobSpec,
+    status: Mapping[str, Any],
+    pods: Sequence[Mapping[str, Any]],
+    *,
+    owner: planning.Owner,
+    settings: planning.Settings,
+    now: datetime.datetime,
+    generation: int | None = None,
+) -> Decision:
+    """The next step for `job` (already parsed; its replica count may still be invalid)."""
+    c = _Ctx(job, status, pods, owner, settings, now, generation)
+    if is_terminal(status):
+        live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
+        return c.decision("Finished", delete=live)
+    problem = _validate(c)
+    if status.get("drain"):
+        return _drain_step(c, problem)
+    if c.epoch is None or status.get("phase") == SUSPENDED:
+        return _idle_step(c, problem)
+    return _running_step(c, problem)
+
+
+def _validate(c: _Ctx) -> admission.Rejected | None:
+    """The Validated condition; a warning event only when its message changes."""
+    try:
+        admission.check_name(c.job.name)
+        admission.check_template(c.job)
+        admission.check_replicas(c.job, c.job.replicas)
+    except admission.Rejected as exc:
+        old = conditions.get(c.conds, conditions.VALIDATED)
+        if not old or old.get("message") != str(exc):
+            c.events.append(Event("Warning", "InvalidSpec", str(exc)))
+        c.cond(conditions.VALIDATED, False, "InvalidSpec", str(exc))
+        return exc
+    c.cond(conditions.VALIDATED, True, "Valid", "the spec passes every admission rule")
+    return None
+
+
+def _token(reason: str, epoch: int) -> str:
+    return f"{reason.lower()}-w{epoch}"
+
+
+def _start_world(c: _Ctx, epoch: int, replicas: int, reason: str) -> Decision:
+    """Status first (worldEpoch, replicas), then every object of the world."""
+    job = dataclasses.replace(c.job, replicas=replicas)
+    c.patch.update(worldEpoch=epoch, replicas=replicas, worldSize=job.world_size)
+    c.cond(conditions.READY, False, "PodsStarting", f"world {epoch}: creating {replicas} pods")
+    c.events.append(Event("Normal", STARTING_NEW_WORLD,
+                          f"starting world {epoch} with {replicas} replicas ({reason})"))
+    return c.decision(STARTING_NEW_WORLD, create=planning.world(job, epoch, c.owner, c.settings),
+                      requeue_s=POLL_S)
+
+
+def _idle_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
+    """No world runs: never started, or suspended."""
+    if c.job.suspend:
+        c.patch.update(phase=SUSPENDED, replicas=0, worldSize=0)
+        c.cond(conditions.READY, False, "Suspended", "spec.suspend is true; no pods run")
+        if c.status.get("phase") != SUSPENDED:
+            c.events.append(Event("Normal", "Suspended", "suspended: no world runs"))
+        return c.decision("Suspended")
+    if problem is not None:
+        c.patch["phase"] = FAILED if c.epoch is None else SUSPENDED
+        c.cond(conditions.READY, False, "InvalidSpec", str(problem))
+        return c.decision("Invalid", permanent_error=str(problem))
+    epoch = 0 if c.epoch is None else c.epoch + 1
+    c.patch["phase"] = RUNNING
+    if c.status.get("phase") == SUSPENDED:
+        c.cond(conditions.RESCALING, False, "Resumed", f"resumed from suspension in world {epoch}")
+    return _start_world(c, epoch, c.job.replicas, "first world" if c.epoch is None else "resumed")
+
+
+def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
+    job, epoch, replicas = c.job, int(c.epoch or 0), int(c.status.get("replicas") or 0)
+    expected = {planning.pod_name(job.name, epoch, r) for r in range(replicas)}
+    present = {_name(p) for p in c.world}
+    failed = [p for p in c.world if _phase(p) == FAILED]
+    started = any(_phase(p) != PENDING for p in c.world)
+    lost = sorted(expected - present) if started else []
+    if failed or lost:
+        return _world_failed(c, failed, lost)
+    if c.world and len(c.world) >= replicas and all(_phase(p) == SUCCEEDED for p in c.world):
+        c.patch["phase"] = SUCCEEDED
+        c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", f"every pod of world {epoch} succeeded")
+        c.cond(conditions.READY, False, "Completed", "the job has finished")
+        c.events.append(Event("Normal", "Succeeded", f"all {replicas} pods of world {epoch} succeeded"))
+        return c.decision(SUCCEEDED)
+    if job.suspend:
+        return _request_drain(c, "Suspend", replicas, "spec.suspend is true")
+    if job.replicas != replicas and problem is None:
+        return _request_drain(c, "Rescale", job.replicas, f"replicas {replicas} -> {job.replicas}")
+    # Steady state: make sure the world is whole (objects may be missing after a restart).
+    c.patch["phase"] = RUNNING
+    running = sum(_phase(p) == RUNNING for p in c.world)
+    if running == replicas:
+        c.cond(conditions.READY, True, "AllPodsRunning", f"{running}/{replicas} pods of world {epoch} running")
+    else:
+        c.cond(conditions.READY, False, "PodsPending", f"{running}/{replicas} pods of world {epoch} running")
+    create: list[dict[str, Any]] = []
+    if not started and expected - present:
+        world = planning.world(dataclasses.replace(job, replicas=replicas), epoch, c.owner, c.settings)
+        create = [o for o in world if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
+    return c.decision(RUNNING, create=create)
+
+
+def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> Decision:
+    """A lost rank stops every rank: restart the whole world, within spec.maxRestarts."""
+    epoch, restarts = int(c.epoch or 0), int(c.status.get("restarts") or 0)
+    why = "; ".join(
+        [f"pod {_name(p)} failed" + (f" ({err})" if (err := conditions.sidecar_error(p)) else "")
+         for p in failed] + [f"pod {n} disappeared" for n in lost]
+    )
+    live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
+    if restarts >= c.job.max_restarts:
+        msg = f"{why}; restart budget spent ({restarts}/{c.job.max_restarts} restarts, spec.maxRestarts)"
+        c.patch["phase"] = FAILED
+        c.cond(conditions.FAILED, True, "RestartLimitExceeded", msg)
+        c.cond(conditions.READY, False, "Failed", msg)
+        c.events.append(Event("Warning", "Failed", msg))
+        return c.decision(FAILED, delete=live)
+    msg = f"{why}; restarting the world (restart {restarts + 1} of {c.job.max_restarts})"
+    c.patch.update(phase=RESCALING, restarts=restarts + 1, drain={
+        "reason": "Restart", "step": REMOVING_OLD_WORLD, "token": _token("Restart", epoch),
+        "requestedAt": conditions.timestamp(c.now), "targetReplicas": int(c.status.get("replicas") or 0),
+    })
+    c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, msg)
+    c.cond(conditions.READY, False, "WorldFailed", msg)
+    c.events.append(Event("Warning", "WorldFailed", msg))
+    return c.decision(REMOVING_OLD_WORLD, delete=live, requeue_s=POLL_S)
+
+
+def _request_drain(c: _Ctx, reason: str, target: int, why: str) -> Decision:
+    epoch, token = int(c.epoch or 0), _token(reason, int(c.epoch or 0))
+    c.patch.update(phase=RESCALING, drain={
+        "reason": reason, "step": CHECKPOINT_REQUESTED, "token": token,
+        "requestedAt": conditions.timestamp(c.now), "targetReplicas": target,
+    })
+    msg = f"{why}: asked the {len(c.world)} pods of world {epoch} to checkpoint (token {token})"
+    c.cond(conditions.RESCALING, True, CHECKPOINT_REQUESTED, msg)
+    c.cond(conditions.READY, False, "Draining", msg)
+    c.events.append(Event("Normal", CHECKPOINT_REQUESTED, msg))
+    return c.decision(CHECKPOINT_REQUESTED, annotate=_annotations(c, token), requeue_s=POLL_S)
+
+
+def _annotations(c: _Ctx, token: str) -> dict[str, dict[str, str]]:
+    return {
+        _name(p): {planning.ANNOTATION_DRAIN: token}
+        for p in c.world
+        if not _terminated(p) and not _deleting(p)
+        and ((p.get("metadata") or {}).get("annotations") or {}).get(planning.ANNOTATION_DRAIN) != token
+    }
+
+
+def _drain_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
+    drain = dict(c.status["drain"])
+    epoch, step = int(c.epoch or 0), drain.get("step")
+    if step == STARTING_NEW_WORLD:
+        return _finish_start(c, drain)
+    if not c.world:
+        return _after_removal(c, drain, problem)
+    deadline = conditions.parse_timestamp(drain["requestedAt"]) + datetime.timedelta(
+        seconds=c.job.checkpoint.timeout_seconds)
+    done = sum(_terminated(p) for p in c.world)
+    timed_out = c.now >= deadline
+    if step == REMOVING_OLD_WORLD or done == len(c.world) or timed_out:
+        if step != REMOVING_OLD_WORLD:
+            if done == len(c.world):
+                c.events.append(Event("Normal", "Drained", f"all {done} pods of world {epoch} finished"))
+            else:
+                c.events.append(Event("Warning", "CheckpointTimeout",
+                    f"{done}/{len(c.world)} pods of world {epoch} finished within "
+                    f"checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds}; removing the world, "
+                    "the next one resumes from the newest complete checkpoint"))
+        drain["step"] = REMOVING_OLD_WORLD
+        c.patch["drain"] = drain
+        c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, f"deleting the pods of world {epoch}")
+        live = [_name(p) for p in c.world if not _deleting(p)]
+        return c.decision(REMOVING_OLD_WORLD, delete=live, requeue_s=POLL_S / 2)
+    drain["step"] = WAITING_FOR_CHECKPOINT
+    c.patch["drain"] = drain
+    c.cond(conditions.RESCALING, True, WAITING_FOR_CHECKPOINT,
+           f"{done}/{len(c.world)} pods of world {epoch} have checkpointed and exited; "
+           f"giving up at {conditions.timestamp(deadline)}")
+    left = (deadline - c.now).total_seconds()
+    return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain["token"]),
+                      requeue_s=max(0.5, min(POLL_S, left)))
+
+
+def _after_removal(c: _Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
+    """The old world is gone: stop (suspend) or start the next world."""
+    epoch = int(c.epoch or 0)
+    if c.job.suspend:
+        c.patch.update(phase=SUSPENDED, replicas=0, worldSize=0, drain=None)
+        c.cond(conditions.RESCALING, False, "Suspended", f"world {epoch} drained and removed")
+        c.cond(conditions.READY, False, "Suspended", "spec.suspend is true; no pods run")
+        c.events.append(Event("Normal", "Suspended", f"world {epoch} drained and removed"))
+        return c.decision("Suspended")
+    target = c.job.replicas if problem is None else int(drain.get("targetReplicas") or 0)
+    try:
+        admission.check_replicas(c.job, target)
+    except admission.Rejected:
+        target = int(c.status.get("replicas") or drain.get("targetReplicas") or 1)
+    drain["step"] = STARTING_NEW_WORLD
+    drain["targetReplicas"] = target
+    c.patch.update(phase=RESCALING, drain=drain)
+    c.cond(conditions.RESCALING, True, STARTING_NEW_WORLD, f"starting world {epoch + 1} with {target} replicas")
+    return _start_world(c, epoch + 1, target, drain.get("reason", "Rescale").lower())
+
+
+def _finish_start(c: _Ctx, drain: dict[str, Any]) -> Decision:
+    """The new world's objects were requested: ensure they exist, then say Running."""
+    epoch, replicas = int(c.epoch or 0), int(c.status.get("replicas") or 0)
+    present = {_name(p) for p in c.world}
+    job = dataclasses.replace(c.job, replicas=replicas)
+    create = [o for o in planning.world(job, epoch, c.owner, c.settings)
+              if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
+    reason = {"Restart": "WorldRestarted", "Suspend": "Resumed"}.get(drain.get("reason", ""), "RescaleComplete")
+    msg = f"world {epoch} runs {replicas} replicas (worldSize {job.world_size})"
+    c.patch.update(phase=RUNNING, drain=None)
+    c.cond(conditions.RESCALING, False, reason, msg)
+    c.events.append(Event("Normal", reason, msg))
+    return c.decision(RUNNING, create=create)

@@ -1,0 +1,42 @@
+"""Shared builders for the operator tests: manifests, pods in a given phase."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from typing import Any
+
+from splitfeed.operator import planning
+
+T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
+
+
+def manifest(name: str = "resnet", **spec: Any) -> dict[str, Any]:
+    """A valid StreamingJob: numSplits 48, globalBatchSize 960, 1 GPU per replica."""
+    base: dict[str, Any] = {
+        "replicas": 4,
+        "gpusPerReplica": 1,
+        "data": {"uri": "s3://bucket/db", "table": "frames", "numSplits": 48,
+                 "globalBatchSize": 960, "storageOptionsSecret": "s3-creds"},
+        "checkpoint": {"uri": "s3://bucket/ckpt", "timeoutSeconds": 60},
+        "sidecar": {"image": "splitfeed:0.1.0", "shmSize": "1Gi"},
+        "trainer": {"template": {
+            "metadata": {"labels": {"team": "vision"}},
+            "spec": {"containers": [{"name": "trainer", "image": "trainer:1",
+                                     "env": [{"name": "RANK", "value": "bogus"},
+                                             {"name": "KEEP", "value": "1"}]}]},
+        }},
+    }
+    for key, value in spec.items():
+        base[key] = value
+    return {"apiVersion": "splitfeed.io/v1alpha1", "kind": "StreamingJob",
+            "metadata": {"name": name, "namespace": "ns", "uid": "uid-1"}, "spec": base}
+
+
+OWNER = planning.Owner(name="resnet", uid="uid-1")
+
+
+def pod_dict(pod: dict[str, Any], phase: str = "Pending", **extra_status: Any) -> dict[str, Any]:
+    p = copy.deepcopy(pod)
+    p["status"] = {"phase": phase, **extra_status}
+    return p

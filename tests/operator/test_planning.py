@@ -1,0 +1,214 @@
+"""Pod, Service and ConfigMap building: docs/pod-contract.md, checked against Kubernetes 1.30 schemas."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+
+from splitfeed.operator import planning
+from splitfeed.trainer_client import specs
+from tests.operator.builders import OWNER, manifest
+
+NATIVE = planning.Settings()
+CONTAINER = planning.Settings(sidecar_mode="container")
+
+
+def job(**spec):
+    return specs.parse_job(manifest(**spec))
+
+
+def env_of(container):
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def containers(pod):
+    spec = pod["spec"]
+    return {c["name"]: c for c in spec.get("containers", []) + spec.get("initContainers", [])}
+
+
+@pytest.mark.parametrize("settings", [NATIVE, CONTAINER], ids=["native", "container"])
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_every_object_of_a_world_is_valid_for_kubernetes_1_30(settings, gpus):
+    objs = planning.world(job(gpusPerReplica=gpus, replicas=2), 3, OWNER, settings)
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Pod", "Pod"]
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+def test_pods_are_named_by_job_world_and_replica_and_labelled_so():
+    pods = [o for o in planning.world(job(), 7, OWNER, NATIVE) if o["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in pods] == [f"resnet-w7-{i}" for i in range(4)]
+    labels = pods[2]["metadata"]["labels"]
+    assert labels == {"team": "vision", "splitfeed.io/job": "resnet",
+                      "splitfeed.io/replica": "2", "splitfeed.io/world-epoch": "7"}
+    assert pods[2]["spec"]["hostname"] == "resnet-w7-2"
+    assert pods[2]["spec"]["subdomain"] == "resnet"
+    assert pods[2]["metadata"]["namespace"] == "ns"
+
+
+def test_every_object_is_owned_by_the_job_for_garbage_collection():
+    for obj in planning.world(job(), 0, OWNER, NATIVE):
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "splitfeed.io/v1alpha1", "kind": "StreamingJob", "name": "resnet",
+                       "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
+
+
+def test_native_sidecar_is_an_init_container_that_restarts_always():
+    pod = planning.pod(job(), 0, 1, OWNER, NATIVE)
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["name"] == "splitfeed-sidecar" and sidecar["restartPolicy"] == "Always"
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer"]
+
+
+def test_container_mode_sidecar_is_a_plain_container():
+    pod = planning.pod(job(), 0, 1, OWNER, CONTAINER)
+    assert "initContainers" not in pod["spec"]
+    names = [c["name"] for c in pod["spec"]["containers"]]
+    assert names == ["trainer", "splitfeed-sidecar"]
+    assert "restartPolicy" not in pod["spec"]["containers"][1]
+
+
+def test_user_init_containers_are_kept_before_the_sidecar():
+    m = manifest()
+    m["spec"]["trainer"]["template"]["spec"]["initContainers"] = [{"name": "fetch", "image": "x"}]
+    pod = planning.pod(specs.parse_job(m), 0, 0, OWNER, NATIVE)
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["fetch", "splitfeed-sidecar"]
+
+
+def test_sidecar_command_follows_the_contract():
+    sidecar = containers(planning.pod(job(), 0, 0, OWNER, NATIVE))["splitfeed-sidecar"]
+    assert sidecar["command"] + sidecar["args"] == [
+        "splitfeed", "sidecar", "--config", "/etc/splitfeed/config/config.json",
+        "--podinfo-dir", "/etc/splitfeed/podinfo", "--storage-options-dir", "/etc/splitfeed/storage",
+        "--termination-log", "/dev/termination-log"]
+    assert sidecar["terminationMessagePath"] == "/dev/termination-log"
+
+
+def test_without_storage_secret_there_is_no_storage_volume_or_flag():
+    m = manifest()
+    del m["spec"]["data"]["storageOptionsSecret"]
+    pod = planning.pod(specs.parse_job(m), 0, 0, OWNER, NATIVE)
+    assert "splitfeed-storage" not in {v["name"] for v in pod["spec"]["volumes"]}
+    assert "--storage-options-dir" not in containers(pod)["splitfeed-sidecar"]["args"]
+
+
+def test_volumes_and_mounts_follow_the_contract():
+    pod = planning.pod(job(), 0, 0, OWNER, NATIVE)
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert vols["splitfeed-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert vols["splitfeed-config"]["configMap"]["name"] == "resnet-data"
+    assert vols["splitfeed-config"]["configMap"]["items"] == [{"key": "config.json", "path": "config.json"}]
+    assert {i["path"]: i["fieldRef"]["fieldPath"] for i in vols["splitfeed-podinfo"]["downwardAPI"]["items"]} \
+        == {"annotations": "metadata.annotations", "labels": "metadata.labels"}
+    assert vols["splitfeed-storage"]["secret"] == {"secretName": "s3-creds"}
+    c = containers(pod)
+    mounts = {m["name"]: m["mountPath"] for m in c["splitfeed-sidecar"]["volumeMounts"]}
+    assert mounts == {"splitfeed-shm": "/var/run/splitfeed", "splitfeed-config": "/etc/splitfeed/config",
+                      "splitfeed-podinfo": "/etc/splitfeed/podinfo", "splitfeed-storage": "/etc/splitfeed/storage"}
+    assert {m["name"]: m["mountPath"] for m in c["trainer"]["volumeMounts"]} == {
+        "splitfeed-shm": "/var/run/splitfeed"}
+
+
+@pytest.mark.parametrize("gpus, replica, rank", [(1, 0, 0), (1, 3, 3), (2, 3, 6), (4, 1, 4)])
+def test_rank_environment(gpus, replica, rank):
+    j = job(gpusPerReplica=gpus, replicas=2 if gpus == 4 else 4)
+    c = containers(planning.pod(j, 5, replica, OWNER, NATIVE))
+    for name in ("trainer", "splitfeed-sidecar"):
+        env = env_of(c[name])
+        assert env["WORLD_SIZE"] == str(j.world_size)
+        assert env["NODE_RANK"] == str(replica)
+        assert env["RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == "0"
+        assert env["LOCAL_WORLD_SIZE"] == str(gpus)
+        assert env["MASTER_ADDR"] == "resnet-w5-0.resnet"
+        assert env["MASTER_PORT"] == "29500"
+        assert env["SPLITFEED_SOCKET_DIR"] == "/var/run/splitfeed"
+        assert env["SPLITFEED_WORLD_EPOCH"] == "5"
+
+
+def test_torchrun_variables_only_for_the_trainer_and_only_with_several_gpus():
+    one = containers(planning.pod(job(), 0, 1, OWNER, NATIVE))
+    assert not any(k.startswith("PET_") for k in env_of(one["trainer"]))
+    two = containers(planning.pod(job(gpusPerReplica=2, replicas=2), 0, 1, OWNER, NATIVE))
+    env = env_of(two["trainer"])
+    assert {k: v for k, v in env.items() if k.startswith("PET_")} == {
+        "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "resnet-w0-0.resnet", "PET_MASTER_PORT": "29500"}
+    assert not any(k.startswith("PET_") for k in env_of(two["splitfeed-sidecar"]))
+
+
+def test_operator_env_wins_over_the_users_and_other_user_env_is_kept():
+    env = containers(planning.pod(job(), 0, 2, OWNER, NATIVE))["trainer"]["env"]
+    names = [e["name"] for e in env]
+    assert names.count("RANK") == 1 and env_of({"env": env})["RANK"] == "2"
+    assert env_of({"env": env})["KEEP"] == "1"
+
+
+def test_sidecar_only_env_resume_and_checksum():
+    j = job()
+    c = containers(planning.pod(j, 0, 0, OWNER, NATIVE))
+    side, trainer = env_of(c["splitfeed-sidecar"]), env_of(c["trainer"])
+    assert side["SPLITFEED_RESUME"] == "latest"
+    assert side["SPLITFEED_CONFIG_CHECKSUM"] == specs.data_config_checksum(j.data_config())
+    assert "SPLITFEED_RESUME" not in trainer and "SPLITFEED_CONFIG_CHECKSUM" not in trainer
+
+
+def test_config_map_carries_the_data_config_and_its_checksum_matches_the_sidecar_env():
+    j = job()
+    cm = planning.config_map(j, OWNER)
+    assert cm["metadata"]["name"] == "resnet-data"
+    config = json.loads(cm["data"]["config.json"])
+    assert config == j.data_config()
+    sidecar = containers(planning.pod(j, 0, 0, OWNER, NATIVE))["splitfeed-sidecar"]
+    assert env_of(sidecar)["SPLITFEED_CONFIG_CHECKSUM"] == specs.data_config_checksum(config)
+
+
+def test_no_secret_value_is_ever_in_a_config_map_or_env_literal():
+    m = manifest()
+    m["spec"]["data"]["storageOptions"] = {"region": "us-east-1"}
+    j = specs.parse_job(m)
+    blob = json.dumps(planning.world(j, 0, OWNER, NATIVE))
+    assert "s3-creds" in blob  # the Secret's *name* is referenced ...
+    for pod in planning.world(j, 0, OWNER, NATIVE)[2:]:
+        for c in containers(pod).values():
+            assert all("valueFrom" not in e for e in c["env"])  # ... its values never copied
+    cm = planning.config_map(j, OWNER)
+    assert "aws_secret_access_key" not in cm["data"]["config.json"]
+
+
+def test_headless_service_selects_the_jobs_pods():
+    svc = planning.service(job(), OWNER)
+    assert svc["metadata"]["name"] == "resnet"
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {"splitfeed.io/job": "resnet"}
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_pod_restart_policy_defaults_to_never_but_keeps_on_failure():
+    assert planning.pod(job(), 0, 0, OWNER, NATIVE)["spec"]["restartPolicy"] == "Never"
+    m = manifest()
+    m["spec"]["trainer"]["template"]["spec"]["restartPolicy"] = "OnFailure"
+    assert planning.pod(specs.parse_job(m), 0, 0, OWNER, NATIVE)["spec"]["restartPolicy"] == "OnFailure"
+
+
+def test_sidecar_image_setting_overrides_the_spec_and_resources_are_copied():
+    m = manifest()
+    m["spec"]["sidecar"]["resources"] = {"limits": {"memory": "1Gi"}}
+    j = specs.parse_job(m)
+    side = containers(planning.pod(j, 0, 0, OWNER, planning.Settings(sidecar_image="reg/sf:9")))
+    assert side["splitfeed-sidecar"]["image"] == "reg/sf:9"
+    assert side["splitfeed-sidecar"]["resources"] == {"limits": {"memory": "1Gi"}}
+    assert containers(planning.pod(j, 0, 0, OWNER, NATIVE))["splitfeed-sidecar"]["image"] == "splitfeed:0.1.0"
+
+
+def test_building_does_not_mutate_the_template():
+    j = job()
+    before = json.dumps(j.trainer.template, sort_keys=True)
+    planning.world(j, 0, OWNER, NATIVE)
+    assert json.dumps(j.trainer.template, sort_keys=True) == before
+
+
+def test_selector_string():
+    assert planning.selector_string("resnet") == "splitfeed.io/job=resnet"
