@@ -256,7 +256,8 @@ def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> 
     c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, msg)
     c.cond(conditions.READY, False, "WorldFailed", msg)
     c.events.append(Event("Warning", "WorldFailed", msg))
-    return c.decision(REMOVING_OLD_WORLD, delete=live, requeue_s=POLL_S)
+    every = [_name(p) for p in c.world if not _deleting(p)]
+    return c.decision(REMOVING_OLD_WORLD, delete=every, requeue_s=POLL_S)
 
 
 def _request_drain(c: _Ctx, reason: str, target: int, why: str) -> Decision:

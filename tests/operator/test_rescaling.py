@@ -1,0 +1,388 @@
+"""The world life cycle as a pure function, walked step by step against an in-memory cluster."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+
+import pytest
+
+from splitfeed.operator import planning, rescaling
+from splitfeed.trainer_client import specs
+from tests.operator.builders import OWNER, T0, manifest
+
+SETTINGS = planning.Settings()
+
+
+def merge(target: dict, patch: dict) -> dict:
+    out = copy.deepcopy(target)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+class Cluster:
+    """Status + pods; `step()` decides and applies, like reconciling does (status first)."""
+
+    def __init__(self, **spec):
+        self.manifest = manifest(**spec)
+        self.status: dict = {}
+        self.pods: dict[str, dict] = {}
+        self.others: dict[str, dict] = {}
+        self.now = T0
+        self.log: list[rescaling.Decision] = []
+
+    @property
+    def job(self):
+        return specs.parse_job(self.manifest, check_replicas=False)
+
+    def decide(self):
+        return rescaling.decide(self.job, self.status, list(self.pods.values()), owner=OWNER,
+                                settings=SETTINGS, now=self.now, generation=1)
+
+    def step(self, *, act: bool = True) -> rescaling.Decision:
+        d = self.decide()
+        self.log.append(d)
+        self.status = merge(self.status, d.status)
+        if act:
+            for obj in d.create:
+                if obj["kind"] == "Pod":
+                    self.pods.setdefault(obj["metadata"]["name"], merge(obj, {"status": {"phase": "Pending"}}))
+                else:
+                    self.others[f'{obj["kind"]}/{obj["metadata"]["name"]}'] = obj
+            for name, ann in d.annotate.items():
+                self.pods[name]["metadata"].setdefault("annotations", {}).update(ann)
+            for name in d.delete:
+                self.pods.pop(name, None)
+        return d
+
+    def set_phase(self, phase: str, *names: str) -> None:
+        for n in names or list(self.pods):
+            self.pods[n]["status"]["phase"] = phase
+
+    def epochs(self) -> set[int]:
+        return {int(p["metadata"]["labels"]["splitfeed.io/world-epoch"]) for p in self.pods.values()}
+
+    def reason(self, type_: str = "Rescaling") -> str | None:
+        for c in self.status.get("conditions", []):
+            if c["type"] == type_:
+                return c["reason"]
+        return None
+
+    def scale(self, n: int) -> None:
+        self.manifest["spec"]["replicas"] = n
+
+    def running(self) -> "Cluster":
+        self.step()
+        assert self.status["phase"] == "Running"
+        self.set_phase("Running")
+        self.step()
+        return self
+
+
+# --- starting -----------------------------------------------------------------------------
+
+def test_first_world_is_epoch_zero_with_all_objects():
+    c = Cluster()
+    d = c.step()
+    assert d.step == "StartingNewWorld"
+    assert c.status["phase"] == "Running" and c.status["worldEpoch"] == 0
+    assert (c.status["replicas"], c.status["worldSize"]) == (4, 4)
+    assert sorted(c.pods) == [f"resnet-w0-{i}" for i in range(4)]
+    assert set(c.others) == {"ConfigMap/resnet-data", "Service/resnet"}
+    assert c.status["allowedReplicas"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+    assert c.status["selector"] == "splitfeed.io/job=resnet"
+    assert c.reason("Validated") == "Valid"
+
+
+def test_ready_follows_the_pods_and_steady_state_patches_nothing():
+    c = Cluster()
+    c.step()
+    assert c.reason("Ready") == "PodsStarting"
+    c.step()
+    assert c.reason("Ready") == "PodsPending"
+    c.set_phase("Running")
+    c.step()
+    assert c.reason("Ready") == "AllPodsRunning"
+    d = c.step()
+    assert d.status == {} and not d.create and not d.delete and not d.events and d.requeue_s is None
+
+
+def test_a_crash_after_the_status_write_recreates_the_missing_pods():
+    c = Cluster()
+    c.step(act=False)  # status says world 0 runs; no pod was created
+    assert c.pods == {}
+    d = c.step()
+    assert sorted(o["metadata"]["name"] for o in d.create if o["kind"] == "Pod") == [
+        f"resnet-w0-{i}" for i in range(4)]
+    assert c.status["worldEpoch"] == 0
+
+
+def test_an_invalid_new_job_fails_permanently_without_pods():
+    c = Cluster(replicas=5)
+    d = c.step()
+    assert d.permanent_error and "Valid replica counts" in d.permanent_error
+    assert c.status["phase"] == "Failed" and c.reason("Validated") == "InvalidSpec"
+    assert c.pods == {}
+    assert [e.reason for e in d.events] == ["InvalidSpec"]
+    assert not c.step().events  # no repeated warning for the same message
+
+
+def test_fixing_an_invalid_spec_starts_the_job():
+    c = Cluster(replicas=5)
+    c.step()
+    assert not rescaling.is_terminal(c.status)
+    c.scale(6)
+    c.step()
+    assert c.status["phase"] == "Running" and c.status["replicas"] == 6 and len(c.pods) == 6
+
+
+# --- rescale --------------------------------------------------------------------------------
+
+def walk_rescale(c: Cluster, target: int) -> list[str]:
+    c.scale(target)
+    steps = [c.step().step]
+    assert all(p["metadata"]["annotations"]["splitfeed.io/drain"] == "rescale-w0" for p in c.pods.values())
+    steps.append(c.step().step)
+    c.set_phase("Succeeded")  # the trainers checkpointed and exited 0
+    steps += [c.step().step, c.step().step, c.step().step]
+    return steps
+
+
+def test_rescale_walks_every_phase_to_a_new_world():
+    c = Cluster().running()
+    steps = walk_rescale(c, 8)
+    assert steps == ["CheckpointRequested", "WaitingForCheckpoint", "RemovingOldWorld",
+                     "StartingNewWorld", "Running"]
+    assert c.status["phase"] == "Running" and c.status["worldEpoch"] == 1
+    assert c.status["replicas"] == 8 and c.status["worldSize"] == 8
+    assert c.epochs() == {1} and len(c.pods) == 8
+    assert "drain" not in c.status and c.reason() == "RescaleComplete"
+    reasons = [e.reason for d in c.log for e in d.events]
+    assert reasons[-4:] == ["CheckpointRequested", "Drained", "StartingNewWorld", "RescaleComplete"]
+
+
+def test_the_status_shows_each_step_as_the_rescaling_reason():
+    c = Cluster().running()
+    c.scale(2)
+    seen = []
+    for _ in range(2):
+        c.step()
+        seen.append((c.status["phase"], c.reason()))
+    c.set_phase("Succeeded")
+    for _ in range(3):
+        c.step()
+        seen.append((c.status["phase"], c.reason()))
+    assert seen == [("Rescaling", "CheckpointRequested"), ("Rescaling", "WaitingForCheckpoint"),
+                    ("Rescaling", "RemovingOldWorld"), ("Rescaling", "StartingNewWorld"),
+                    ("Running", "RescaleComplete")]
+
+
+def test_waiting_requeues_and_does_not_reannotate():
+    c = Cluster().running()
+    c.scale(8)
+    c.step()
+    d = c.step()
+    assert d.step == "WaitingForCheckpoint" and d.annotate == {} and 0 < d.requeue_s <= 2
+    c.set_phase("Succeeded", "resnet-w0-0")
+    c.step()
+    assert "1/4 pods" in [x for x in c.status["conditions"] if x["type"] == "Rescaling"][0]["message"]
+
+
+def test_checkpoint_timeout_removes_the_world_with_a_warning():
+    c = Cluster().running()
+    c.scale(8)
+    c.step()
+    c.now += datetime.timedelta(seconds=59)
+    assert c.step().step == "WaitingForCheckpoint"
+    c.now += datetime.timedelta(seconds=1)
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and [e.reason for e in d.events] == ["CheckpointTimeout"]
+    assert d.events[0].type == "Warning" and not c.pods
+    c.step(), c.step()
+    assert c.status["worldEpoch"] == 1 and c.status["replicas"] == 8
+
+
+def test_a_failed_pod_during_a_drain_counts_as_drained():
+    c = Cluster().running()
+    c.scale(2)
+    c.step()
+    c.set_phase("Succeeded")
+    c.set_phase("Failed", "resnet-w0-3")
+    assert c.step().step == "RemovingOldWorld"
+    assert c.status.get("restarts") is None
+
+
+def test_scaling_again_during_a_drain_starts_the_latest_count():
+    c = Cluster().running()
+    c.scale(8)
+    c.step()
+    c.scale(12)
+    c.set_phase("Succeeded")
+    for _ in range(3):
+        c.step()
+    assert c.status["replicas"] == 12 and len(c.pods) == 12
+
+
+def test_an_invalid_scale_keeps_the_world_running_and_says_why():
+    c = Cluster().running()
+    c.scale(5)
+    d = c.step()
+    assert d.step == "Running" and not d.annotate
+    assert c.status["phase"] == "Running" and c.reason("Validated") == "InvalidSpec"
+    assert "[1, 2, 3, 4, 6, 8, 12, 16, 24, 48]" in d.events[0].message
+    c.scale(4)
+    c.step()
+    assert c.reason("Validated") == "Valid"
+
+
+def test_an_invalid_count_during_a_drain_falls_back_to_the_requested_one():
+    c = Cluster().running()
+    c.scale(8)
+    c.step()
+    c.scale(5)
+    c.set_phase("Succeeded")
+    for _ in range(3):
+        c.step()
+    assert c.status["replicas"] == 8
+
+
+# --- idempotency: an operator restarted at any point finishes the job ------------------------
+
+@pytest.mark.parametrize("crash_at", range(5))
+def test_a_crash_between_status_and_actions_at_any_step_still_finishes(crash_at):
+    c = Cluster().running()
+    c.scale(8)
+    for i in range(8):
+        c.step(act=i != crash_at)
+        if c.status.get("drain", {}).get("step") == "WaitingForCheckpoint":
+            c.set_phase("Succeeded", *[n for n in c.pods if n.startswith("resnet-w0")])
+    for _ in range(3):
+        c.step()
+    assert c.status["phase"] == "Running" and c.status["worldEpoch"] == 1
+    assert c.epochs() == {1} and len(c.pods) == 8 and "drain" not in c.status
+
+
+@pytest.mark.parametrize("repeat_at", range(5))
+def test_running_a_step_twice_changes_nothing_more(repeat_at):
+    c = Cluster().running()
+    c.scale(8)
+    c.step()
+    c.set_phase("Succeeded")
+    for i in range(5):
+        c.step()
+        if i == repeat_at:
+            c.step()
+    assert c.status["worldEpoch"] == 1 and c.status["phase"] == "Running" and len(c.pods) == 8
+
+
+def test_old_world_pods_that_survive_are_removed():
+    c = Cluster().running()
+    stray = copy.deepcopy(c.pods["resnet-w0-0"])
+    stray["metadata"]["name"] = "resnet-w9-0"
+    stray["metadata"]["labels"]["splitfeed.io/world-epoch"] = "9"
+    c.pods["resnet-w9-0"] = stray
+    assert c.step().delete == ["resnet-w9-0"]
+
+
+# --- suspend ---------------------------------------------------------------------------------
+
+def test_suspend_drains_and_stops_then_resume_starts_a_new_world():
+    c = Cluster().running()
+    c.manifest["spec"]["suspend"] = True
+    assert c.step().annotate["resnet-w0-0"] == {"splitfeed.io/drain": "suspend-w0"}
+    c.set_phase("Succeeded")
+    c.step(), c.step()
+    assert c.status["phase"] == "Suspended" and not c.pods and c.status["replicas"] == 0
+    assert c.step().status == {}
+    c.manifest["spec"]["suspend"] = False
+    c.step()
+    assert c.status["phase"] == "Running" and c.status["worldEpoch"] == 1 and len(c.pods) == 4
+    assert c.reason() == "Resumed"
+
+
+def test_a_job_created_suspended_starts_no_world():
+    c = Cluster(suspend=True)
+    c.step()
+    assert c.status["phase"] == "Suspended" and not c.pods and "worldEpoch" not in c.status
+    c.manifest["spec"]["suspend"] = False
+    c.step()
+    assert c.status["worldEpoch"] == 0 and len(c.pods) == 4
+
+
+# --- failures and completion ----------------------------------------------------------------
+
+def test_a_failed_pod_restarts_the_whole_world_and_counts_it():
+    c = Cluster(maxRestarts=2).running()
+    c.set_phase("Failed", "resnet-w0-2")
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and c.status["restarts"] == 1
+    assert d.events[0].type == "Warning" and "resnet-w0-2 failed" in d.events[0].message
+    assert not c.pods
+    c.step(), c.step()
+    assert c.status["worldEpoch"] == 1 and c.status["phase"] == "Running" and len(c.pods) == 4
+    assert c.reason() == "WorldRestarted"
+
+
+def test_a_vanished_pod_of_a_started_world_is_a_failure():
+    c = Cluster().running()
+    del c.pods["resnet-w0-1"]
+    c.step()
+    assert c.status["restarts"] == 1
+
+
+def test_the_restart_budget_ends_in_failed_with_the_reason():
+    c = Cluster(maxRestarts=1).running()
+    c.set_phase("Failed", "resnet-w0-0")
+    c.step(), c.step(), c.step()
+    c.set_phase("Running")
+    report = {"globalStep": 7, "epoch": 0, "step": 7, "lastCheckpoint": None, "drained": False,
+              "error": "table has 10 rows < numSplits 48"}
+    c.pods["resnet-w1-3"]["status"] = {"phase": "Failed", "initContainerStatuses": [
+        {"name": "splitfeed-sidecar", "state": {"terminated": {"exitCode": 1, "message": json.dumps(report)}}}]}
+    d = c.step()
+    assert c.status["phase"] == "Failed" and c.reason("Failed") == "RestartLimitExceeded"
+    msg = [x for x in c.status["conditions"] if x["type"] == "Failed"][0]["message"]
+    assert "table has 10 rows" in msg and "1/1 restarts" in msg
+    assert sorted(d.delete) == [f"resnet-w1-{i}" for i in range(3)]
+    assert rescaling.is_terminal(c.status)
+    assert c.step().status == {}
+
+
+def test_all_pods_succeeded_without_a_drain_is_success():
+    c = Cluster().running()
+    c.set_phase("Succeeded")
+    d = c.step()
+    assert c.status["phase"] == "Succeeded" and c.reason("Complete") == "AllPodsSucceeded"
+    assert [e.reason for e in d.events] == ["Succeeded"]
+    assert rescaling.is_terminal(c.status)
+    c.scale(8)
+    assert c.step().annotate == {}
+
+
+def test_sidecar_reports_become_progress_and_last_checkpoint():
+    c = Cluster().running()
+    for i, (step, ck) in enumerate([(120, 100), (121, 100), (119, 90), (121, 100)]):
+        report = {"globalStep": step, "epoch": 0, "step": step, "drained": True, "error": None,
+                  "lastCheckpoint": {"step": ck, "epoch": 0, "worldSize": 4}}
+        c.pods[f"resnet-w0-{i}"]["status"] = {"phase": "Succeeded", "initContainerStatuses": [
+            {"name": "splitfeed-sidecar", "state": {"terminated": {
+                "exitCode": 0, "message": json.dumps(report), "finishedAt": "2026-01-01T12:00:05Z"}}}]}
+    c.step()
+    assert c.status["progress"] == {"globalStep": 121, "epoch": 0, "step": 121}
+    assert c.status["lastCheckpoint"] == {"step": 100, "epoch": 0, "worldSize": 4, "time": "2026-01-01T12:00:05Z"}
+
+
+def test_conditions_keep_their_transition_time_while_unchanged():
+    c = Cluster().running()
+    before = {x["type"]: x["lastTransitionTime"] for x in c.status["conditions"]}
+    c.now += datetime.timedelta(minutes=5)
+    c.step()
+    after = {x["type"]: x["lastTransitionTime"] for x in c.status["conditions"]}
+    assert before == after
