@@ -351,3 +351,26 @@ def _finish_start(c: _Ctx, drain: dict[str, Any]) -> Decision:
     c.cond(conditions.RESCALING, False, reason, msg)
     c.events.append(Event("Normal", reason, msg))
     return c.decision(RUNNING, create=create)
+
+
+def rejected(
+    status: Mapping[str, Any],
+    problem: admission.Rejected,
+    *,
+    now: datetime.datetime,
+    generation: int | None = None,
+) -> Decision:
+    """A spec that does not even parse: say so; fail it unless a world already runs.
+
+    A running world is left alone (the webhook normally prevents this; without
+    it, a bad edit must not kill a training run).
+    """
+    conds = status.get("conditions") or []
+    old = conditions.get(conds, conditions.VALIDATED)
+    new = conditions.set_condition(conds, conditions.VALIDATED, False, "InvalidSpec", str(problem), now, generation)
+    patch: dict[str, Any] = {"conditions": new}
+    if status.get("worldEpoch") is None:
+        patch["phase"] = FAILED
+    events = [] if old and old.get("message") == str(problem) else [Event("Warning", "InvalidSpec", str(problem))]
+    changed = {k: v for k, v in patch.items() if status.get(k) != v}
+    return Decision(step="Invalid", status=changed, events=events, permanent_error=str(problem))

@@ -386,3 +386,15 @@ def test_conditions_keep_their_transition_time_while_unchanged():
     c.step()
     after = {x["type"]: x["lastTransitionTime"] for x in c.status["conditions"]}
     assert before == after
+
+
+def test_an_unparseable_spec_fails_a_new_job_but_spares_a_running_world():
+    from splitfeed.operator import admission
+    problem = admission.Rejected("field spec.data.table", "spec.data.table: is required")
+    d = rescaling.rejected({}, problem, now=T0)
+    assert d.status["phase"] == "Failed" and d.permanent_error and d.events[0].reason == "InvalidSpec"
+    running = Cluster().running()
+    d = rescaling.rejected(running.status, problem, now=T0)
+    assert "phase" not in d.status and d.status["conditions"][0]["reason"] == "InvalidSpec"
+    again = rescaling.rejected(merge(running.status, d.status), problem, now=T0)
+    assert again.status == {} and again.events == []

@@ -1,0 +1,71 @@
+"""Kopf handlers for StreamingJobs: decorators that hand over to `reconciling`.
+
+Imported by `commands` (or `kopf run -m splitfeed.operator.handlers`). The
+admission webhooks live in `webhooks`, imported only when a webhook server is
+configured, because Kopf refuses to start with admission handlers and no server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from . import configs, kube, planning, reconciling, rescaling
+
+G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
+TIMER_INTERVAL_S = 3.0
+"""Every live job is looked at this often: pod phase changes arrive through it."""
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config: configs.OperatorConfig = memo.get("config") or configs.OperatorConfig()
+    prefix = "splitfeed.io"
+    settings.persistence.finalizer = f"{prefix}/kopf-finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=prefix, key="last-handled-configuration")
+    settings.posting.level = 20  # logging.INFO: our events, not Kopf's debug chatter
+    if config.webhook is not None:
+        w = config.webhook
+        settings.admission.server = kopf.WebhookServer(
+            addr=w.addr, port=w.port, host=w.host, certfile=w.certfile, pkeyfile=w.pkeyfile, cafile=w.cafile)
+        settings.admission.managed = w.managed
+    if "ctx" not in memo:
+        memo["ctx"] = reconciling.Context(kube=memo.get("kube") or kube.Kube.connect(config.kubeconfig),
+                                          settings=config.planning)
+
+
+async def _reconcile(memo: kopf.Memo, namespace: str, name: str, *, wait: bool) -> None:
+    outcome = await reconciling.reconcile(memo["ctx"], namespace, name)
+    if outcome.body is not None:
+        for e in outcome.events:
+            kopf.event(outcome.body, type=e.type, reason=e.reason, message=e.message)
+    if outcome.permanent_error and wait:
+        raise kopf.PermanentError(outcome.permanent_error)
+    if wait and outcome.requeue_s is not None:
+        raise kopf.TemporaryError(outcome.waiting, delay=outcome.requeue_s)
+
+
+@kopf.on.resume(G, V, P)
+@kopf.on.create(G, V, P)
+@kopf.on.update(G, V, P, field="spec")
+async def reconcile_on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(memo, namespace, name, wait=True)
+
+
+def _live(status: kopf.Status, **_: Any) -> bool:
+    return not rescaling.is_terminal(status)
+
+
+@kopf.timer(G, V, P, interval=TIMER_INTERVAL_S, when=_live)
+async def reconcile_periodically(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(memo, namespace, name, wait=False)
+
+
+@kopf.on.probe(id="worlds")
+def worlds(memo: kopf.Memo, **_: Any) -> int:
+    """Liveness detail: how many jobs this operator has a lock for (i.e. has reconciled)."""
+    ctx = memo.get("ctx")
+    return len(ctx.locks) if ctx else 0
