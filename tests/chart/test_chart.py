@@ -1,0 +1,541 @@
+"""The Helm chart: rendered offline with helm-python-sdk (Helm's own engine),
+linted strictly, and every object checked against Kubernetes 1.30's schemas.
+
+Besides validity, the tests pin what the operator relies on (its command line
+and environment), least-privilege RBAC in both watch modes, the webhook
+wiring, and that the chart's CRD is the one in crds/ and its sidecar defaults
+are the config model's.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import importlib.util
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from splitfeed.trainer_client import specs
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "splitfeed"
+RELEASE, NAMESPACE = "sf", "ml"
+CA_BUNDLE = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n").decode()
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "single-namespace": {"watch": {"allNamespaces": False, "namespace": "ml-team"}},
+    "single-namespace-release": {"watch": {"allNamespaces": False}},
+    "webhook": {"webhook": {"enabled": True, "caBundle": CA_BUNDLE, "certSecretName": "splitfeed-webhook-tls"}},
+    "webhook-cert-manager": {"webhook": {"enabled": True, "certManager": {"enabled": True}}},
+    "webhook-cert-manager-issuer": {
+        "webhook": {"enabled": True, "certManager": {"enabled": True, "issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}}}
+    },
+    "crds-disabled": {"crds": {"enabled": False}},
+    "custom-sidecar": {
+        "sidecar": {"image": "registry.example.com/splitfeed:0.2.0", "mode": "container", "shmSize": "8Gi", "prefetchBatches": 8}
+    },
+    "everything": {
+        "image": {"repository": "registry.example.com/splitfeed", "tag": "0.1.0-rc1", "pullPolicy": "Always"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "crds": {"enabled": False},
+        "watch": {"allNamespaces": False, "namespace": "ml-team"},
+        "sidecar": {"image": "registry.example.com/splitfeed-sidecar:0.1.0", "mode": "container", "shmSize": "4Gi", "prefetchBatches": 2},
+        "serviceAccount": {"create": False, "name": "existing-sa"},
+        "podAnnotations": {"prometheus.io/scrape": "false"},
+        "podLabels": {"team": "ml"},
+        "priorityClassName": "system-cluster-critical",
+        "resources": {"requests": {"cpu": "200m", "memory": "300Mi"}, "limits": {"memory": "1Gi"}},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
+        "webhook": {"enabled": True, "port": 10443, "failurePolicy": "Ignore", "caBundle": CA_BUNDLE, "certSecretName": "tls"},
+    },
+}
+SCENARIO_PARAMS = [pytest.param(values, id=name) for name, values in SCENARIOS.items()]
+
+
+def rendered(values: dict[str, Any] | None = None, *, name: str = RELEASE, namespace: str = NAMESPACE) -> dict[str, str]:
+    chart = helm_python.Chart.load(CHART)
+    try:
+        return chart.render(copy.deepcopy(values or {}), name=name, namespace=namespace)
+    finally:
+        chart.close()
+
+
+def objects(values: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    docs = []
+    for path, text in sorted(rendered(values, **kwargs).items()):
+        if path.endswith(".yaml"):
+            docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return docs
+
+
+def of_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = of_kind(objs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+# --- validity ---------------------------------------------------------------------
+
+
+class TestValidity:
+    def test_lint_passes_strictly_with_default_values(self):
+        report = helm_python.lint(CHART, strict=True)
+        assert report["errors"] == []
+        assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+    @pytest.mark.parametrize("values", SCENARIO_PARAMS)
+    def test_lint_passes_strictly_with_every_scenario(self, values):
+        report = helm_python.lint(CHART, copy.deepcopy(values), strict=True, namespace=NAMESPACE)
+        assert report["errors"] == []
+        assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+    @pytest.mark.parametrize("values", SCENARIO_PARAMS)
+    def test_every_object_validates_against_kubernetes_1_30(self, values):
+        # kubernetes-validate ships the apiextensions.k8s.io/v1 schema, so the
+        # CustomResourceDefinition is validated like everything else. It has
+        # no schema for cert-manager's kinds (not part of Kubernetes): those
+        # are checked against CERT_MANAGER below, and we assert it still lacks
+        # them so that this exception is revisited if it ever gains them.
+        objs = objects(values)
+        assert objs
+        for obj in objs:
+            if obj["apiVersion"].startswith("cert-manager.io/"):
+                with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                    kubernetes_validate.validate(obj, "1.30.0", strict=True)
+                jsonschema.validate(obj, CERT_MANAGER[obj["kind"]])
+            else:
+                kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+    @pytest.mark.parametrize("values", SCENARIO_PARAMS)
+    def test_namespaced_objects_land_in_the_release_or_watched_namespace(self, values):
+        watched = values.get("watch", {}).get("namespace") or NAMESPACE
+        for obj in objects(values):
+            namespace = obj["metadata"].get("namespace")
+            if obj["kind"] in {"Role", "RoleBinding"}:
+                assert namespace == watched
+            elif obj["kind"] in CLUSTER_SCOPED:
+                assert namespace is None
+            else:
+                assert namespace == NAMESPACE, obj["kind"]
+
+    def test_two_releases_in_two_namespaces_do_not_share_cluster_scoped_names(self):
+        values = SCENARIOS["webhook"]
+        names = [
+            {(o["kind"], o["metadata"]["name"]) for o in objects(values, namespace=ns)
+             if o["kind"] in CLUSTER_SCOPED - {"CustomResourceDefinition"}}
+            for ns in ("team-a", "team-b")
+        ]
+        assert names[0] and not names[0] & names[1]
+
+    def test_the_chart_metadata(self):
+        chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+        assert (chart["apiVersion"], chart["name"], chart["version"], chart["appVersion"]) == (
+            "v2", "splitfeed", "0.1.0", "0.1.0")
+
+
+CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration", "CustomResourceDefinition"}
+
+# The parts of cert-manager's v1 API this chart uses (cert-manager.io/v1
+# Certificate and Issuer); kubernetes-validate has no schemas for them.
+_META = {"type": "object", "required": ["name", "namespace"],
+         "properties": {"name": {"type": "string", "minLength": 1}, "namespace": {"type": "string"}}}
+CERT_MANAGER = {
+    "Certificate": {
+        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Certificate"}, "metadata": _META,
+            "spec": {
+                "type": "object", "additionalProperties": False, "required": ["secretName", "issuerRef", "dnsNames"],
+                "properties": {
+                    "secretName": {"type": "string", "minLength": 1},
+                    "duration": {"type": "string", "pattern": "^[0-9]+(h|m|s)$"},
+                    "renewBefore": {"type": "string", "pattern": "^[0-9]+(h|m|s)$"},
+                    "dnsNames": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                    "privateKey": {"type": "object", "additionalProperties": False, "properties": {
+                        "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"},
+                        "rotationPolicy": {"enum": ["Never", "Always"]}}},
+                    "issuerRef": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+                        "name": {"type": "string", "minLength": 1}, "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                        "group": {"type": "string"}}},
+                },
+            },
+        },
+    },
+    "Issuer": {
+        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "cert-manager.io/v1"}, "kind": {"const": "Issuer"}, "metadata": _META,
+            "spec": {"type": "object", "minProperties": 1, "maxProperties": 1,
+                     "properties": {"selfSigned": {"type": "object"}}, "additionalProperties": False},
+        },
+    },
+}
+
+
+# --- the operator Deployment ---------------------------------------------------------
+
+
+class TestDeployment:
+    def test_one_replica_recreated_never_rolled(self):
+        deployment = one(objects(), "Deployment")
+        assert deployment["spec"]["replicas"] == 1
+        assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+    def test_cluster_mode_watches_all_namespaces(self):
+        c = container(objects())
+        assert c["command"] == ["splitfeed", "operator"]
+        assert c["args"] == [
+            "--liveness=http://0.0.0.0:8080/healthz", "--all-namespaces", "--sidecar-mode", "native",
+            "--standalone",
+        ]
+        assert c["image"] == "splitfeed:0.1.0"
+
+    @pytest.mark.parametrize(
+        "values,namespace",
+        [
+            pytest.param(SCENARIOS["single-namespace"], "ml-team", id="named"),
+            pytest.param(SCENARIOS["single-namespace-release"], NAMESPACE, id="release"),
+        ],
+    )
+    def test_single_namespace_mode_watches_one_namespace(self, values, namespace):
+        args = container(objects(values))["args"]
+        assert "--all-namespaces" not in args
+        assert args[args.index("--namespace") + 1] == namespace
+
+    def test_peering_is_opt_in(self):
+        # One replica + Recreate never runs two operators; Kopf peering needs
+        # Kopf's own CRDs, and with them missing a peering operator stays paused.
+        args = container(objects({"peering": {"enabled": True, "name": "team-a"}}))["args"]
+        assert "--standalone" not in args and args[args.index("--peering") + 1] == "team-a"
+
+    def test_the_command_line_is_one_the_operator_accepts(self):
+        # The contract with operator/commands.py: every scenario's argv parses.
+        from splitfeed.trainer_client import cli
+
+        for name, values in SCENARIOS.items():
+            c = container(objects(values))
+            args = cli.build_parser().parse_args([*c["command"][1:], *c["args"]])
+            assert args.command == "operator", name
+
+    def test_the_liveness_probe_hits_kopfs_endpoint(self):
+        c = container(objects())
+        assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"]
+        probe = c["livenessProbe"]["httpGet"]
+        port = next(p for p in c["ports"] if p["name"] == probe["port"])
+        assert (probe["path"], port["containerPort"]) == ("/healthz", 8080)
+
+    def test_sidecar_defaults_reach_the_operator(self):
+        c = container(objects(SCENARIOS["custom-sidecar"]))
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["SPLITFEED_SIDECAR_IMAGE"] == "registry.example.com/splitfeed:0.2.0"
+        assert env["SPLITFEED_SIDECAR_SHM_SIZE"] == "8Gi"
+        assert env["SPLITFEED_SIDECAR_PREFETCH_BATCHES"] == "8"
+        assert c["args"][c["args"].index("--sidecar-mode") + 1] == "container"
+
+    def test_the_sidecar_image_defaults_to_the_operator_image(self):
+        values = {"image": {"repository": "registry.example.com/splitfeed", "tag": "1.2.3"}}
+        c = container(objects(values))
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert c["image"] == env["SPLITFEED_SIDECAR_IMAGE"] == "registry.example.com/splitfeed:1.2.3"
+
+    def test_chart_sidecar_defaults_are_the_config_models(self):
+        # The CRD leaves these three undefaulted so that the operator fills
+        # them from here; a job that sets none of them must get what
+        # `splitfeed local` gives it (specs.SidecarSpec).
+        env = {e["name"]: e.get("value") for e in container(objects())["env"]}
+        model = specs.SidecarSpec()
+        assert env["SPLITFEED_SIDECAR_IMAGE"] == model.image
+        assert env["SPLITFEED_SIDECAR_SHM_SIZE"] == model.shm_size
+        assert env["SPLITFEED_SIDECAR_PREFETCH_BATCHES"] == str(model.prefetch_batches)
+
+    def test_scheduling_and_resources_come_from_values(self):
+        values = SCENARIOS["everything"]
+        pod = one(objects(values), "Deployment")["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == values["nodeSelector"]
+        assert pod["tolerations"] == values["tolerations"]
+        assert pod["affinity"] == values["affinity"]
+        assert pod["containers"][0]["resources"] == values["resources"]
+        assert pod["serviceAccountName"] == "existing-sa"
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+    def test_the_operator_runs_unprivileged(self):
+        pod = one(objects(), "Deployment")["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        sc = pod["containers"][0]["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+
+
+# --- RBAC ------------------------------------------------------------------------
+
+
+def grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule.get("apiGroups", [])
+        for resource in rule.get("resources", [])
+        for verb in rule["verbs"]
+    }
+
+
+def expand(group: str, resources: list[str], verbs: list[str]) -> set[tuple[str, str, str]]:
+    return {(group, r, v) for r in resources for v in verbs}
+
+
+NAMESPACED = (
+    expand("splitfeed.io", ["streamingjobs"], ["get", "list", "watch", "patch", "update"])
+    | expand("splitfeed.io", ["streamingjobs/status", "streamingjobs/scale"], ["get", "patch", "update"])
+    | expand("", ["pods", "services", "configmaps"], ["get", "list", "watch", "create", "delete", "patch"])
+    | expand("", ["events"], ["create", "patch"])
+    | expand("kopf.dev", ["kopfpeerings"], ["get", "list", "watch", "patch"])
+)
+CRD_READ = expand("apiextensions.k8s.io", ["customresourcedefinitions"], ["get", "list", "watch"])
+CLUSTER_ONLY = expand("", ["namespaces"], ["list", "watch"]) | expand(
+    "kopf.dev", ["clusterkopfpeerings"], ["get", "list", "watch", "patch"])
+
+
+def rbac(objs: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    return (o for o in objs if o["kind"] in {"Role", "ClusterRole"})
+
+
+class TestRBAC:
+    def test_cluster_mode_grants_exactly_what_the_operator_needs_cluster_wide(self):
+        objs = objects()
+        assert of_kind(objs, "Role") == [] and of_kind(objs, "RoleBinding") == []
+        role = one(objs, "ClusterRole")
+        assert grants(role["rules"]) == NAMESPACED | CRD_READ | CLUSTER_ONLY
+        binding = one(objs, "ClusterRoleBinding")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": role["metadata"]["name"]}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": one(objs, "ServiceAccount")["metadata"]["name"],
+                                        "namespace": NAMESPACE}]
+
+    def test_single_namespace_mode_uses_a_role_and_reads_only_crds_cluster_wide(self):
+        objs = objects(SCENARIOS["single-namespace"])
+        role = one(objs, "Role")
+        assert role["metadata"]["namespace"] == "ml-team"
+        assert grants(role["rules"]) == NAMESPACED
+        assert grants(one(objs, "ClusterRole")["rules"]) == CRD_READ
+        binding = one(objs, "RoleBinding")
+        assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"][0]["namespace"] == NAMESPACE
+        assert one(objs, "ClusterRoleBinding")["roleRef"]["name"] == one(objs, "ClusterRole")["metadata"]["name"]
+
+    @pytest.mark.parametrize("values", SCENARIO_PARAMS)
+    def test_no_secrets_and_no_wildcards_anywhere(self, values):
+        for role in rbac(objects(values)):
+            for rule in role["rules"]:
+                assert "secrets" not in rule.get("resources", []), role["metadata"]["name"]
+                for key in ("apiGroups", "resources", "verbs"):
+                    assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
+                assert "nonResourceURLs" not in rule and "resourceNames" not in rule
+
+    def test_a_custom_service_account_is_bound_not_created(self):
+        objs = objects(SCENARIOS["everything"])
+        assert of_kind(objs, "ServiceAccount") == []
+        for binding in of_kind(objs, "RoleBinding") + of_kind(objs, "ClusterRoleBinding"):
+            assert binding["subjects"][0]["name"] == "existing-sa"
+
+
+# --- the webhook ----------------------------------------------------------------
+
+
+class TestWebhook:
+    def test_disabled_by_default(self):
+        objs = objects()
+        assert of_kind(objs, "ValidatingWebhookConfiguration") == [] and of_kind(objs, "Service") == []
+        c = container(objs)
+        assert not any(a.startswith("--webhook") for a in c["args"]) and "volumeMounts" not in c
+
+    @pytest.mark.parametrize("scenario", ["webhook", "webhook-cert-manager", "everything"])
+    def test_routes_job_writes_and_scale_requests_to_the_operator(self, scenario):
+        values = SCENARIOS[scenario]
+        objs = objects(values)
+        service = one(objs, "Service")
+        deployment = one(objs, "Deployment")
+        pod = deployment["spec"]["template"]
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        c = pod["spec"]["containers"][0]
+        port = next(p for p in c["ports"] if p["name"] == service["spec"]["ports"][0]["targetPort"])
+        assert port["containerPort"] == values["webhook"].get("port", 9443)
+        assert c["args"][c["args"].index("--webhook-port") + 1] == str(port["containerPort"])
+        hooks = one(objs, "ValidatingWebhookConfiguration")["webhooks"]
+        rules = {(r["resources"][0], tuple(r["operations"])) for h in hooks for r in h["rules"]}
+        assert rules == {("streamingjobs", ("CREATE", "UPDATE")), ("streamingjobs/scale", ("UPDATE",))}
+        for hook in hooks:
+            svc = hook["clientConfig"]["service"]
+            assert (svc["name"], svc["namespace"], svc["port"]) == (service["metadata"]["name"], NAMESPACE, 443)
+            assert hook["sideEffects"] == "None" and hook["admissionReviewVersions"] == ["v1"]
+
+    def test_each_webhook_path_reaches_the_kopf_handler_for_its_resource(self):
+        # Kopf's webhook server routes a request by the handler id in its URL
+        # path (POST /<id>); a request for a path with no handler is admitted
+        # unchecked. So the chart's paths must be operator/webhooks.py's ids,
+        # with the same subresource and operations.
+        import kopf
+
+        import splitfeed.operator.webhooks  # noqa: F401  (registers the handlers)
+
+        handlers = {
+            (f"/{h.id}", "streamingjobs" + (f"/{h.subresource}" if h.subresource else ""), tuple(h.operations))
+            for h in kopf.get_default_registry()._webhooks.get_all_handlers()
+            if h.selector is not None and h.selector.group == "splitfeed.io"
+        }
+        hooks = one(objects(SCENARIOS["webhook"]), "ValidatingWebhookConfiguration")["webhooks"]
+        chart = {
+            (h["clientConfig"]["service"]["path"], rule["resources"][0], tuple(rule["operations"]))
+            for h in hooks for rule in h["rules"]
+        }
+        assert chart == handlers
+
+    def test_user_certificates_are_mounted_and_the_ca_injected(self):
+        objs = objects(SCENARIOS["webhook"])
+        for hook in one(objs, "ValidatingWebhookConfiguration")["webhooks"]:
+            assert hook["clientConfig"]["caBundle"] == CA_BUNDLE
+        pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+        assert pod["volumes"] == [{"name": "webhook-cert", "secret": {"secretName": "splitfeed-webhook-tls"}}]
+        mount = pod["containers"][0]["volumeMounts"][0]
+        args = pod["containers"][0]["args"]
+        # kubernetes.io/tls Secrets (and cert-manager's) hold tls.crt and tls.key.
+        assert args[args.index("--webhook-cert") + 1] == f"{mount['mountPath']}/tls.crt"
+        assert args[args.index("--webhook-key") + 1] == f"{mount['mountPath']}/tls.key"
+        assert of_kind(objs, "Certificate") == []
+
+    def test_cert_manager_issues_the_certificate_and_injects_the_ca(self):
+        objs = objects(SCENARIOS["webhook-cert-manager"])
+        webhook = one(objs, "ValidatingWebhookConfiguration")
+        certificate = one(objs, "Certificate")
+        assert webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+            f"{NAMESPACE}/{certificate['metadata']['name']}")
+        assert all("caBundle" not in h["clientConfig"] for h in webhook["webhooks"])
+        service = one(objs, "Service")["metadata"]["name"]
+        assert f"{service}.{NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
+        secret = one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"]
+        assert secret == certificate["spec"]["secretName"]
+        issuer = one(objs, "Issuer")
+        assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"]
+
+    def test_cert_manager_can_use_an_existing_issuer(self):
+        objs = objects(SCENARIOS["webhook-cert-manager-issuer"])
+        assert of_kind(objs, "Issuer") == []
+        assert one(objs, "Certificate")["spec"]["issuerRef"]["name"] == "corp-ca"
+        assert one(objs, "Certificate")["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
+
+    def test_single_namespace_mode_limits_the_webhook_to_that_namespace(self):
+        hooks = one(objects(SCENARIOS["everything"]), "ValidatingWebhookConfiguration")["webhooks"]
+        for hook in hooks:
+            assert hook["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ml-team"}}
+            assert hook["failurePolicy"] == "Ignore"
+
+    @pytest.mark.parametrize(
+        "webhook",
+        [
+            pytest.param({"enabled": True}, id="nothing"),
+            pytest.param({"enabled": True, "certSecretName": "tls"}, id="no-ca-bundle"),
+            pytest.param({"enabled": True, "caBundle": CA_BUNDLE}, id="no-secret"),
+        ],
+    )
+    def test_without_cert_manager_the_certificate_is_required(self, webhook):
+        with pytest.raises(helm_python.HelmValuesError):
+            rendered({"webhook": webhook})
+
+
+# --- the CRD in the chart ------------------------------------------------------------
+
+
+def load_sync():
+    spec = importlib.util.spec_from_file_location("crd_sync", ROOT / "crds" / "sync.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class TestCRD:
+    def test_the_chart_installs_the_crd_from_crds_and_keeps_it_on_uninstall(self):
+        crd = one(objects(), "CustomResourceDefinition")
+        annotations = crd["metadata"].pop("annotations")
+        assert annotations == {"helm.sh/resource-policy": "keep"}
+        assert crd == yaml.safe_load((ROOT / "crds" / "streamingjob.yaml").read_text())
+
+    def test_crds_disabled_installs_none(self):
+        assert of_kind(objects(SCENARIOS["crds-disabled"]), "CustomResourceDefinition") == []
+
+    def test_the_chart_copy_is_what_sync_writes(self):
+        sync = load_sync()
+        assert (CHART / "templates" / "crd.yaml").read_text() == sync.render(sync.SOURCE.read_text())
+        assert sync.main(["--check"]) == 0
+
+    def test_sync_refuses_text_helm_would_read(self):
+        sync = load_sync()
+        with pytest.raises(sync.SyncError):
+            sync.render(sync.SOURCE.read_text().replace("description: Kopf's", "description: {{ .Values }} Kopf's"))
+
+
+# --- values ------------------------------------------------------------------------
+
+
+class TestValues:
+    @pytest.mark.parametrize("values", SCENARIO_PARAMS)
+    def test_the_schema_accepts_every_scenario(self, values):
+        chart = helm_python.Chart.load(CHART)
+        try:
+            chart.validate_schema(chart.merge_values(copy.deepcopy(values)))
+        finally:
+            chart.close()
+
+    @pytest.mark.parametrize(
+        "values,words",
+        [
+            pytest.param({"sidecar": {"mode": "bogus"}}, "/sidecar/mode", id="sidecar-mode"),
+            pytest.param({"sidecar": {"shmSize": "lots"}}, "/sidecar/shmSize", id="shm-size"),
+            pytest.param({"sidecar": {"prefetchBatches": 0}}, "/sidecar/prefetchBatches", id="prefetch"),
+            pytest.param({"watch": {"allNamespaces": "yes"}}, "/watch/allNamespaces", id="watch-mode"),
+            pytest.param({"watch": {"namespace": "ML_Team"}}, "/watch/namespace", id="namespace-name"),
+            pytest.param({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", id="pull-policy"),
+            pytest.param({"webhook": {"failurePolicy": "Maybe"}}, "/webhook/failurePolicy", id="failure-policy"),
+            pytest.param({"webhook": {"enabled": True}}, "/webhook/caBundle", id="webhook-without-ca"),
+            pytest.param({"crds": {"enable": True}}, "enable", id="typo"),
+            pytest.param({"sidcar": {}}, "sidcar", id="unknown-top-level"),
+            pytest.param({"peering": {"enabled": True, "name": ""}}, "/peering/name", id="peering-name"),
+        ],
+    )
+    def test_the_schema_rejects_bad_values(self, values, words):
+        chart = helm_python.Chart.load(CHART)
+        try:
+            with pytest.raises(helm_python.HelmValuesError) as info:
+                chart.validate_schema(chart.merge_values(values))
+            assert words in str(info.value)
+            with pytest.raises(helm_python.HelmValuesError):
+                chart.render(values, name=RELEASE, namespace=NAMESPACE)
+        finally:
+            chart.close()
+
+
+def test_notes_tell_how_to_apply_and_scale_a_job():
+    notes = rendered()["splitfeed/templates/NOTES.txt"]
+    assert "kubectl -n default apply -f examples/streamingjob.yaml" in notes
+    assert "scale sj/resnet --replicas=" in notes
+    assert "allowedReplicas" in notes
+    single = rendered(SCENARIOS["single-namespace"])["splitfeed/templates/NOTES.txt"]
+    assert "kubectl -n ml-team scale sj/resnet" in single
+    assert "kubectl apply -f crds/streamingjob.yaml" in rendered(SCENARIOS["crds-disabled"])["splitfeed/templates/NOTES.txt"]
