@@ -1,0 +1,300 @@
+"""A rank's batches, read in-process or by loader worker processes.
+
+Called by the sidecar's serving loop (and by the data-plane tests). With
+`numWorkers: 1` a background thread reads ahead of the consumer; with K > 1,
+K spawned processes each read a contiguous sub-block of the rank's splits and
+the parent merges their blocks with `batching.interleave`, which yields the
+same rows in the same order as one reader would (the determinism contract in
+ARCHITECTURE.md does not depend on K).
+
+Worker processes exist because decoding and copying Arrow data holds the GIL
+for part of each read; they are started with 'spawn' because lancedb's Rust
+runtime (its thread pool and object-store clients) is not fork-safe. Blocks
+travel as Arrow IPC bytes over a one-way Pipe: self-describing, no pickle of
+user data, and the pipe's small buffer keeps each worker about one step ahead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import struct
+import threading
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from splitfeed.trainer_client import errors, specs, topology
+
+from . import batching, reading
+
+log = logging.getLogger(__name__)
+
+PREFETCH_STEPS = 2
+"""Steps the in-process reader may run ahead; the ring adds prefetchBatches more."""
+
+JOIN_TIMEOUT_S = 5.0
+"""How long a worker gets to exit after SIGTERM before it is killed."""
+
+_POLL_S = 0.2
+"""How often a blocked reader thread checks whether its consumer went away."""
+
+
+def iter_rank_batches(
+    data: specs.DataSpec,
+    storage_options: Mapping[str, str] | None,
+    *,
+    rank: int,
+    world_size: int,
+    start_global_step: int,
+    stop_global_step: int | None = None,
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Yield (global_step, batch) for `rank`: G/W rows per step, in reference order.
+
+    Steps run from `start_global_step` through the job's last epoch, or up to
+    (excluding) `stop_global_step`. Raises errors.UserError for a topology the
+    job cannot serve or a table/filter/column problem, errors.SidecarFailed
+    when a loader worker fails otherwise or dies. Closing the generator stops
+    the reader thread or the worker processes.
+    """
+    try:
+        topology.check(
+            replicas=world_size,
+            gpus_per_replica=1,
+            num_splits=data.num_splits,
+            num_workers=data.num_workers,
+            global_batch_size=data.global_batch_size,
+        )
+    except topology.TopologyError as exc:
+        raise errors.UserError(f"world size {world_size}: {exc}") from exc
+    if not 0 <= rank < world_size:
+        raise errors.UserError(f"rank {rank} is outside a world of size {world_size}")
+    options = dict(storage_options or {})
+    if data.num_workers == 1:
+        return _iter_in_thread(data, options, rank, world_size, start_global_step, stop_global_step)
+    return _iter_in_processes(data, options, rank, world_size, start_global_step, stop_global_step)
+
+
+# --- numWorkers = 1: one reader thread ---------------------------------------------
+
+
+class _End:
+    """Queue sentinel: the reader finished every step."""
+
+
+def _iter_in_thread(
+    data: specs.DataSpec,
+    storage_options: dict[str, str],
+    rank: int,
+    world_size: int,
+    start: int,
+    stop: int | None,
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Read in a thread so that lancedb I/O overlaps with the consumer's work."""
+    ready: queue.Queue[Any] = queue.Queue(maxsize=PREFETCH_STEPS)
+    closing = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not closing.is_set():
+            try:
+                ready.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            table = reading.open_table(data, storage_options)
+            splits = topology.rank_splits(rank, world_size, data.num_splits)
+            blocks = reading.iter_blocks(
+                table, data, splits, start_global_step=start, stop_global_step=stop
+            )
+            with contextlib.closing(blocks):
+                for item in blocks:
+                    if not put(item):
+                        return
+            put(_End())
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            put(exc)
+
+    reader = threading.Thread(target=read, name=f"splitfeed-reader-{rank}", daemon=True)
+    reader.start()
+    try:
+        while True:
+            item = ready.get()
+            if isinstance(item, _End):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        closing.set()
+        reader.join(JOIN_TIMEOUT_S)
+        if reader.is_alive():  # stuck inside a lancedb call; it exits at its next put
+            log.warning("reader thread for rank %d did not stop within %ss", rank, JOIN_TIMEOUT_S)
+
+
+# --- numWorkers = K > 1: worker processes ------------------------------------------
+
+# A frame is a header (kind, global step) and a payload: Arrow IPC for a block,
+# UTF-8 text for an error.
+_HEADER = struct.Struct("<Bq")
+_BLOCK, _END, _USER_ERROR, _FAILURE = 1, 2, 3, 4
+
+
+def _frame(kind: int, step: int = -1, payload: bytes = b"") -> bytes:
+    return _HEADER.pack(kind, step) + payload
+
+
+def _to_ipc(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def _from_ipc(payload: memoryview) -> pa.RecordBatch:
+    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+        return reader.read_next_batch()
+
+
+def _exit_with_parent() -> None:
+    """Die when the parent does, even if it was SIGKILLed and cleaned nothing up."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="splitfeed-parent-watch", daemon=True).start()
+
+
+def _worker_main(
+    conn: multiprocessing.connection.Connection,
+    data: specs.DataSpec,
+    storage_options: dict[str, str],
+    rank: int,
+    world_size: int,
+    worker: int,
+    start: int,
+    stop: int | None,
+) -> None:
+    """Entry point of loader worker `worker`: stream its sub-block's steps to the parent."""
+    _exit_with_parent()
+    try:
+        table = reading.open_table(data, storage_options)
+        splits = topology.worker_splits(rank, world_size, data.num_splits, data.num_workers, worker)
+        for step, block in reading.iter_blocks(
+            table, data, splits, start_global_step=start, stop_global_step=stop
+        ):
+            conn.send_bytes(_frame(_BLOCK, step, _to_ipc(block)))
+        conn.send_bytes(_frame(_END))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the parent stopped listening; nothing left to tell it
+    except BaseException as exc:
+        if isinstance(exc, errors.UserError):
+            kind, text = _USER_ERROR, str(exc)
+        else:
+            kind, text = _FAILURE, "".join(traceback.format_exception(exc)).rstrip()
+        with contextlib.suppress(OSError):
+            conn.send_bytes(_frame(kind, payload=text.encode()))
+    finally:
+        conn.close()
+
+
+def _receive(
+    conn: multiprocessing.connection.Connection,
+    process: multiprocessing.process.BaseProcess,
+    worker: int,
+    rank: int,
+) -> tuple[int, int, memoryview]:
+    try:
+        raw = conn.recv_bytes()
+    except EOFError:
+        process.join(JOIN_TIMEOUT_S)
+        raise errors.SidecarFailed(
+            f"loader worker {worker} of rank {rank} exited (code {process.exitcode}) "
+            "without a result"
+        ) from None
+    kind, step = _HEADER.unpack_from(raw)
+    payload = memoryview(raw)[_HEADER.size :]
+    if kind == _USER_ERROR:
+        raise errors.UserError(bytes(payload).decode())
+    if kind == _FAILURE:
+        raise errors.SidecarFailed(
+            f"loader worker {worker} of rank {rank} failed:\n{bytes(payload).decode()}"
+        )
+    return kind, step, payload
+
+
+def _stop(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    """Terminate, join with a timeout, kill: no worker outlives the generator."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(JOIN_TIMEOUT_S)
+        if process.is_alive():
+            log.warning("loader worker pid %s ignored SIGTERM; killing it", process.pid)
+            process.kill()
+            process.join()
+        process.close()
+
+
+def _iter_in_processes(
+    data: specs.DataSpec,
+    storage_options: dict[str, str],
+    rank: int,
+    world_size: int,
+    start: int,
+    stop: int | None,
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Start K workers, then merge their step-k blocks into the rank's batch k."""
+    context = multiprocessing.get_context("spawn")
+    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    conns: list[multiprocessing.connection.Connection] = []
+    processes: list[multiprocessing.process.BaseProcess] = []
+    try:
+        for worker in range(data.num_workers):
+            receiver, sender = context.Pipe(duplex=False)
+            conns.append(receiver)
+            process = context.Process(
+                target=_worker_main,
+                args=(sender, data, storage_options, rank, world_size, worker, start, stop),
+                name=f"splitfeed-loader-{rank}-{worker}",
+                daemon=True,
+            )
+            process.start()
+            processes.append(process)
+            sender.close()  # the worker holds the only writer now: its death reads as EOF
+        expected = start
+        while True:
+            frames = [
+                _receive(conn, process, worker, rank)
+                for worker, (conn, process) in enumerate(zip(conns, processes))
+            ]
+            kinds = {kind for kind, _, _ in frames}
+            if kinds == {_END}:
+                return
+            steps = [step for _, step, _ in frames]
+            if kinds != {_BLOCK} or steps != [expected] * len(frames):
+                raise errors.SidecarFailed(
+                    f"loader workers of rank {rank} disagree at step {expected}: "
+                    f"frames {[kind for kind, _, _ in frames]}, steps {steps}"
+                )
+            blocks = [_from_ipc(payload) for _, _, payload in frames]
+            yield expected, batching.interleave(blocks, cycles)
+            expected += 1
+    finally:
+        for conn in conns:
+            conn.close()
+        _stop(processes)
