@@ -143,7 +143,18 @@ def resume_position(job: specs.JobSpec, settings: SidecarSettings,
     return step, world
 
 
-def run(settings: SidecarSettings) -> int:
+@dataclasses.dataclass
+class Sidecar:
+    """A prepared sidecar: its server, and why it cannot serve (if it cannot)."""
+
+    server: serving.Server
+    settings: SidecarSettings
+    steps_per_epoch: int
+    failure: str | None
+
+
+def prepare(settings: SidecarSettings) -> Sidecar:
+    """Load, open, resume and bind. Bad input becomes `failure`, reported to trainers."""
     ranks = [settings.rank + i for i in range(settings.local_world_size)]
     failure: str | None = None
     job: specs.JobSpec | None = None
@@ -169,10 +180,10 @@ def run(settings: SidecarSettings) -> int:
     checkpoint = None
     if job is not None and job.checkpoint.uri:
         store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name, storage_options)
-        data, world = job.data, settings.world_size
+        data, world, spe = job.data, settings.world_size, steps_per_epoch
 
         def checkpoint(rank: int, step: int) -> str:
-            state = positions.state_dict(data, positions.position_of(step, steps_per_epoch))
+            state = positions.state_dict(data, positions.position_of(step, spe))
             return store.write(global_step=step, rank=rank, world_size=world, state=state)
 
     server = serving.Server(
@@ -180,21 +191,25 @@ def run(settings: SidecarSettings) -> int:
         factory=factory, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         start_step=start_step, resume_step=start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint)
-    stop = lambda *_: server.stopping.set()  # noqa: E731
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    return Sidecar(server, settings, steps_per_epoch, failure)
+
+
+def serve(sidecar: Sidecar) -> int:
+    """Serve until done, drained or stopped; write the exit report. Exit code."""
+    server, settings, failure = sidecar.server, sidecar.settings, sidecar.failure
     try:
         if failure is not None:
             server.fail_all(failure, grace_s=FAILURE_GRACE_S)
         else:
             log.info("serving ranks %s of %d at %s from global step %d of %d",
-                     ranks, settings.world_size, settings.socket_dir, start_step, total_steps)
+                     [f.rank for f in server.feeds], settings.world_size, settings.socket_dir,
+                     server.resume_step, server.total_steps)
             server.run(tick=RequestWatcher(server, settings.podinfo_dir))
             failure = next((f.failure for f in server.feeds if f.failure), None)
     finally:
         report = {
             "globalStep": min((int(f.control.header["acked"]) + 1 for f in server.feeds), default=0),
-            "stepsPerEpoch": steps_per_epoch,
+            "stepsPerEpoch": sidecar.steps_per_epoch,
             "lastCheckpoint": server.last_checkpoint,
             "drained": bool(server.feeds) and all(f.drained for f in server.feeds),
             "error": failure,
@@ -206,3 +221,12 @@ def run(settings: SidecarSettings) -> int:
             except OSError as exc:
                 log.warning("cannot write the termination log: %s", exc)
     return 2 if failure else 0
+
+
+def run(settings: SidecarSettings) -> int:
+    """The `splitfeed sidecar` process: SIGTERM / SIGINT stop it cleanly."""
+    sidecar = prepare(settings)
+    stop = lambda *_: sidecar.server.stopping.set()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return serve(sidecar)

@@ -363,7 +363,12 @@ class Server:
             wanted = acked + 1 if acked >= 0 else feed.start_step
         if not 0 <= wanted <= feed.total_steps:
             raise errors.ProtocolError(f"next_step {wanted} is outside 0..{feed.total_steps}")
-        in_step = feed.peer == peer and not new_trainer and self._oldest_unsent(feed) == wanted
+        same_trainer = feed.peer == peer and not new_trainer
+        if same_trainer and wanted < acked + 1:
+            # A hello that waited in the queue while batches flowed: stale, the
+            # trainer has moved on. Answer it without rewinding anything.
+            wanted = acked + 1
+        in_step = same_trainer and acked + 1 == wanted
         feed.peer, feed.trainer_pid, feed.said_bye = peer, message["pid"], False
         if not in_step:
             log.info("rank %d: trainer pid %d continues at global step %d",
@@ -374,11 +379,6 @@ class Server:
                    world_size=self.world_size, ctl=str(feed.control.path),
                    resume_step=self.resume_step, next_step=wanted,
                    total_steps=feed.total_steps, steps_per_epoch=self.steps_per_epoch)
-
-    @staticmethod
-    def _oldest_unsent(feed: RankFeed) -> int:
-        """The global step the trainer should expect next if nothing was lost."""
-        return int(feed.control.header["acked"]) + 1
 
     def _checkpoint_rank(self, feed: RankFeed, step: int) -> None:
         acked = int(feed.control.header["acked"])

@@ -175,7 +175,11 @@ class StreamClient:
         self._released: list[tuple[ring.Control, int, int]] = []
         self._release_lock = threading.Lock()
         self.stats = _Stats(os.environ.get("SPLITFEED_STATS_FILE"))
-        self._welcome(self._hello())
+        try:
+            self._welcome(self._hello())
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
 
     # -- public API -----------------------------------------------------------
 
@@ -285,6 +289,7 @@ class StreamClient:
 
     def _welcome(self, message: dict[str, Any]) -> None:
         self._inbox.clear()
+        previous = self._instance
         if message["instance"] != self._instance:
             if self._control is not None:
                 log.warning("sidecar restarted (instance %s -> %s); continuing at step %s",
@@ -296,7 +301,10 @@ class StreamClient:
         self.resume_step = message["resume_step"]
         self.steps_per_epoch = message["steps_per_epoch"]
         self.total_steps = message["total_steps"]
-        self._next_step = message["next_step"]
+        if self._next_step is None or message["instance"] != previous:
+            # Only the first welcome decides where a fresh process starts; later
+            # ones answer our own hello (heartbeats may be answered late).
+            self._next_step = message["next_step"]
 
     # -- receiving ----------------------------------------------------------------
 

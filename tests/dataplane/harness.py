@@ -1,0 +1,198 @@
+"""Harness for the data plane: real LanceDB tables, real sidecars, real ZeroMQ.
+
+Sidecars run either in a thread of the test process (fast: lancedb is imported
+once) or as `splitfeed sidecar` processes (for tests that kill them by PID).
+Expected batches always come from lancedb's StreamingDataset iterated
+in-process, never from splitfeed itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import lancedb
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar import reading
+from splitfeed.trainer_client import specs, topology
+
+ROWS = 1000
+DIM = 8
+
+
+def write_table(uri: str, rows: int = ROWS, name: str = "frames") -> None:
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((rows, DIM)).astype(np.float32)
+    lancedb.connect(uri).create_table(name, pa.table({
+        "id": pa.array(np.arange(rows), pa.int64()),
+        "label": pa.array(np.arange(rows) % 10, pa.int32()),
+        "vec": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), DIM),
+    }), mode="overwrite")
+
+
+@pytest.fixture(scope="session")
+def table_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    uri = str(tmp_path_factory.mktemp("lance") / "db")
+    write_table(uri)
+    return uri
+
+
+def manifest(uri: str, checkpoint_uri: str | None = None, **data: object) -> dict:
+    spec_data = {"uri": uri, "table": "frames", "numSplits": 24, "globalBatchSize": 48,
+                 "shuffleSeed": 3, "epochs": 1}
+    spec_data.update(data)
+    spec: dict = {"data": spec_data, "sidecar": {"prefetchBatches": 2}}
+    if checkpoint_uri:
+        spec["checkpoint"] = {"uri": checkpoint_uri}
+    return {"apiVersion": specs.API_VERSION, "kind": specs.KIND,
+            "metadata": {"name": "job", "namespace": "test"}, "spec": spec}
+
+
+def reference_batches(uri: str, data_overrides: dict, world: int, rank: int) -> list[list[int]]:
+    """Rank `rank`'s batches of ids, every epoch, from StreamingDataset in-process."""
+    job = specs.parse_job(manifest(uri, **data_overrides), check_replicas=False)
+    data = job.data
+    table = reading.open_table(data)
+    b = topology.rank_batch_size(data.global_batch_size, world)
+    out: list[list[int]] = []
+    for epoch in range(data.epochs):
+        ids = [row["id"] for row in reading.reference_dataset(
+            table, data, epoch=epoch, rank=rank, world_size=world)]
+        out.extend(ids[k * b:(k + 1) * b] for k in range(len(ids) // b))
+    return out
+
+
+def reference_global_steps(uri: str, data_overrides: dict) -> list[set[int]]:
+    """The set of ids in each global step: one rank's order at world size 1."""
+    return [set(batch) for batch in reference_batches(uri, data_overrides, 1, 0)]
+
+
+@pytest.fixture
+def socket_root():
+    root = Path(tempfile.mkdtemp(prefix="sf-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class Pod:
+    """One pod's sidecar: a config file, a socket dir, and the sidecar itself."""
+
+    def __init__(self, root: Path, name: str, job_manifest: dict, *, replicas: int, replica: int,
+                 gpus: int = 1, resume: str = "latest") -> None:
+        job = specs.parse_job(job_manifest, check_replicas=False)
+        self.dir = root / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket_dir = self.dir / "sock"
+        self.config = self.dir / "config.json"
+        self.config.write_text(json.dumps(job.data_config()))
+        self.podinfo = self.dir / "podinfo"
+        self.podinfo.mkdir(exist_ok=True)
+        self.termination_log = self.dir / "termination-log"
+        self.env = {"RANK": str(replica * gpus), "WORLD_SIZE": str(replicas * gpus),
+                    "LOCAL_WORLD_SIZE": str(gpus), "SPLITFEED_SOCKET_DIR": str(self.socket_dir),
+                    "SPLITFEED_RESUME": resume}
+        self.settings = sidecar_main.SidecarSettings(
+            config=self.config, socket_dir=self.socket_dir, rank=replica * gpus,
+            world_size=replicas * gpus, local_world_size=gpus, resume=resume,
+            podinfo_dir=self.podinfo, termination_log=self.termination_log)
+        self._thread: threading.Thread | None = None
+        self._sidecar: sidecar_main.Sidecar | None = None
+        self.exit_code: int | None = None
+        self.process: subprocess.Popen | None = None
+
+    # in a thread -------------------------------------------------------------
+    def start_thread(self) -> "Pod":
+        ready = threading.Event()
+
+        def run() -> None:
+            self._sidecar = sidecar_main.prepare(self.settings)
+            ready.set()
+            self.exit_code = sidecar_main.serve(self._sidecar)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        assert ready.wait(60), "sidecar did not start"
+        return self
+
+    # as a process --------------------------------------------------------------
+    def start_process(self) -> "Pod":
+        env = {**os.environ, **self.env}
+        if self.process is None:
+            self.log = open(self.dir / "sidecar.log", "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar", "--config", str(self.config),
+             "--podinfo-dir", str(self.podinfo), "--termination-log", str(self.termination_log)],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL by PID: no cleanup runs, as when a container is OOM-killed."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def wait(self, timeout: float = 60) -> int:
+        if self.process is not None:
+            return self.process.wait(timeout)
+        assert self._thread is not None
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "sidecar thread did not finish"
+        assert self.exit_code is not None
+        return self.exit_code
+
+    def stop(self) -> None:
+        if self._sidecar is not None:
+            self._sidecar.server.stopping.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process is not None:
+            self.log.close()
+
+    def request(self, annotation: str, token: str) -> None:
+        path = self.podinfo / "annotations"
+        tmp = self.podinfo / ".annotations.tmp"
+        tmp.write_text(f'{annotation}="{token}"\n')
+        os.replace(tmp, path)
+
+
+@pytest.fixture
+def pods(socket_root: Path):
+    """Factory of Pods; every pod is stopped at teardown, also on failure."""
+    made: list[Pod] = []
+
+    def make(name: str, job_manifest: dict, **kwargs: object) -> Pod:
+        pod = Pod(socket_root, name, job_manifest, **kwargs)  # type: ignore[arg-type]
+        made.append(pod)
+        return pod
+
+    yield make
+    for pod in made:
+        pod.stop()
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

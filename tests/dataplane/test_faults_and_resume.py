@@ -1,0 +1,164 @@
+"""Checkpoints, elastic resume and faults: the delivered global steps stay exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitfeed.trainer_client import SidecarFailed
+from splitfeed.trainer_client.client import StreamClient
+
+from tests.dataplane.harness import manifest, reference_batches, reference_global_steps, wait_for
+
+SCRIPT = Path(__file__).with_name("trainer_script.py")
+
+
+def logged(path: Path) -> list[tuple[int, list[int]]]:
+    return [(r["step"], r["ids"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def trainer(pod, log: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, **pod.env, "LOCAL_RANK": "0"}
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(log), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_killed_trainer_is_replaced_and_continues_after_its_last_batch(pods, table_uri, tmp_path):
+    pod = pods("pod", manifest(table_uri), replicas=1, replica=0).start_thread()
+    log = tmp_path / "ids.jsonl"
+    first = trainer(pod, log, "--pause-after", "5")
+    try:
+        assert first.stdout.readline().strip() == "paused"
+        first.kill()  # SIGKILL by PID, mid-epoch
+        first.wait()
+    finally:
+        first.kill()
+        first.communicate()
+    second = trainer(pod, log)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    expected = reference_batches(table_uri, {}, 1, 0)
+    assert logged(log) == list(enumerate(expected))
+
+
+def test_a_killed_sidecar_is_replaced_and_the_trainer_continues_exactly(pods, table_uri):
+    pod = pods("pod", manifest(table_uri), replicas=1, replica=0).start_process()
+    expected = reference_batches(table_uri, {}, 1, 0)
+    got = []
+    with StreamClient(pod.socket_dir, 0, timeout_s=120) as client:
+        for batch in client:
+            got.append(batch["id"].tolist())
+            if len(got) == 6:
+                pod.kill()  # SIGKILL by PID
+                pod.start_process()
+    assert got == expected
+
+
+def run_world(pods, job, world: int, name: str, until: int | None, resume: str = "latest"):
+    """Run `world` ranks in lockstep until `until` steps are done; checkpoint there."""
+    started = [pods(f"{name}-{r}", job, replicas=world, replica=r, resume=resume).start_thread()
+               for r in range(world)]
+    clients = [StreamClient(p.socket_dir, 0) for p in started]
+    steps: dict[int, set[int]] = {}
+    try:
+        resume_step = clients[0].resume_step
+        assert all(c.resume_step == resume_step for c in clients)
+        iterators = [iter(c) for c in clients]
+        while True:
+            try:
+                batches = [next(it) for it in iterators]
+            except StopIteration:
+                break
+            step = batches[0].global_step
+            assert all(b.global_step == step for b in batches)
+            assert step not in steps
+            steps[step] = set().union(*(b["id"].tolist() for b in batches))
+            if until is not None and step + 1 == until:
+                assert [c.checkpoint() for c in clients] == [until] * world
+                break
+    finally:
+        for c in clients:
+            c.close()
+        for p in started:
+            p.stop()
+    return resume_step, steps
+
+
+def test_checkpoint_on_4_resume_on_2_then_on_3_equals_an_uninterrupted_run(pods, table_uri, tmp_path):
+    job = manifest(table_uri, str(tmp_path / "ckpt"))
+    reference = reference_global_steps(table_uri, {})
+    r0, a = run_world(pods, job, 4, "w4", until=5, resume="none")
+    r1, b = run_world(pods, job, 2, "w2", until=12)
+    r2, c = run_world(pods, job, 3, "w3", until=None)
+    assert (r0, r1, r2) == (0, 5, 12)
+    delivered = {**a, **b, **c}
+    assert sorted(delivered) == list(range(len(reference)))
+    assert [delivered[k] for k in range(len(reference))] == reference
+    assert len(a) + len(b) + len(c) == len(reference)  # none repeated
+
+
+def corrupt(path: Path) -> None:
+    path.write_text('{"version": 1, "state": ')
+
+
+def wrong_hash(path: Path) -> None:
+    record = json.loads(path.read_text())
+    record["state"]["samples_consumed_per_split"][0] += 1
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(corrupt, id="truncated"),
+    pytest.param(wrong_hash, id="tampered"),
+    pytest.param(Path.unlink, id="rank-missing"),
+])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_complete_one(
+        pods, table_uri, tmp_path, damage, caplog):
+    job = manifest(table_uri, str(tmp_path / "ckpt"))
+    run_world(pods, job, 2, "first", until=3, resume="none")
+    run_world(pods, job, 2, "second", until=7)
+    newest = tmp_path / "ckpt" / "test" / "job" / f"step-{7:012d}" / "rank-00001-of-00002.json"
+    damage(newest)
+    resume_step, steps = run_world(pods, job, 2, "third", until=None)
+    assert resume_step == 3
+    reference = reference_global_steps(table_uri, {})
+    assert [steps[k] for k in range(3, len(reference))] == reference[3:]
+    assert any("step 7" in r.getMessage() or "corrupt" in r.getMessage() for r in caplog.records)
+
+
+def test_a_drain_request_checkpoints_and_ends_iteration(pods, table_uri, tmp_path):
+    pod = pods("pod", manifest(table_uri, str(tmp_path / "ckpt")), replicas=1, replica=0).start_thread()
+    with StreamClient(pod.socket_dir, 0) as client:
+        it = iter(client)
+        for _ in range(3):
+            next(it)
+        assert not client.checkpoint_requested
+        pod.request("splitfeed.io/drain", "rescale-1")
+        wait_for(lambda: client.checkpoint_requested, what="the drain request")
+        step = client.checkpoint()
+        assert client.drained
+        with pytest.raises(StopIteration):
+            next(it)
+    assert pod.wait() == 0
+    report = json.loads(pod.termination_log.read_text())
+    assert report["drained"] is True and report["lastCheckpoint"]["step"] == step
+    assert report["error"] is None
+
+
+@pytest.mark.parametrize("data,words", [
+    pytest.param({"table": "nope"}, "table spec.data.table='nope' does not exist", id="no-table"),
+    pytest.param({"filter": "id < 10"}, "has 10 rows after spec.data.filter='id < 10', fewer than "
+                 "spec.data.numSplits=24", id="filter-too-strict"),
+    pytest.param({"columns": ["id", "nope"]}, "spec.data.columns names ['nope']", id="no-column"),
+])
+def test_bad_data_config_fails_the_trainer_with_a_clear_error(pods, table_uri, data, words):
+    pod = pods("pod", manifest(table_uri, **data), replicas=1, replica=0).start_thread()
+    with pytest.raises(SidecarFailed, match=words.replace("[", r"\[").replace("]", r"\]")):
+        StreamClient(pod.socket_dir, 0, timeout_s=30)
+    assert pod.wait() == 2
+    assert words in json.loads(pod.termination_log.read_text())["error"]

@@ -1,0 +1,50 @@
+"""A trainer process for data-plane tests: logs the ids of every batch it gets.
+
+    python trainer_script.py LOG [--pause-after N] [--checkpoint-at S] [--fail-at S]
+
+Each line of LOG is {"step": global_step, "ids": [...]}, flushed before the
+next batch is asked for, so a test that kills this process knows exactly
+which batches it received.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+from splitfeed.trainer_client.client import StreamClient
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("log")
+    parser.add_argument("--pause-after", type=int, help="stop asking for batches after N of them")
+    parser.add_argument("--checkpoint-at", type=int, help="checkpoint when S global steps are done, then exit")
+    parser.add_argument("--fail-at", type=int, help="raise at global step S")
+    args = parser.parse_args()
+    client = StreamClient(timeout_s=60)
+    with open(args.log, "a") as log:
+        received = 0
+        for batch in client:
+            if batch.global_step == args.fail_at:
+                raise RuntimeError(f"trainer failed on purpose at step {batch.global_step}")
+            log.write(json.dumps({"step": batch.global_step, "ids": batch["id"].tolist()}) + "\n")
+            log.flush()
+            received += 1
+            if args.checkpoint_at is not None and batch.global_step + 1 == args.checkpoint_at:
+                client.checkpoint()
+                break
+            if client.checkpoint_requested:
+                client.checkpoint()
+                if client.drained:
+                    break
+            if received == args.pause_after:
+                print("paused", flush=True)
+                while True:
+                    time.sleep(1)
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
