@@ -78,7 +78,7 @@ class Kube:
 
     async def patch_job_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         await self._call(self.custom.patch_namespaced_custom_object_status, planning.GROUP,
-                         planning.VERSION, namespace, planning.PLURAL, name, dict(patch),
+                         planning.VERSION, namespace, planning.PLURAL, name, {"status": dict(patch)},
                          _content_type=MERGE_PATCH, ok=(404,))
 
     # --- world objects -----------------------------------------------------------------------
