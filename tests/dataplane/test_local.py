@@ -1,0 +1,102 @@
+"""`splitfeed local`: the ranks of a StreamingJob as processes, as pods would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.dataplane.harness import manifest, reference_batches
+
+SCRIPT = Path(__file__).with_name("trainer_script.py")
+
+
+def splitfeed(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "splitfeed.trainer_client.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def job_file(tmp_path: Path, job: dict) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+def test_local_runs_every_rank_with_the_pod_environment(table_uri, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    job = manifest(table_uri)
+    # The trainer command comes from the template, as in a pod.
+    job["spec"]["trainer"] = {"template": {"spec": {"containers": [{
+        "name": "trainer", "command": [sys.executable, "-c",
+            "import os, runpy, sys; sys.argv=['t', os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.jsonl')];"
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')", str(logs)]}]}}}
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "steps per rank" in done.stderr and "rows/s" in done.stderr and "data stall" in done.stderr
+    for rank in range(2):
+        got = [json.loads(line)["ids"] for line in (logs / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert got == reference_batches(table_uri, {}, 2, rank)
+
+
+def test_a_failed_rank_stops_the_run_with_its_error(table_uri, tmp_path):
+    done = splitfeed("local", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "2", "--quiet",
+                     "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--fail-at", "3")
+    assert done.returncode == 1
+    assert "trainer failed on purpose at step 3" in done.stderr
+
+
+@pytest.mark.parametrize("change,args,words", [
+    pytest.param({}, ["--replicas", "5"], "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 24]",
+                 id="invalid-replicas"),
+    pytest.param({"numSplit": 24}, [], "spec.data.numSplit: unknown field; did you mean 'numSplits'?",
+                 id="unknown-field"),
+    pytest.param({"globalBatchSize": 50}, [], "globalBatchSize=50 is not divisible by numSplits=24",
+                 id="indivisible-batch"),
+])
+def test_bad_manifests_are_rejected_before_anything_starts(table_uri, tmp_path, change, args, words):
+    job = manifest(table_uri)
+    job["spec"]["data"].update(change)
+    done = splitfeed("local", "-f", job_file(tmp_path, job), *args, "--", "true")
+    assert done.returncode == 2
+    assert words in done.stderr
+
+
+def test_a_missing_table_fails_the_run_with_the_sidecars_reason(table_uri, tmp_path):
+    job = manifest(table_uri, table="nope")
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--quiet",
+                     "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"))
+    assert done.returncode == 1
+    assert "table spec.data.table='nope' does not exist" in done.stderr
+
+
+def test_ctrl_c_stops_every_process(table_uri, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
+         job_file(tmp_path, manifest(table_uri)), "--replicas", "2", "--quiet",
+         "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ids.jsonl").exists() or len((tmp_path / "ids.jsonl").read_text().splitlines()) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 4  # 2 sidecars + 2 trainers
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "interrupted" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
