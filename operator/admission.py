@@ -87,19 +87,29 @@ def check_replicas(job: specs.JobSpec, replicas: int) -> None:
         raise Rejected(rules, f"replicas={replicas}: {exc}", exc.allowed) from exc
 
 
-def parse(manifest: Mapping[str, Any]) -> specs.JobSpec:
+def with_defaults(manifest: Mapping[str, Any], sidecar: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest with the operator's sidecar defaults filled in where the job is silent."""
+    out = dict(manifest)
+    spec = dict(out.get("spec") or {})
+    if sidecar and isinstance(spec.get("sidecar", {}), Mapping):
+        spec["sidecar"] = {**sidecar, **(spec.get("sidecar") or {})}
+        out["spec"] = spec
+    return out
+
+
+def parse(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | None = None) -> specs.JobSpec:
     """A JobSpec without the replica check (callers decide which count to check)."""
     try:
-        return specs.parse_job(manifest, check_replicas=False)
+        return specs.parse_job(with_defaults(manifest, sidecar_defaults or {}), check_replicas=False)
     except specs.SpecError as exc:
         raise Rejected(f"field {exc.field}", str(exc)) from exc
     except topology.TopologyError as exc:  # pragma: no cover - parse_job does not check here
         raise Rejected("topology", str(exc), exc.allowed) from exc
 
 
-def review_job(manifest: Mapping[str, Any]) -> specs.JobSpec:
+def review_job(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | None = None) -> specs.JobSpec:
     """Every admission rule for a whole StreamingJob; returns the parsed spec or raises Rejected."""
-    job = parse(manifest)
+    job = parse(manifest, sidecar_defaults)
     check_name(job.name)
     check_template(job)
     check_replicas(job, job.replicas)

@@ -27,7 +27,8 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--sidecar-mode", choices=["native", "container"], default="native",
                    help="native: initContainer with restartPolicy Always (Kubernetes >= 1.29); "
                         "container: a plain container (older clusters)")
-    p.add_argument("--sidecar-image", help="loader image for every job, overriding spec.sidecar.image")
+    p.add_argument("--sidecar-image", help="loader image for every job, overriding spec.sidecar.image "
+                   "(defaults for jobs that name none: $SPLITFEED_SIDECAR_IMAGE, _SHM_SIZE, _PREFETCH_BATCHES)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
     p.add_argument("--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     peer = p.add_mutually_exclusive_group()
@@ -56,7 +57,8 @@ def config_from_args(args: argparse.Namespace) -> configs.OperatorConfig:
             managed=args.webhook_managed)
     return configs.OperatorConfig(
         namespaces=() if args.all_namespaces else tuple(args.namespace),
-        planning=planning.Settings(sidecar_mode=args.sidecar_mode, sidecar_image=args.sidecar_image),
+        planning=planning.Settings.from_env(os.environ, sidecar_mode=args.sidecar_mode,
+                                            sidecar_image=args.sidecar_image),
         webhook=webhook,
         liveness=args.liveness,
         peering=None if args.standalone else args.peering,

@@ -70,6 +70,18 @@ class Settings:
     container: a plain container, for older clusters."""
     sidecar_image: str | None = None
     """Overrides spec.sidecar.image for every job (pinning the loader to the operator)."""
+    sidecar_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """spec.sidecar fields (wire names: image, shmSize, prefetchBatches) for jobs that omit
+    them; the Helm chart sets them through SPLITFEED_SIDECAR_* (the CRD has no defaults)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **kwargs: Any) -> "Settings":
+        defaults: dict[str, Any] = {}
+        for var, key in (("SPLITFEED_SIDECAR_IMAGE", "image"), ("SPLITFEED_SIDECAR_SHM_SIZE", "shmSize"),
+                         ("SPLITFEED_SIDECAR_PREFETCH_BATCHES", "prefetchBatches")):
+            if env.get(var):
+                defaults[key] = int(env[var]) if key == "prefetchBatches" else env[var]
+        return cls(sidecar_defaults=defaults, **kwargs)
 
 
 def pod_name(job: str, world_epoch: int, replica: int) -> str:

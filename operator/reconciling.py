@@ -79,7 +79,7 @@ async def _decide(ctx: Context, body: dict[str, Any]) -> rescaling.Decision:
     meta, status = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
     try:
-        job = admission.parse(body)
+        job = admission.parse(body, ctx.settings.sidecar_defaults)
     except admission.Rejected as exc:
         return rescaling.rejected(status, exc, now=_now(), generation=generation)
     pods = await ctx.kube.list_pods(meta["namespace"], meta["name"])

@@ -143,8 +143,9 @@ def decide(
         live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
         return c.decision("Finished", delete=live)
     problem = _validate(c)
-    if status.get("drain"):
-        return _drain_step(c, problem)
+    drain = _drain_of(c)
+    if drain:
+        return _drain_step(c, drain, problem)
     if c.epoch is None or status.get("phase") == SUSPENDED:
         return _idle_step(c, problem)
     return _running_step(c, problem)
@@ -282,8 +283,25 @@ def _annotations(c: _Ctx, token: str) -> dict[str, dict[str, str]]:
     }
 
 
-def _drain_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
-    drain = dict(c.status["drain"])
+def _drain_of(c: _Ctx) -> dict[str, Any] | None:
+    """status.drain, or its reconstruction from the Rescaling condition.
+
+    The reconstruction keeps a rescale going on a cluster whose CRD schema prunes
+    status.drain: the step is the condition's reason, the request time its
+    lastTransitionTime (it stays True for the whole drain).
+    """
+    if c.status.get("drain"):
+        return dict(c.status["drain"])
+    cond = conditions.get(c.conds, conditions.RESCALING)
+    if c.status.get("phase") != RESCALING or not cond or cond.get("status") != "True":
+        return None
+    reason = "Suspend" if c.job.suspend else "Rescale"
+    return {"reason": reason, "step": cond.get("reason"), "token": _token(reason, int(c.epoch or 0)),
+            "requestedAt": cond.get("lastTransitionTime") or conditions.timestamp(c.now),
+            "targetReplicas": c.job.replicas}
+
+
+def _drain_step(c: _Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
     epoch, step = int(c.epoch or 0), drain.get("step")
     if step == STARTING_NEW_WORLD:
         return _finish_start(c, drain)

@@ -17,12 +17,12 @@ G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 
 
 @kopf.on.validate(G, V, P, id="streamingjob", operations=["CREATE", "UPDATE"])
-def validate_job(body: kopf.Body, old: Any, operation: str | None, **_: Any) -> None:
+def validate_job(body: kopf.Body, old: Any, operation: str | None, memo: kopf.Memo, **_: Any) -> None:
     # Kopf's own metadata/status patches must pass even for a job admitted before the rules.
     if operation == "UPDATE" and old and old.get("spec") == body.get("spec"):
         return
     try:
-        admission.review_job(body)
+        admission.review_job(body, memo["ctx"].settings.sidecar_defaults)
     except admission.Rejected as exc:
         raise kopf.AdmissionError(str(exc), code=422) from exc
 

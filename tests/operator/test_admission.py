@@ -108,3 +108,16 @@ def test_scale_review_still_reports_broken_fields():
     del m["spec"]["data"]["table"]
     with pytest.raises(admission.Rejected, match="spec.data.table"):
         admission.review_scale(m, 4)
+
+
+def test_operator_sidecar_defaults_fill_only_what_the_job_omits():
+    from splitfeed.operator import planning
+    settings = planning.Settings.from_env({"SPLITFEED_SIDECAR_IMAGE": "reg/sf:2", "SPLITFEED_SIDECAR_SHM_SIZE": "8Gi",
+                                           "SPLITFEED_SIDECAR_PREFETCH_BATCHES": "8"})
+    m = manifest()
+    m["spec"]["sidecar"] = {"shmSize": "1Gi"}
+    job = admission.review_job(m, settings.sidecar_defaults)
+    assert (job.sidecar.image, job.sidecar.shm_size, job.sidecar.prefetch_batches) == ("reg/sf:2", "1Gi", 8)
+    del m["spec"]["sidecar"]
+    assert admission.parse(m, settings.sidecar_defaults).sidecar.shm_size == "8Gi"
+    assert admission.parse(m).sidecar.image == "splitfeed:0.1.0"

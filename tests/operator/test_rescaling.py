@@ -30,7 +30,8 @@ def merge(target: dict, patch: dict) -> dict:
 class Cluster:
     """Status + pods; `step()` decides and applies, like reconciling does (status first)."""
 
-    def __init__(self, **spec):
+    def __init__(self, prune: bool = False, **spec):
+        self.prune = prune  # a CRD schema without status.drain drops it on every write
         self.manifest = manifest(**spec)
         self.status: dict = {}
         self.pods: dict[str, dict] = {}
@@ -50,6 +51,8 @@ class Cluster:
         d = self.decide()
         self.log.append(d)
         self.status = merge(self.status, d.status)
+        if self.prune:
+            self.status.pop("drain", None)
         if act:
             for obj in d.create:
                 if obj["kind"] == "Pod":
@@ -398,3 +401,23 @@ def test_an_unparseable_spec_fails_a_new_job_but_spares_a_running_world():
     assert "phase" not in d.status and d.status["conditions"][0]["reason"] == "InvalidSpec"
     again = rescaling.rejected(merge(running.status, d.status), problem, now=T0)
     assert again.status == {} and again.events == []
+
+
+@pytest.mark.parametrize("suspend", [False, True], ids=["rescale", "suspend"])
+def test_without_status_drain_in_the_schema_the_conditions_carry_the_drain(suspend):
+    c = Cluster(prune=True).running()
+    if suspend:
+        c.manifest["spec"]["suspend"] = True
+    else:
+        c.scale(8)
+    c.step()
+    assert c.status["phase"] == "Rescaling" and "drain" not in c.status
+    assert c.step().step == "WaitingForCheckpoint"
+    c.now += datetime.timedelta(seconds=61)  # the timeout counts from the condition's transition
+    assert c.step().step == "RemovingOldWorld"
+    for _ in range(3):
+        c.step()
+    if suspend:
+        assert c.status["phase"] == "Suspended" and not c.pods
+    else:
+        assert (c.status["phase"], c.status["worldEpoch"], len(c.pods)) == ("Running", 1, 8)
