@@ -276,6 +276,9 @@ class TestTheDefinition:
     def test_every_rule_says_what_to_do(self):
         for path, rule in cel_rules():
             assert rule.get("message"), f"rule at {'.'.join(path)} has no message"
+            # The apiserver refuses a CRD whose messages contain line breaks.
+            for key in ("rule", "message", "messageExpression"):
+                assert "\n" not in rule.get(key, ""), (path, key)
             if is_transition(rule):
                 assert "create a new StreamingJob" in rule["message"]
             else:
