@@ -233,7 +233,7 @@ class TestTheDefinition:
             "progress", "restarts", "conditions", "selector", "observedGeneration",
         }
         assert set(status["lastCheckpoint"]["properties"]) == {"step", "epoch", "worldSize", "time"}
-        assert set(status["progress"]["properties"]) == {"epoch", "step", "stepsPerEpoch"}
+        assert set(status["progress"]["properties"]) == {"globalStep", "epoch", "step", "stepsPerEpoch"}
 
     def test_conditions_have_the_metav1_condition_shape(self):
         conditions = SCHEMA["properties"]["status"]["properties"]["conditions"]
@@ -490,7 +490,9 @@ class TestSchema:
             "phase": "Running", "replicas": 4, "worldSize": 8, "worldEpoch": 2,
             "allowedReplicas": [1, 2, 3, 4, 6, 12],
             "lastCheckpoint": {"step": 1200, "epoch": 0, "worldSize": 8, "time": "2026-01-02T03:04:05Z"},
-            "progress": {"epoch": 0, "step": 1234, "stepsPerEpoch": 5000},
+            "progress": {"globalStep": 1234, "epoch": 0, "step": 1234, "stepsPerEpoch": 5000},
+            "drain": {"reason": "Rescale", "step": "CheckpointRequested", "token": "rescale-w2",
+                      "requestedAt": "2026-01-02T03:04:05Z", "targetReplicas": 6},
             "restarts": 0, "selector": "splitfeed.io/job=resnet", "observedGeneration": 3,
             "conditions": [{"type": "Ready", "status": "True", "reason": "WorldRunning",
                             "message": "8 ranks running", "lastTransitionTime": "2026-01-02T03:04:05Z",
