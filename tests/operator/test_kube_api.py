@@ -1,0 +1,265 @@
+"""The operator as a process (`splitfeed operator`) against a real kube-apiserver 1.20.
+
+Real-API tier (`-m kube`): etcd + kube-apiserver + kube-controller-manager (garbage
+collector, service accounts, namespaces) from tests/envtest. The operator serves
+its validating webhooks over TLS with a test CA, and Kopf manages the
+ValidatingWebhookConfiguration that points the apiserver at them. There is no
+kubelet: the tests set pod phases through the pods' /status, as a kubelet would.
+1.20 knows no native sidecars, so the operator runs with --sidecar-mode container.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+
+from tests.envtest.controlplane import MISSING_ASSETS_HINT, ControlPlane, KubectlError, find_assets, free_port
+from tests.operator.builders import manifest
+
+pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+CONTROLLERS = ["garbagecollector", "serviceaccount", "serviceaccount-token", "namespace"]
+NS = "default"
+
+PEERING_CRDS = [
+    {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+     "metadata": {"name": f"{plural}.kopf.dev"},
+     "spec": {"group": "kopf.dev", "scope": scope,
+              "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+              "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                  "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
+    for plural, kind, scope in [("clusterkopfpeerings", "ClusterKopfPeering", "Cluster"),
+                                ("kopfpeerings", "KopfPeering", "Namespaced")]
+]
+
+
+def strip_cel(node: Any) -> Any:
+    """Kubernetes 1.20 rejects x-kubernetes-validations (CEL arrived in 1.25)."""
+    if isinstance(node, dict):
+        return {k: strip_cel(v) for k, v in node.items() if k != "x-kubernetes-validations"}
+    if isinstance(node, list):
+        return [strip_cel(v) for v in node]
+    return node
+
+
+def make_certs(d: Path) -> None:
+    """A CA and a serving certificate for 127.0.0.1, for the webhook server."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "ext.cnf").write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\n"
+                               "extendedKeyUsage = serverAuth\nbasicConstraints = CA:FALSE\n")
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        "-days", "2", "-subj", "/CN=splitfeed-webhook-test-ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=127.0.0.1")
+    ssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "tls.crt", "-days", "2", "-extfile", "ext.cnf")
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            last = check()
+            if last:
+                return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what or check} (last: {last!r})")
+
+
+class Env:
+    """The control plane, an API client on it, and the operator's log."""
+
+    def __init__(self, cp: ControlPlane, log: Path) -> None:
+        self.cp, self.log = cp, log
+        self.api = kubernetes.config.new_client_from_config(config_file=str(cp.kubeconfig))
+        self.core = kubernetes.client.CoreV1Api(self.api)
+        self.custom = kubernetes.client.CustomObjectsApi(self.api)
+
+    def apply(self, obj: dict[str, Any], check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.cp.kubectl("apply", "-f", "-", input=json.dumps(obj), check=check)
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object("splitfeed.io", "v1alpha1", NS, "streamingjobs", name)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.job(name).get("status") or {}
+
+    def pods(self, name: str) -> dict[str, Any]:
+        items = self.core.list_namespaced_pod(NS, label_selector=f"splitfeed.io/job={name}").items
+        return {p.metadata.name: p for p in items if not p.metadata.deletion_timestamp}
+
+    def set_phase(self, pod: str, phase: str) -> None:
+        self.core.patch_namespaced_pod_status(pod, NS, {"status": {"phase": phase}})
+
+    def events(self, name: str) -> list[str]:
+        out = self.core.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
+        return [e.reason for e in out]
+
+    def operator_log(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    assets = find_assets()
+    if assets is None:
+        pytest.fail(f"run make envtest: {MISSING_ASSETS_HINT}")
+    work = tmp_path_factory.mktemp("kube")
+    with ControlPlane(assets, work / "cp", controllers=CONTROLLERS) as cp:
+        crd = strip_cel(yaml.safe_load((REPO / "crds" / "streamingjob.yaml").read_text()))
+        for obj in [crd, *PEERING_CRDS]:
+            cp.kubectl("apply", "-f", "-", input=json.dumps(obj))
+        cp.kubectl("wait", "--for=condition=established", "--timeout=60s",
+                   "crd/streamingjobs.splitfeed.io", "crd/clusterkopfpeerings.kopf.dev")
+        cp.kubectl("apply", "-f", "-", input=json.dumps(
+            {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "splitfeed"}}))
+        make_certs(work / "certs")
+        c = work / "certs"
+        live_port, hook_port = free_port(), free_port()
+        log = work / "operator.log"
+        cmd = [sys.executable, "-m", "splitfeed.trainer_client.cli", "operator", "--all-namespaces",
+               "--kubeconfig", str(cp.kubeconfig), "--sidecar-mode", "container", "--peering", "splitfeed",
+               "--liveness", f"http://127.0.0.1:{live_port}/healthz",
+               "--webhook-port", str(hook_port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
+               "--webhook-cert", str(c / "tls.crt"), "--webhook-key", str(c / "tls.key"),
+               "--webhook-ca", str(c / "ca.crt"), "--webhook-managed", "splitfeed.io"]
+        child_env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        with open(log, "wb") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=child_env)
+        e = Env(cp, log)
+        try:
+            def live() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"operator exited {proc.returncode}:\n{e.operator_log()}")
+                with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=2) as r:
+                    return r.status == 200
+            wait_for(lambda: live(), 60, "the operator's liveness endpoint")
+            wait_for(lambda: "/scale" in cp.kubectl("get", "validatingwebhookconfiguration", "splitfeed.io",
+                                                    "-o", "json").stdout, 60, "Kopf's webhook configuration")
+            yield e
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            e.api.close()
+
+
+def job_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    m = manifest(name=name, **spec)
+    m["metadata"] = {"name": name, "namespace": NS}
+    return m
+
+
+def test_a_valid_job_gets_its_service_config_map_and_pods(env: Env) -> None:
+    env.apply(job_manifest("alpha", replicas=2))
+    pods = wait_for(lambda: len(env.pods("alpha")) == 2 and env.pods("alpha"), 30, "2 pods")
+    assert sorted(pods) == ["alpha-w0-0", "alpha-w0-1"]
+    pod = env.api.sanitize_for_serialization(pods["alpha-w0-1"])
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "splitfeed-sidecar"]
+    assert {v["name"] for v in pod["spec"]["volumes"]} >= {
+        "splitfeed-shm", "splitfeed-config", "splitfeed-podinfo", "splitfeed-storage"}
+    env_of = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert (env_of["RANK"], env_of["WORLD_SIZE"], env_of["MASTER_ADDR"]) == ("1", "2", "alpha-w0-0.alpha")
+    assert pod["metadata"]["labels"]["splitfeed.io/world-epoch"] == "0"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "StreamingJob"
+    assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == ("alpha-w0-1", "alpha")
+    svc = env.core.read_namespaced_service("alpha", NS)
+    assert svc.spec.cluster_ip == "None"
+    cm = env.core.read_namespaced_config_map("alpha-data", NS)
+    assert json.loads(cm.data["config.json"])["data"]["numSplits"] == 48
+    status = wait_for(lambda: env.status("alpha").get("phase") == "Running" and env.status("alpha"), 20, "Running")
+    assert status["worldEpoch"] == 0 and status["selector"] == "splitfeed.io/job=alpha"
+    assert status["allowedReplicas"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+
+
+def test_an_invalid_job_is_rejected_by_the_webhook(env: Env) -> None:
+    out = env.apply(job_manifest("bad", replicas=5), check=False)
+    assert out.returncode != 0
+    assert "numSplits % (worldSize * numWorkers) == 0" in out.stderr
+    assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]" in out.stderr
+
+
+def test_an_invalid_scale_is_rejected_with_the_valid_counts(env: Env) -> None:
+    env.apply(job_manifest("beta", replicas=2))
+    wait_for(lambda: len(env.pods("beta")) == 2, 30, "2 pods")
+    with pytest.raises(KubectlError) as info:
+        env.cp.kubectl("scale", "streamingjob/beta", "--replicas=5")
+    assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]" in info.value.stderr
+    assert env.job("beta")["spec"]["replicas"] == 2
+
+
+def test_a_scale_walks_the_rescale_phases_to_a_new_world(env: Env) -> None:
+    env.apply(job_manifest("gamma", replicas=2))
+    wait_for(lambda: env.status("gamma").get("phase") == "Running", 30, "Running")
+    env.cp.kubectl("scale", "streamingjob/gamma", "--replicas=4")
+    seen: list[str] = []
+
+    def drained() -> bool:
+        cond = [c for c in env.status("gamma").get("conditions", []) if c["type"] == "Rescaling"]
+        if cond and (not seen or seen[-1] != cond[0]["reason"]):
+            seen.append(cond[0]["reason"])
+        pods = env.pods("gamma")
+        return len(pods) == 2 and all(
+            (p.metadata.annotations or {}).get("splitfeed.io/drain") == "rescale-w0" for p in pods.values())
+    wait_for(drained, 30, "drain annotations on world 0")
+    assert env.status("gamma")["phase"] == "Rescaling"
+    for pod in env.pods("gamma"):
+        env.set_phase(pod, "Succeeded")  # what the trainers do after checkpointing
+    def new_world() -> bool:
+        st = env.status("gamma")
+        for c in st.get("conditions", []):
+            if c["type"] == "Rescaling" and (not seen or seen[-1] != c["reason"]):
+                seen.append(c["reason"])
+        return st.get("worldEpoch") == 1 and st.get("phase") == "Running"
+    wait_for(new_world, 40, "world 1 running")
+    assert sorted(env.pods("gamma")) == [f"gamma-w1-{i}" for i in range(4)]
+    assert env.status("gamma")["replicas"] == 4
+    assert seen[0] in ("CheckpointRequested", "WaitingForCheckpoint") and seen[-1] == "RescaleComplete"
+    events = wait_for(lambda: {"CheckpointRequested", "Drained", "RescaleComplete"} <= set(env.events("gamma"))
+                      and env.events("gamma"), 20, "events")
+    assert "StartingNewWorld" in events
+
+
+def test_a_world_that_ignores_the_drain_is_removed_after_the_timeout(env: Env) -> None:
+    m = job_manifest("delta", replicas=2)
+    m["spec"]["checkpoint"]["timeoutSeconds"] = 2
+    env.apply(m)
+    wait_for(lambda: env.status("delta").get("phase") == "Running", 30, "Running")
+    env.cp.kubectl("scale", "streamingjob/delta", "--replicas=1")
+    wait_for(lambda: env.status("delta").get("worldEpoch") == 1 and env.status("delta").get("phase") == "Running",
+             40, "world 1 after the checkpoint timeout")
+    assert sorted(env.pods("delta")) == ["delta-w1-0"]
+    wait_for(lambda: "CheckpointTimeout" in env.events("delta"), 20, "a CheckpointTimeout event")
+
+
+def test_deleting_a_job_lets_the_garbage_collector_remove_its_world(env: Env) -> None:
+    env.apply(job_manifest("omega", replicas=2))
+    wait_for(lambda: len(env.pods("omega")) == 2, 30, "2 pods")
+    env.cp.kubectl("delete", "streamingjob", "omega", "--wait=true", "--timeout=60s")
+
+    def gone() -> bool:
+        cms = env.core.list_namespaced_config_map(NS, label_selector="splitfeed.io/job=omega").items
+        svcs = env.core.list_namespaced_service(NS, label_selector="splitfeed.io/job=omega").items
+        return not env.pods("omega") and not cms and not svcs
+    wait_for(gone, 60, "pods, Service and ConfigMap removed by the garbage collector")
