@@ -169,3 +169,21 @@ async def test_a_failed_pod_restarts_the_world_then_success_is_terminal(cluster)
         cluster.objects[PODS, "ns", "resnet-w1-0"].patch({"status": {"phase": "Succeeded"}})
         await until(lambda: phase(cluster) == "Succeeded", what="Succeeded")
         assert reason(cluster, "Complete") == "AllPodsSucceeded"
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_an_operator_restarted_mid_rescale_finishes_it(cluster):
+    add_job(cluster, manifest(replicas=2))
+    async with running_operator(cluster):
+        await until(lambda: len(pods_of(cluster)) == 2, what="world 0")
+        cluster.objects[JOBS, "ns", "resnet"].patch({"spec": {"replicas": 1},
+                                                     "metadata": {"resourceVersion": "2", "generation": 2}})
+        await until(lambda: reason(cluster) == "WaitingForCheckpoint", what="WaitingForCheckpoint")
+    # The first operator is gone; the trainers finish their checkpoint meanwhile.
+    for name in list(pods_of(cluster)):
+        cluster.objects[PODS, "ns", name].patch({"status": {"phase": "Succeeded"}})
+    async with running_operator(cluster):
+        await until(lambda: (job_of(cluster)["status"].get("worldEpoch"), phase(cluster)) == (1, "Running"),
+                    what="world 1 running after the restart")
+        assert sorted(pods_of(cluster)) == ["resnet-w1-0"]
