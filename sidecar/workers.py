@@ -20,6 +20,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import queue
 import struct
@@ -273,9 +274,11 @@ def _iter_in_processes(
                 name=f"splitfeed-loader-{rank}-{worker}",
                 daemon=True,
             )
-            process.start()
+            try:
+                process.start()
+            finally:
+                sender.close()  # the worker holds the only writer now: its death reads as EOF
             processes.append(process)
-            sender.close()  # the worker holds the only writer now: its death reads as EOF
         expected = start
         while True:
             frames = [

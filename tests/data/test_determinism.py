@@ -131,19 +131,22 @@ def test_every_rank_yields_the_reference_order_over_two_epochs(
     ("overrides", "world_size"),
     [
         pytest.param({"filter": "label != 3"}, 3, id="filter-W=3"),
-        pytest.param({"filter": "id % 7 != 0", "columns": ("vec", "id")}, 8,
-                     id="filter-columns-W=8"),
+        pytest.param({"filter": "id % 7 != 0", "columns": ("vec", "id")}, 2,
+                     id="filter-columns-W=2"),
         pytest.param({"shuffle_clump_size": 8}, 4, id="clump-W=4"),
         pytest.param({"shuffle_clump_size": 5, "filter": "label < 8"}, 2, id="clump-filter-W=2"),
         pytest.param({"shuffle": False}, 4, id="no-shuffle-W=4"),
-        pytest.param({"global_batch_size": 72, "read_batch_size": 5}, 6,
-                     id="odd-read-batch-W=6"),
+        pytest.param({"global_batch_size": 72, "read_batch_size": 5}, 3,
+                     id="odd-read-batch-W=3"),
     ],
 )
 def test_every_rank_yields_the_reference_order_for_job_variants(
     memo: Memo, db_uri: str, overrides: dict[str, Any], world_size: int
 ) -> None:
-    check_world_matches_reference(memo, data_spec(db_uri, **overrides), world_size)
+    # One epoch each (the epoch switch is exercised above), except without
+    # shuffling, where the second epoch must repeat the first (below).
+    epochs = 2 if overrides.get("shuffle") is False else 1
+    check_world_matches_reference(memo, data_spec(db_uri, epochs=epochs, **overrides), world_size)
 
 
 def test_rows_that_cannot_fill_a_global_step_are_not_delivered(memo: Memo, db_uri: str) -> None:
@@ -155,7 +158,7 @@ def test_rows_that_cannot_fill_a_global_step_are_not_delivered(memo: Memo, db_ur
     assert len(memo.ours(data, 0, 1)) == data.epochs * spe
 
 
-def test_a_global_step_holds_the_same_rows_for_every_world_size_and_worker_count(
+def test_a_global_step_holds_the_same_rows_for_every_world_size(
     memo: Memo, db_uri: str
 ) -> None:
     data = data_spec(db_uri)
@@ -175,7 +178,7 @@ def test_each_epoch_reshuffles_when_shuffling(memo: Memo, db_uri: str) -> None:
 
 
 def test_every_epoch_is_the_same_without_shuffling(memo: Memo, db_uri: str) -> None:
-    data = data_spec(db_uri, shuffle=False)
+    data = data_spec(db_uri, shuffle=False, epochs=2)
     spe = memo.steps_per_epoch(data)
     run = [ids_of(batch) for _, batch in memo.ours(data, 1, 4)]
     assert run[:spe] == run[spe:]
@@ -206,9 +209,9 @@ def test_worker_processes_resume_in_reference_order_and_stop_when_closed(
     memo: Memo, db_uri: str
 ) -> None:
     # One spawn answers four questions (workers cost seconds to start): K=2
-    # yields the reference order, the same rows per global step as K=1 at every
-    # world size, resumes mid-epoch across an epoch boundary, and closing the
-    # generator mid-stream ends both workers.
+    # yields the reference order and the same rows per global step as K=1 (at
+    # W=1 and W=4, and so at every W, above), resumes mid-epoch across an epoch
+    # boundary, and closing the generator mid-stream ends both workers.
     base = data_spec(db_uri)  # numWorkers does not change the order
     data = data_spec(db_uri, num_workers=2)
     spe = memo.steps_per_epoch(base)
