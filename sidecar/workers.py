@@ -76,6 +76,8 @@ def iter_rank_batches(
         raise errors.UserError(f"world size {world_size}: {exc}") from exc
     if not 0 <= rank < world_size:
         raise errors.UserError(f"rank {rank} is outside a world of size {world_size}")
+    if start_global_step < 0:
+        raise ValueError(f"start_global_step must be >= 0, got {start_global_step}")
     options = dict(storage_options or {})
     if data.num_workers == 1:
         return _iter_in_thread(data, options, rank, world_size, start_global_step, stop_global_step)
