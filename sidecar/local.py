@@ -49,13 +49,23 @@ def shm_root() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Process:
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log: IO[bytes] = open(self.log_path, "wb")
         self.popen = subprocess.Popen(list(argv), env=env, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
 
     def tail(self, lines: int = 15) -> str:
         self._log.flush()

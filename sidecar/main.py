@@ -208,7 +208,7 @@ def serve(sidecar: Sidecar) -> int:
             failure = next((f.failure for f in server.feeds if f.failure), None)
     finally:
         report = {
-            "globalStep": min((int(f.control.header["acked"]) + 1 for f in server.feeds), default=0),
+            "globalStep": min((f.control.acked + 1 for f in server.feeds), default=0),
             "stepsPerEpoch": sidecar.steps_per_epoch,
             "lastCheckpoint": server.last_checkpoint,
             "drained": bool(server.feeds) and all(f.drained for f in server.feeds),
@@ -225,6 +225,7 @@ def serve(sidecar: Sidecar) -> int:
 
 def run(settings: SidecarSettings) -> int:
     """The `splitfeed sidecar` process: SIGTERM / SIGINT stop it cleanly."""
+    serving.tune_interpreter()
     sidecar = prepare(settings)
     stop = lambda *_: sidecar.server.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import zmq
 
@@ -33,10 +35,12 @@ SourceFactory = Callable[[int, int], Iterator[tuple[int, pa.RecordBatch]]]
 class Source:
     """Runs a batch iterator in a thread, a few batches ahead, restartable."""
 
-    def __init__(self, factory: SourceFactory, rank: int, depth: int = 2) -> None:
+    def __init__(self, factory: SourceFactory, rank: int, depth: int = 2,
+                 signal: tuple[zmq.Context, str] | None = None) -> None:
         self._factory = factory
         self._rank = rank
         self._depth = depth
+        self._signal = signal  # where to say "an item is ready" so the loop need not poll
         self._stop = threading.Event()
         self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._thread: threading.Thread | None = None
@@ -51,13 +55,21 @@ class Source:
         self._thread.start()
 
     def _run(self, first_step: int, stop: threading.Event, out: queue.Queue[Any]) -> None:
+        signal = None
+        if self._signal is not None:
+            signal = self._signal[0].socket(zmq.PUSH)  # sockets are per thread
+            signal.setsockopt(zmq.LINGER, 0)
+            signal.connect(self._signal[1])
+
         def put(item: Any) -> bool:
             while not stop.is_set():
                 try:
                     out.put(item, timeout=0.1)
-                    return True
                 except queue.Full:
                     continue
+                if signal is not None:
+                    signal.send(b"", zmq.NOBLOCK)
+                return True
             return False
 
         iterator = self._factory(self._rank, first_step)
@@ -72,6 +84,8 @@ class Source:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
+            if signal is not None:
+                signal.close()
 
     def poll(self) -> Any:
         """(global_step, batch), StopIteration(), an exception, or None if not ready."""
@@ -87,11 +101,17 @@ class Source:
             self._thread = None
 
 
+_schema_bytes: dict[pa.Schema, int] = {}
+
+
 def ipc_size(batch: pa.RecordBatch) -> int:
-    sink = pa.MockOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return int(sink.size())
+    """Bytes of `batch` as an IPC stream (schema, batch, end marker), without writing it."""
+    schema_bytes = _schema_bytes.get(batch.schema)
+    if schema_bytes is None:
+        sink = pa.MockOutputStream()
+        pa.ipc.new_stream(sink, batch.schema).close()
+        schema_bytes = _schema_bytes[batch.schema] = int(sink.size())
+    return schema_bytes + int(pa.ipc.get_record_batch_size(batch)) + 64
 
 
 class RankFeed:
@@ -108,6 +128,8 @@ class RankFeed:
         self._dir = directory
         self._instance = instance
         self.control = ring.Control(ring.control_path(directory, instance, local_rank), create=True)
+        self.control.end_step = total_steps
+        self.control.prefetch = prefetch
         self.slots: list[ring.SlotFile] = []
         self.peer: bytes | None = None
         self.trainer_pid: int | None = None
@@ -120,33 +142,28 @@ class RankFeed:
 
     # -- slots ---------------------------------------------------------------
 
-    def filled(self) -> int:
-        states = self.control.slots["state"][: len(self.slots)]
-        return int((states == ring.SlotState.FILLED).sum())
-
     def free_slot(self, size: int) -> int | None:
         """A FREE slot that fits `size` bytes (grown if needed), or None."""
-        states = self.control.slots["state"][: len(self.slots)]
-        free = [i for i, s in enumerate(states) if s == ring.SlotState.FREE]
-        if not free:
+        free = np.flatnonzero(self.control.state[: len(self.slots)] == ring.SlotState.FREE)
+        if not len(free):
             if len(self.slots) >= ring.MAX_SLOTS:
                 return None
             self.slots.append(self._slot_file(len(self.slots), 0, size))
             index = len(self.slots) - 1
-            self.control.slots[index]["gen"] = 0
-            self.control.slots[index]["state"] = ring.SlotState.FREE
-            self.control.header["num_slots"] = len(self.slots)
+            self.control.gen[index] = 0
+            self.control.state[index] = ring.SlotState.FREE
+            self.control.num_slots = len(self.slots)
             return index
-        index = free[0]
+        index = int(free[0])
         if self.slots[index].size < size:
             # Too small: a new file (a trainer may still map the old one, which
             # stays valid until it unmaps it).
-            gen = int(self.control.slots[index]["gen"]) + 1
+            gen = int(self.control.gen[index]) + 1
             old = self.slots[index]
             self.slots[index] = self._slot_file(index, gen, size)
             os.unlink(old.path)
             old.close()
-            self.control.slots[index]["gen"] = gen
+            self.control.gen[index] = gen
         return index
 
     def _slot_file(self, index: int, gen: int, size: int) -> ring.SlotFile:
@@ -163,7 +180,7 @@ class RankFeed:
 
     def reset(self, next_step: int, *, trainer_gone: bool) -> None:
         """Discard what was prefetched and continue at `next_step`."""
-        states = self.control.slots["state"]
+        states = self.control.state
         for i in range(len(self.slots)):
             if states[i] == ring.SlotState.FILLED or (trainer_gone and states[i] == ring.SlotState.TAKEN):
                 states[i] = ring.SlotState.FREE
@@ -205,9 +222,16 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"ipc://{self.directory / protocol.SOCKET_NAME}")
+        signal_address = f"inproc://sources-{self.instance}"
+        self._signals = self._ctx.socket(zmq.PULL)
+        self._signals.setsockopt(zmq.LINGER, 0)
+        self._signals.bind(signal_address)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self._signals, zmq.POLLIN)
         self.feeds = [
             RankFeed(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
-                     source=Source(factory, rank), prefetch=prefetch,
+                     source=Source(factory, rank, signal=(self._ctx, signal_address)), prefetch=prefetch,
                      start_step=start_step, total_steps=total_steps)
             for i, rank in enumerate(ranks)
         ]
@@ -219,9 +243,9 @@ class Server:
 
     def request_checkpoint(self, *, drain: bool) -> None:
         for feed in self.feeds:
-            feed.control.header["checkpoint_requested"] = 1
+            feed.control.checkpoint_requested = 1
             if drain:
-                feed.control.header["drain_requested"] = 1
+                feed.control.drain_requested = 1
 
     def fail_all(self, message: str, *, grace_s: float) -> None:
         """Tell every trainer that says hello why this sidecar cannot serve, then stop."""
@@ -238,15 +262,24 @@ class Server:
 
     def finished(self) -> bool:
         return all(
-            f.drained or f.said_bye or (f.end_sent and int(f.control.header["acked"]) + 1 >= f.total_steps)
+            f.drained or f.said_bye or (f.end_sent and f.control.acked + 1 >= f.total_steps)
             for f in self.feeds
         )
 
     def run(self, tick: Callable[[], None] | None = None) -> None:
         """Serve until every rank is finished or `stopping` is set."""
         while not self.stopping.is_set() and not self.finished():
-            waiting = any(self._fill(feed) for feed in self.feeds)
-            if self.sock.poll(2 if waiting else 50):
+            waiting_for_trainer = any([self._fill(feed) for feed in self.feeds])
+            # Sources and trainers wake the loop with a message; the timeouts only
+            # bound the cost of a wake-up lost to a race on the shared flags.
+            events = dict(self._poller.poll(5 if waiting_for_trainer else 100))
+            if self._signals in events:
+                while True:
+                    try:
+                        self._signals.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            if self.sock in events:
                 self._receive()
             if tick is not None:
                 tick()
@@ -255,6 +288,7 @@ class Server:
         for feed in self.feeds:
             feed.close()
         self.sock.close(linger=0)
+        self._signals.close(linger=0)
         try:
             os.unlink(self.directory / protocol.SOCKET_NAME)
         except FileNotFoundError:
@@ -267,14 +301,14 @@ class Server:
             log.debug("cannot reach trainer %r: %s", peer, exc)
 
     def _fill(self, feed: RankFeed) -> bool:
-        """Publish what fits; True while the feed waits on its source or slots."""
+        """Publish what fits; True while the feed waits for the trainer to free a slot."""
         if feed.peer is None or feed.drained or feed.end_sent or feed.failure:
             return False
         while True:
             if feed.pending is None:
                 item = feed.source.poll()
                 if item is None:
-                    return True
+                    return False  # the source signals when it has an item
                 if isinstance(item, StopIteration):
                     self._send(feed.peer, "end", next_step=feed.next_step)
                     feed.end_sent = True
@@ -283,23 +317,22 @@ class Server:
                     self._fail(feed, item)
                     return False
                 feed.pending = item
-            if feed.filled() >= feed.prefetch:
-                feed.control.header["sidecar_waiting"] = 1
+            if feed.control.filled() >= feed.prefetch:
+                feed.control.sidecar_waiting = 1
                 return True
             global_step, batch = feed.pending
             index = feed.free_slot(ipc_size(batch))
             if index is None:
-                feed.control.header["sidecar_waiting"] = 1
+                feed.control.sidecar_waiting = 1
                 return True
             nbytes = feed.write(index, batch)
-            slot = feed.control.slots[index]
-            slot["global_step"] = global_step
-            slot["nbytes"] = nbytes
-            slot["state"] = ring.SlotState.FILLED
-            epoch, step = divmod(global_step, self.steps_per_epoch)
-            self._send(feed.peer, "ready", slot=index, gen=int(slot["gen"]),
-                       path=str(feed.slots[index].path), nbytes=nbytes,
-                       global_step=global_step, epoch=epoch, step=step)
+            control = feed.control
+            control.step[index] = global_step
+            control.nbytes[index] = nbytes
+            control.state[index] = ring.SlotState.FILLED  # last: the trainer may take it now
+            if control.trainer_waiting:
+                control.trainer_waiting = 0
+                self._send(feed.peer, "ready", global_step=global_step)
             feed.pending = None
             feed.next_step = global_step + 1
 
@@ -357,7 +390,7 @@ class Server:
             self._send(peer, "error", code="source", message=feed.failure, fatal=True)
             return
         new_trainer = message["pid"] != feed.trainer_pid
-        acked = int(feed.control.header["acked"])
+        acked = feed.control.acked
         wanted = message["next_step"]
         if wanted is None:  # a new trainer process: continue after its predecessor
             wanted = acked + 1 if acked >= 0 else feed.start_step
@@ -373,7 +406,7 @@ class Server:
         if not in_step:
             log.info("rank %d: trainer pid %d continues at global step %d",
                      feed.rank, message["pid"], wanted)
-            feed.control.header["acked"] = wanted - 1
+            feed.control.acked = wanted - 1
             feed.reset(wanted, trainer_gone=new_trainer)
         self._send(peer, "welcome", instance=self.instance, rank=feed.rank,
                    world_size=self.world_size, ctl=str(feed.control.path),
@@ -381,7 +414,7 @@ class Server:
                    total_steps=feed.total_steps, steps_per_epoch=self.steps_per_epoch)
 
     def _checkpoint_rank(self, feed: RankFeed, step: int) -> None:
-        acked = int(feed.control.header["acked"])
+        acked = feed.control.acked
         if step != acked + 1:
             raise errors.ProtocolError(
                 f"checkpoint of step {step}, but the trainer has received {acked + 1} steps")
@@ -396,14 +429,23 @@ class Server:
             self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
                        message=f"checkpoint of step {step} failed: {exc}")
             return
-        header = feed.control.header
-        drained = bool(header["drain_requested"])
-        header["checkpoint_requested"] = 0
+        drained = bool(feed.control.drain_requested)
+        feed.control.checkpoint_requested = 0
         feed.drained = feed.drained or drained
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         self.last_checkpoint = {"step": step, "epoch": epoch, "worldSize": self.world_size,
                                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self._send(feed.peer or b"", "checkpointed", step=step, drained=drained, uri=uri)
+
+
+def tune_interpreter() -> None:
+    """Hand the GIL over faster in a sidecar process.
+
+    The serving loop and the source threads pass every batch between them; with
+    CPython's default 5 ms switch interval each hand-off can wait that long for
+    the GIL, which measured as a 2x loss of transport throughput (make bench).
+    """
+    sys.setswitchinterval(0.0002)
 
 
 def sweep(directory: Path) -> None:

@@ -24,7 +24,6 @@ import collections
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 import weakref
@@ -136,6 +135,19 @@ class _Stats:
         os.replace(tmp, self.path)
 
 
+def _release(control: ring.Control, slot: int, gen: int) -> None:
+    """Give a slot back once nothing references its batch.
+
+    Runs from a finalizer, on whatever thread dropped the last reference: a
+    shared-memory store only, never a socket call (sockets belong to one thread).
+    """
+    try:
+        if control.gen[slot] == gen:
+            control.state[slot] = ring.SlotState.FREE
+    except (ValueError, AttributeError, TypeError):
+        pass  # the control block is already closed
+
+
 class StreamClient:
     """Connects to this rank's sidecar and yields its batches in order."""
 
@@ -166,14 +178,12 @@ class StreamClient:
         self._sock.setsockopt(zmq.IDENTITY, f"t{self.local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
         self._sock.connect(f"ipc://{self._dir / protocol.SOCKET_NAME}")
         self._inbox: collections.deque[dict[str, Any]] = collections.deque()
-        self._slot_files: dict[str, ring.SlotFile] = {}
+        self._slot_files: dict[tuple[str, int, int], ring.SlotFile] = {}
         self._control: ring.Control | None = None
         self._instance = ""
         self._next_step: int | None = None  # None until the first welcome: "continue"
         self._ended = False
         self.drained = False
-        self._released: list[tuple[ring.Control, int, int]] = []
-        self._release_lock = threading.Lock()
         self.stats = _Stats(os.environ.get("SPLITFEED_STATS_FILE"))
         try:
             self._welcome(self._hello())
@@ -186,7 +196,7 @@ class StreamClient:
     @property
     def checkpoint_requested(self) -> bool:
         """The operator asked for a checkpoint (e.g. before a rescale)."""
-        return bool(self._control is not None and self._control.header["checkpoint_requested"])
+        return bool(self._control is not None and self._control.checkpoint_requested)
 
     def __iter__(self) -> StreamClient:
         return self
@@ -205,24 +215,31 @@ class StreamClient:
         return batch
 
     def _next_batch(self) -> Batch | None:
+        """The batch of `_next_step`, from the ring; the socket only when it must wait."""
         while True:
-            message = self._receive()
-            kind = message["type"]
-            if kind == "ready":
-                if message["global_step"] != self._next_step:
-                    log.warning("out-of-order batch %s (expected %s); resynchronising",
-                                message["global_step"], self._next_step)
-                    self._welcome(self._hello())
-                    continue
-                return self._take(message)
-            if kind == "end":
+            control = self._control
+            assert control is not None  # set by the first welcome
+            step = self._next_step
+            assert step is not None
+            if step >= control.end_step:
                 self._ended = True
                 return None
-            if kind == "welcome":
+            index = self._find(control, step)
+            if index is None:
+                control.trainer_waiting = 1
+                index = self._find(control, step)  # it may have landed meanwhile
+            if index is not None:
+                control.trainer_waiting = 0
+                return self._take(control, index, step)
+            message = self._receive()
+            if message["type"] == "welcome":
                 self._welcome(message)
-                continue
-            # checkpointed replies are only expected inside checkpoint()
-            log.debug("ignoring %s message while waiting for a batch", kind)
+            # ready / end are wake-ups: look at the ring again
+
+    @staticmethod
+    def _find(control: ring.Control, step: int) -> int | None:
+        found = np.flatnonzero((control.step == step) & (control.state == ring.SlotState.FILLED))
+        return int(found[0]) if len(found) else None
 
     def checkpoint(self) -> int:
         """Persist this rank's data position; returns the global steps completed.
@@ -339,52 +356,40 @@ class StreamClient:
 
     # -- batches --------------------------------------------------------------------
 
-    def _take(self, message: dict[str, Any]) -> Batch:
-        control = self._control
-        assert control is not None  # set by the first welcome
-        slot_file = self._slot_files.get(message["path"])
+    def _take(self, control: ring.Control, slot: int, step: int) -> Batch:
+        gen, nbytes = int(control.gen[slot]), int(control.nbytes[slot])
+        slot_file = self._slot_files.get((self._instance, slot, gen))
         if slot_file is None:
-            slot_file = ring.SlotFile(Path(message["path"]), os.path.getsize(message["path"]), create=False)
-            self._slot_files[message["path"]] = slot_file
-        nbytes = message["nbytes"]
+            for key in [k for k in self._slot_files if k[:2] == (self._instance, slot)]:
+                self._slot_files.pop(key).close()  # the sidecar replaced that slot's file
+            path = ring.slot_path(self._dir, self._instance, self.local_rank, slot, gen)
+            slot_file = ring.SlotFile(path, os.path.getsize(path), create=False)
+            self._slot_files[(self._instance, slot, gen)] = slot_file
+        control.state[slot] = ring.SlotState.TAKEN
         root = np.frombuffer(slot_file._mm, dtype=np.uint8, count=nbytes)
-        slot, gen = message["slot"], message["gen"]
-        control.slots[slot]["state"] = ring.SlotState.TAKEN
-        weakref.finalize(root, self._release, control, slot, gen)
-        base = root.ctypes.data
-        record_batch = pa.ipc.open_stream(pa.py_buffer(root)).read_next_batch()
+        weakref.finalize(root, _release, control, slot, gen)
+        buffer = pa.py_buffer(root)
+        base = buffer.address
+        record_batch = pa.ipc.open_stream(buffer).read_next_batch()
         columns: dict[str, Any] = {}
         for name, array in zip(record_batch.schema.names, record_batch.columns):
             value = _column(array, root, base)
             columns[name] = _to_tensor(value) if self._as_tensors else value
-        del record_batch, root
-        control.header["acked"] = message["global_step"]
-        self._next_step = message["global_step"] + 1
-        if control.header["sidecar_waiting"]:
+        del record_batch, root, buffer
+        control.acked = step
+        self._next_step = step + 1
+        if control.sidecar_waiting and control.filled() <= control.prefetch // 2:
             self._wake()
-        return Batch(columns, epoch=message["epoch"], step=message["step"],
-                     global_step=message["global_step"])
-
-    def _release(self, control: ring.Control, slot: int, gen: int) -> None:
-        # Runs from a finalizer, on whatever thread dropped the last reference:
-        # only a shared-memory store, never a socket call (sockets are per thread).
-        try:
-            if int(control.slots[slot]["gen"]) == gen:
-                control.slots[slot]["state"] = ring.SlotState.FREE
-        except (ValueError, AttributeError):
-            return  # control block already closed
-        with self._release_lock:
-            self._released.append((control, slot, gen))
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        return Batch(columns, epoch=epoch, step=in_epoch, global_step=step)
 
     def _flush_releases(self) -> None:
-        if not self._released:
-            return
-        with self._release_lock:
-            self._released.clear()
-        if self._control is not None and self._control.header["sidecar_waiting"]:
+        """Batches freed since the last call may unblock a waiting sidecar."""
+        control = self._control
+        if control is not None and control.sidecar_waiting:
             self._wake()
 
     def _wake(self) -> None:
         assert self._control is not None
-        self._control.header["sidecar_waiting"] = 0
+        self._control.sidecar_waiting = 0
         self._sock.send(protocol.encode("wake"))

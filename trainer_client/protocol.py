@@ -33,10 +33,7 @@ _SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "resume_step": (int,), "next_step": (int,), "total_steps": (int,),
         "steps_per_epoch": (int,),
     },
-    "ready": {
-        "slot": (int,), "gen": (int,), "path": (str,), "nbytes": (int,),
-        "global_step": (int,), "epoch": (int,), "step": (int,),
-    },
+    "ready": {"global_step": (int,)},  # wakes a waiting trainer; slots say the rest
     "end": {"next_step": (int,)},
     "checkpointed": {"step": (int,), "drained": (bool,), "uri": (str,)},
     "error": {"code": (str,), "message": (str,), "fatal": (bool,)},

@@ -12,10 +12,13 @@ when the trainer holds more batches than there are slots, so holding batches
 never deadlocks; at most MAX_SLOTS per rank.
 
 The control block is a small numpy structured array over a mapped file:
-per-slot state, plus counters each side writes and the other reads without
-any message (acknowledgements, releases, "I am waiting" flags). Single-word
-stores; each side re-checks after a timeout, so a missed flag costs
-milliseconds, never correctness.
+per-slot state and the global step each slot holds, plus counters each side
+writes and the other reads without any message (acknowledgements, releases,
+"I am waiting" flags). A side sends a ZeroMQ message only to wake a peer that
+said it is waiting, so a pipeline that keeps up costs no message per batch.
+Single-word stores, the state written last (x86's store order makes the slot's
+contents visible first); each side re-checks after a timeout, so a missed
+flag costs milliseconds, never correctness.
 
 Slot state transitions (SlotState):
     INVALID -> FREE           sidecar creates the slot
@@ -47,24 +50,23 @@ class SlotState(enum.IntEnum):
     TAKEN = 3
 
 
-HEADER_DTYPE = np.dtype(
-    [
-        ("magic", "<u4"),
-        ("version", "<u4"),
-        ("num_slots", "<u4"),
-        ("sidecar_waiting", "<u4"),  # sidecar blocks for a free slot / ack
-        ("acked", "<i8"),  # global steps the trainer has received (consumer commit)
-        ("checkpoint_requested", "<u4"),
-        ("drain_requested", "<u4"),
-    ],
-    align=True,
+# Header words (int64 each), by index. Plain arrays rather than a structured
+# dtype: this is the per-batch hot path on both sides, and plain element access
+# costs a fraction of a structured field's.
+_WORDS = (
+    "magic", "version", "num_slots",
+    "acked",                 # last global step the trainer received (consumer commit)
+    "end_step",              # no batch at or after this global step
+    "prefetch",              # a waiting sidecar is woken below half of it
+    "sidecar_waiting",       # sidecar blocks for the trainer to take or free a slot
+    "trainer_waiting",       # trainer blocks on the socket for a batch
+    "checkpoint_requested",
+    "drain_requested",
 )
-SLOT_DTYPE = np.dtype(
-    [("state", "<u4"), ("gen", "<u4"), ("global_step", "<i8"), ("nbytes", "<i8")],
-    align=True,
-)
-_HEADER_BYTES = 128
-CONTROL_BYTES = _HEADER_BYTES + MAX_SLOTS * SLOT_DTYPE.itemsize
+_NUM_WORDS = 16
+_HEADER_BYTES = _NUM_WORDS * 8
+# Per slot: state (u4), then step, gen, nbytes (i8), each an array of MAX_SLOTS.
+CONTROL_BYTES = _HEADER_BYTES + MAX_SLOTS * (4 + 8 + 8 + 8)
 
 
 def control_path(directory: Path, instance: str, local_rank: int) -> Path:
@@ -76,7 +78,11 @@ def slot_path(directory: Path, instance: str, local_rank: int, slot: int, gen: i
 
 
 class Control:
-    """The control block of one rank, mapped by both sides."""
+    """The control block of one rank, mapped by both sides.
+
+    `state[i]`, `step[i]` (global step held), `gen[i]` (file generation) and
+    `nbytes[i]` describe slot i; header words are attributes (`control.acked`).
+    """
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)
@@ -88,19 +94,42 @@ class Control:
             self._mm = mmap.mmap(fd, CONTROL_BYTES)
         finally:
             os.close(fd)
-        self.header = np.ndarray((), HEADER_DTYPE, buffer=self._mm, offset=0)
-        self.slots = np.ndarray((MAX_SLOTS,), SLOT_DTYPE, buffer=self._mm, offset=_HEADER_BYTES)
+        self.words = np.ndarray((_NUM_WORDS,), "<i8", buffer=self._mm, offset=0)
+        offset = _HEADER_BYTES
+        self.state = np.ndarray((MAX_SLOTS,), "<u4", buffer=self._mm, offset=offset)
+        offset += MAX_SLOTS * 4
+        self.step = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
+        offset += MAX_SLOTS * 8
+        self.gen = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
+        offset += MAX_SLOTS * 8
+        self.nbytes = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         if create:
-            self.header["magic"] = MAGIC
-            self.header["version"] = LAYOUT_VERSION
-            self.header["acked"] = -1
-        elif int(self.header["magic"]) != MAGIC or int(self.header["version"]) != LAYOUT_VERSION:
+            self.step[:] = -1
+            self.magic, self.version, self.acked = MAGIC, LAYOUT_VERSION, -1
+        elif self.magic != MAGIC or self.version != LAYOUT_VERSION:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
+
+    def filled(self) -> int:
+        return int(np.count_nonzero(self.state == SlotState.FILLED))
 
     def close(self) -> None:
         # numpy views pin the mapping; drop them first.
-        del self.header, self.slots
+        del self.words, self.state, self.step, self.gen, self.nbytes
         self._mm.close()
+
+
+def _word(index: int) -> property:
+    def get(self: Control) -> int:
+        return int(self.words[index])
+
+    def set(self: Control, value: int) -> None:
+        self.words[index] = value
+
+    return property(get, set)
+
+
+for _index, _name in enumerate(_WORDS):
+    setattr(Control, _name, _word(_index))
 
 
 class SlotFile:

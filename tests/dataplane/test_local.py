@@ -100,3 +100,28 @@ def test_ctrl_c_stops_every_process(table_uri, tmp_path):
             proc.communicate()
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
+         job_file(tmp_path, manifest(table_uri)), "--quiet",
+         "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ids.jsonl").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 2
+        proc.kill()  # SIGKILL: the launcher cannot clean up
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in children):
+            assert time.monotonic() < deadline, "children outlived their launcher"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

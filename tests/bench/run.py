@@ -1,0 +1,207 @@
+"""`make bench`: transport and end-to-end throughput, as ratios against baselines
+measured in the same run (these machines are noisy). Writes bench/results.json.
+
+transport: sidecar -> trainer hand-off of batches already in memory, the
+trainer touching every byte once, against one thread copying the same bytes
+into as many slots as the ring has.
+end_to_end: rows/s a trainer receives through a `splitfeed sidecar` process
+reading a LanceDB table, against lancedb's StreamingDataLoader iterated in the
+trainer's own process (the better of num_workers 0 and 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from splitfeed.trainer_client.client import StreamClient
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+PREFETCH = 4
+REPEATS = 3
+
+
+def touch(array: np.ndarray) -> int:
+    return int(array.view(np.uint64).sum())
+
+
+def memcpy_gbps(size: int, count: int) -> float:
+    source = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    slots = [np.empty(size, np.uint8) for _ in range(PREFETCH)]
+    for slot in slots:
+        slot[:] = source  # fault the pages in, as the ring's slots are after their first use
+    start = time.perf_counter()
+    for i in range(count):
+        np.copyto(slots[i % PREFETCH], source)
+    return size * count / (time.perf_counter() - start) / 1e9
+
+
+def transport_gbps(size: int, count: int) -> float:
+    directory = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.bench.memory_sidecar", str(directory),
+                             str(size), str(count), str(PREFETCH)], cwd=ROOT)
+    try:
+        with StreamClient(directory, 0, as_tensors=False, timeout_s=60) as client:
+            it = iter(client)
+            touch(next(it)["x"])  # start-up and first mapping excluded
+            start = time.perf_counter()
+            received = 0
+            for batch in it:
+                touch(batch["x"])
+                received += 1
+            elapsed = time.perf_counter() - start
+        proc.wait(30)
+        return received * size / elapsed / 1e9
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def bench_transport() -> list[dict]:
+    results = []
+    for mib, count in ((1, 1500), (8, 250), (64, 40)):
+        size = mib * MiB
+        gbps = max(transport_gbps(size, count) for _ in range(REPEATS))
+        base = max(memcpy_gbps(size, count) for _ in range(REPEATS))
+        results.append({"batch_bytes": size, "gbps": round(gbps, 3), "memcpy_gbps": round(base, 3),
+                        "ratio": round(gbps / base, 3)})
+        print(f"  transport {mib:>3} MiB: {gbps:6.2f} GB/s vs memcpy {base:6.2f} GB/s "
+              f"-> ratio {gbps / base:.2f}", flush=True)
+    return results
+
+
+E2E_ROWS = 200_000
+E2E_SPLITS = 16
+E2E_BATCH = 1024
+DIM = 256
+
+
+def write_table(uri: str) -> None:
+    import lancedb
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    db = lancedb.connect(uri)
+    chunk = 50_000
+    for start in range(0, E2E_ROWS, chunk):
+        n = min(chunk, E2E_ROWS - start)
+        batch = pa.table({
+            "id": pa.array(np.arange(start, start + n), pa.int64()),
+            "label": pa.array(rng.integers(0, 1000, n), pa.int32()),
+            "vector": pa.FixedSizeListArray.from_arrays(
+                pa.array(rng.standard_normal(n * DIM).astype(np.float32)), DIM),
+        })
+        if start == 0:
+            db.create_table("bench", batch, mode="overwrite")
+        else:
+            db.open_table("bench").add(batch)
+
+
+def inprocess_rows_per_s(uri: str, num_workers: int, rows: int) -> float:
+    import lancedb
+    from lancedb.streaming import StreamingDataLoader, StreamingDataset
+
+    table = lancedb.connect(uri).open_table("bench")
+    dataset = StreamingDataset(table, num_splits=E2E_SPLITS, shuffle=True, shuffle_seed=0,
+                               columns=["id", "label", "vector"])
+    loader = StreamingDataLoader(dataset, batch_size=E2E_BATCH, num_workers=num_workers)
+    it = iter(loader)
+    next(it)  # start-up excluded
+    start = time.perf_counter()
+    got = 0
+    for batch in it:
+        got += len(batch["id"])
+        if got >= rows:
+            break
+    elapsed = time.perf_counter() - start
+    del it
+    return got / elapsed
+
+
+def sidecar_rows_per_s(uri: str, workdir: Path) -> float:
+    from splitfeed.trainer_client import specs
+
+    job = specs.parse_job({
+        "apiVersion": specs.API_VERSION, "kind": specs.KIND, "metadata": {"name": "bench"},
+        "spec": {"data": {"uri": uri, "table": "bench", "numSplits": E2E_SPLITS,
+                          "globalBatchSize": E2E_BATCH, "columns": ["id", "label", "vector"],
+                          "readBatchSize": 1024}}})
+    config = workdir / "config.json"
+    config.write_text(json.dumps(job.data_config()))
+    sockets = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    env = {**os.environ, "SPLITFEED_SOCKET_DIR": str(sockets), "RANK": "0", "WORLD_SIZE": "1",
+           "SPLITFEED_RESUME": "none"}
+    proc = subprocess.Popen([sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
+                             "--config", str(config)], env=env, cwd=ROOT)
+    try:
+        with StreamClient(sockets, 0, timeout_s=120) as client:
+            it = iter(client)
+            next(it)
+            start = time.perf_counter()
+            got = 0
+            for batch in it:
+                got += len(batch["id"])
+            elapsed = time.perf_counter() - start
+        proc.wait(30)
+        return got / elapsed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def bench_end_to_end() -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="sf-bench-e2e-"))
+    try:
+        uri = str(workdir / "db")
+        print(f"  writing a {E2E_ROWS}-row table (int64 id, int32 label, {DIM}-float vector)", flush=True)
+        write_table(uri)
+        ours = max(sidecar_rows_per_s(uri, workdir) for _ in range(2))
+        print(f"  through the sidecar: {ours:,.0f} rows/s", flush=True)
+        baselines = {}
+        for workers in (0, 2):
+            baselines[workers] = inprocess_rows_per_s(uri, workers, rows=30_000)
+            print(f"  StreamingDataLoader in-process, num_workers={workers}: {baselines[workers]:,.0f} rows/s",
+                  flush=True)
+        base = max(baselines.values())
+        return {"rows_per_s": round(ours), "inprocess_rows_per_s": round(base),
+                "ratio": round(ours / base, 2)}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main() -> int:
+    print("transport (sidecar -> trainer, batches in memory):", flush=True)
+    transport = bench_transport()
+    print("end to end (LanceDB -> trainer):", flush=True)
+    end_to_end = bench_end_to_end()
+    results = {"transport": transport, "end_to_end": end_to_end,
+               "machine": {"cpus": os.cpu_count()}}
+    out = ROOT / "bench" / "results.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\n{'benchmark':<22}{'ours':>14}{'baseline':>14}{'ratio':>8}{'goal':>8}")
+    for row in transport:
+        print(f"{'transport ' + str(row['batch_bytes'] // MiB) + ' MiB':<22}{row['gbps']:>10.2f} GB/s"
+              f"{row['memcpy_gbps']:>10.2f} GB/s{row['ratio']:>8.2f}{'>=0.5':>8}")
+    e = end_to_end
+    print(f"{'end to end':<22}{e['rows_per_s']:>9,} rows/s{e['inprocess_rows_per_s']:>7,} rows/s"
+          f"{e['ratio']:>8.2f}{'>=5':>8}")
+    print(f"\nwritten to {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
