@@ -101,6 +101,8 @@ class Source:
             self._thread = None
 
 
+# A thread pool per write cost more than the copy it parallelises (make bench).
+_WRITE_OPTIONS = pa.ipc.IpcWriteOptions(use_threads=False)
 _schema_bytes: dict[pa.Schema, int] = {}
 
 
@@ -174,7 +176,7 @@ class RankFeed:
 
     def write(self, index: int, batch: pa.RecordBatch) -> int:
         sink = pa.FixedSizeBufferWriter(pa.py_buffer(self.slots[index].view))
-        with pa.ipc.new_stream(sink, batch.schema) as writer:
+        with pa.ipc.new_stream(sink, batch.schema, options=_WRITE_OPTIONS) as writer:
             writer.write_batch(batch)
         return int(sink.tell())
 
