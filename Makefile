@@ -31,9 +31,24 @@ demo: install
 bench: install
 	$(PY) -m tests.bench.run
 
+# import-linter cannot follow the editable install's finder: give it splitfeed.* as folders.
 lint: install
-	$(VENV)/bin/lint-imports
+	@tree=$$(mktemp -d) && mkdir $$tree/splitfeed && \
+	for p in trainer_client sidecar operator; do ln -s $(CURDIR)/$$p $$tree/splitfeed/$$p; done && \
+	PYTHONPATH=$$tree $(VENV)/bin/lint-imports; rc=$$?; rm -rf $$tree; exit $$rc
 	$(PY) -c "import operator, collections"
+	$(PY) crds/sync.py --check
+
+sync-crd: install
+	$(PY) crds/sync.py
+
+e2e: install
+	KUBEBUILDER_ASSETS="$$(bash tests/envtest/build.sh | tail -n 1)" \
+		$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
+
+# Real pods in a kind cluster; needs Docker. Not part of `make test`.
+e2e-kind: install
+	bash tests/e2e/kind.sh
 
 clean:
 	rm -rf $(VENV) .demo bench/results.json

@@ -4,6 +4,8 @@ Importable with pyzmq, numpy and pyarrow alone (torch is optional): this is the
 package a training script imports.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointError,
     ProtocolError,
@@ -14,6 +16,8 @@ from .errors import (
 )
 
 __all__ = [
+    "Batch",
+    "StreamClient",
     "CheckpointError",
     "ProtocolError",
     "SidecarFailed",
@@ -21,3 +25,16 @@ __all__ = [
     "SplitfeedError",
     "UserError",
 ]
+
+if TYPE_CHECKING:
+    from .client import Batch, StreamClient
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the operator imports this package for specs and topology, and must
+    # not pay for pyzmq (or torch) to do so.
+    if name in ("Batch", "StreamClient"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

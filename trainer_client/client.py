@@ -40,10 +40,19 @@ from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavai
 
 log = logging.getLogger(__name__)
 
-try:  # torch is optional: numpy arrays are handed out without it.
-    import torch
-except ImportError:  # pragma: no cover - exercised only where torch is absent
-    torch = None
+_torch: Any = None
+
+
+def _torch_module() -> Any:
+    """torch if installed (imported on first use: it takes seconds), else False."""
+    global _torch
+    if _torch is None:
+        try:
+            import torch
+        except ImportError:  # numpy arrays are handed out without it
+            torch = False
+        _torch = torch
+    return _torch
 
 
 class Batch(Mapping[str, Any]):
@@ -92,7 +101,8 @@ def _column(array: pa.Array, root: np.ndarray, base_address: int) -> Any:
 
 
 def _to_tensor(value: Any) -> Any:
-    if torch is not None and isinstance(value, np.ndarray) and value.dtype != object:
+    torch = _torch_module()
+    if torch and isinstance(value, np.ndarray) and value.dtype != object:
         return torch.from_numpy(value)
     return value
 

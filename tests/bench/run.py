@@ -115,7 +115,9 @@ def inprocess_rows_per_s(uri: str, num_workers: int, rows: int) -> float:
     table = lancedb.connect(uri).open_table("bench")
     dataset = StreamingDataset(table, num_splits=E2E_SPLITS, shuffle=True, shuffle_seed=0,
                                columns=["id", "label", "vector"])
-    loader = StreamingDataLoader(dataset, batch_size=E2E_BATCH, num_workers=num_workers)
+    # spawn: lancedb's runtime is not fork-safe (fork segfaulted a worker here).
+    extra = {"multiprocessing_context": "spawn"} if num_workers else {}
+    loader = StreamingDataLoader(dataset, batch_size=E2E_BATCH, num_workers=num_workers, **extra)
     it = iter(loader)
     next(it)  # start-up excluded
     start = time.perf_counter()
