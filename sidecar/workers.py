@@ -1,7 +1,8 @@
 """A rank's batches, read in-process or by loader worker processes.
 
 Called by the sidecar's serving loop (and by the data-plane tests). With
-`numWorkers: 1` a background thread reads ahead of the consumer; with K > 1,
+`numWorkers: 1` the caller's thread reads (the sidecar runs it in a background
+thread); with K > 1,
 K spawned processes each read a contiguous sub-block of the rank's splits and
 the parent merges their blocks with `batching.interleave`, which yields the
 same rows in the same order as one reader would (the determinism contract in
@@ -22,7 +23,6 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import os
-import queue
 import struct
 import threading
 import traceback
@@ -37,14 +37,8 @@ from . import batching, reading
 
 log = logging.getLogger(__name__)
 
-PREFETCH_STEPS = 2
-"""Steps the in-process reader may run ahead; the ring adds prefetchBatches more."""
-
 JOIN_TIMEOUT_S = 5.0
 """How long a worker gets to exit after SIGTERM before it is killed."""
-
-_POLL_S = 0.2
-"""How often a blocked reader thread checks whether its consumer went away."""
 
 
 def iter_rank_batches(
@@ -62,7 +56,7 @@ def iter_rank_batches(
     (excluding) `stop_global_step`. Raises errors.UserError for a topology the
     job cannot serve or a table/filter/column problem, errors.SidecarFailed
     when a loader worker fails otherwise or dies. Closing the generator stops
-    the reader thread or the worker processes.
+    the worker processes.
     """
     try:
         topology.check(
@@ -80,18 +74,14 @@ def iter_rank_batches(
         raise ValueError(f"start_global_step must be >= 0, got {start_global_step}")
     options = dict(storage_options or {})
     if data.num_workers == 1:
-        return _iter_in_thread(data, options, rank, world_size, start_global_step, stop_global_step)
+        return _iter_in_process(data, options, rank, world_size, start_global_step, stop_global_step)
     return _iter_in_processes(data, options, rank, world_size, start_global_step, stop_global_step)
 
 
-# --- numWorkers = 1: one reader thread ---------------------------------------------
+# --- numWorkers = 1: in the caller's thread -----------------------------------------
 
 
-class _End:
-    """Queue sentinel: the reader finished every step."""
-
-
-def _iter_in_thread(
+def _iter_in_process(
     data: specs.DataSpec,
     storage_options: dict[str, str],
     rank: int,
@@ -99,49 +89,17 @@ def _iter_in_thread(
     start: int,
     stop: int | None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """Read in a thread so that lancedb I/O overlaps with the consumer's work."""
-    ready: queue.Queue[Any] = queue.Queue(maxsize=PREFETCH_STEPS)
-    closing = threading.Event()
+    """Read in the caller's thread.
 
-    def put(item: Any) -> bool:
-        while not closing.is_set():
-            try:
-                ready.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read() -> None:
-        try:
-            table = reading.open_table(data, storage_options)
-            splits = topology.rank_splits(rank, world_size, data.num_splits)
-            blocks = reading.iter_blocks(
-                table, data, splits, start_global_step=start, stop_global_step=stop
-            )
-            with contextlib.closing(blocks):
-                for item in blocks:
-                    if not put(item):
-                        return
-            put(_End())
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            put(exc)
-
-    reader = threading.Thread(target=read, name=f"splitfeed-reader-{rank}", daemon=True)
-    reader.start()
-    try:
-        while True:
-            item = ready.get()
-            if isinstance(item, _End):
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        closing.set()
-        reader.join(JOIN_TIMEOUT_S)
-        if reader.is_alive():  # stuck inside a lancedb call; it exits at its next put
-            log.warning("reader thread for rank %d did not stop within %ss", rank, JOIN_TIMEOUT_S)
+    No read-ahead thread of its own: the sidecar already runs this iterator in
+    a bounded background thread (serving.Source), and a second hand-off only
+    added GIL switches.
+    """
+    table = reading.open_table(data, storage_options)
+    splits = topology.rank_splits(rank, world_size, data.num_splits)
+    blocks = reading.iter_blocks(table, data, splits, start_global_step=start, stop_global_step=stop)
+    with contextlib.closing(blocks):
+        yield from blocks
 
 
 # --- numWorkers = K > 1: worker processes ------------------------------------------

@@ -86,14 +86,7 @@ class Control:
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, CONTROL_BYTES)
-            self._mm = mmap.mmap(fd, CONTROL_BYTES)
-        finally:
-            os.close(fd)
+        self._mm = _map(self.path, CONTROL_BYTES, create=create)
         self.words = np.ndarray((_NUM_WORDS,), "<i8", buffer=self._mm, offset=0)
         offset = _HEADER_BYTES
         self.state = np.ndarray((MAX_SLOTS,), "<u4", buffer=self._mm, offset=offset)
@@ -138,13 +131,7 @@ class SlotFile:
     def __init__(self, path: Path, size: int, *, create: bool) -> None:
         self.path = Path(path)
         self.size = size
-        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._mm = _map(self.path, size, create=create)
         self.view = np.frombuffer(self._mm, dtype=np.uint8)
 
     def close(self) -> None:
@@ -154,6 +141,17 @@ class SlotFile:
             self._mm.close()
         except BufferError:
             pass  # still exported to a batch the user holds; unmapped when it is freed
+
+
+def _map(path: Path, size: int, *, create: bool) -> mmap.mmap:
+    """Map a file shared with the peer; the creator sizes it (and must be first)."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def round_up(size: int) -> int:
