@@ -125,3 +125,23 @@ def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_plan_shows_valid_counts_splits_per_rank_and_steps_per_epoch(table_uri, tmp_path):
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, filter="label >= 2")),
+                     "--replicas", "3")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "world size 3" in out
+    assert "valid replica counts: [1, 2, 3, 4, 6, 8, 12, 24]" in out
+    assert "rank 2: splits 16..23" in out
+    assert "16 per rank" in out  # 48 rows per step / 3 ranks
+    # 800 rows pass the filter: 33 per split, 2 rows per split per step -> 16 steps
+    reference_steps = len(reference_batches(table_uri, {"filter": "label >= 2"}, 3, 0))
+    assert f"{reference_steps} steps per epoch" in out
+
+
+def test_plan_rejects_an_invalid_replica_count_with_the_valid_ones(table_uri, tmp_path):
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "7", "--offline")
+    assert done.returncode == 2
+    assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 24]" in done.stderr
