@@ -92,9 +92,11 @@ def sidecar_reports(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def sidecar_error(pod: Mapping[str, Any]) -> str | None:
+def sidecar_error(pod: Mapping[str, Any], *, permanent_only: bool = False) -> str | None:
+    """The error the pod's sidecar exited with; with `permanent_only`, only one that
+    restarting cannot fix (the report's `permanent`, e.g. a missing table)."""
     for report in sidecar_reports(pod):
-        if report.get("error"):
+        if report.get("error") and (report.get("permanent") is True or not permanent_only):
             return str(report["error"])
     return None
 
@@ -112,7 +114,8 @@ def progress(
         for r in sidecar_reports(pod):
             step = r.get("globalStep")
             if isinstance(step, int) and step > (best_progress or old_progress).get("globalStep", -1):
-                best_progress = {"globalStep": step, "epoch": r.get("epoch"), "step": r.get("step")}
+                best_progress = {"globalStep": step, "epoch": r.get("epoch"), "step": r.get("step"),
+                                 "stepsPerEpoch": r.get("stepsPerEpoch")}
             ck = r.get("lastCheckpoint")
             if isinstance(ck, dict) and isinstance(ck.get("step"), int):
                 if ck["step"] > (best_ckpt or old_ckpt).get("step", -1):

@@ -77,8 +77,23 @@ def _name(p: Mapping[str, Any]) -> str:
     return str((p.get("metadata") or {}).get("name"))
 
 
+def _failed(p: Mapping[str, Any]) -> bool:
+    """Failed, or (restartPolicy Never) a regular container has exited non-zero.
+
+    With --sidecar-mode container a dead trainer leaves its sidecar waiting for a
+    reconnect that never comes, and the pod Running forever; nothing will restart
+    that container, so the pod has failed (docs/pod-contract.md).
+    """
+    if _phase(p) == FAILED:
+        return True
+    if ((p.get("spec") or {}).get("restartPolicy") or "Always") != "Never":
+        return False
+    return any((((cs.get("state") or {}).get("terminated") or {}).get("exitCode") or 0) != 0
+               for cs in (p.get("status") or {}).get("containerStatuses") or [])
+
+
 def _terminated(p: Mapping[str, Any]) -> bool:
-    return _phase(p) in (SUCCEEDED, FAILED)
+    return _phase(p) in (SUCCEEDED, FAILED) or _failed(p)
 
 
 def _deleting(p: Mapping[str, Any]) -> bool:
@@ -205,7 +220,7 @@ def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
     job, epoch, replicas = c.job, int(c.epoch or 0), int(c.status.get("replicas") or 0)
     expected = {planning.pod_name(job.name, epoch, r) for r in range(replicas)}
     present = {_name(p) for p in c.world}
-    failed = [p for p in c.world if _phase(p) == FAILED]
+    failed = [p for p in c.world if _failed(p)]
     started = any(_phase(p) != PENDING for p in c.world)
     lost = sorted(expected - present) if started else []
     if failed or lost:
@@ -242,6 +257,16 @@ def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> 
          for p in failed] + [f"pod {n} disappeared" for n in lost]
     )
     live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
+    data_error = next(((_name(p), err) for p in failed
+                       if (err := conditions.sidecar_error(p, permanent_only=True))), None)
+    if data_error is not None:
+        msg = (f"pod {data_error[0]} failed: {data_error[1]}; the data cannot feed this job, "
+               "so restarting the world cannot help")
+        c.patch["phase"] = FAILED
+        c.cond(conditions.FAILED, True, "DataError", msg)
+        c.cond(conditions.READY, False, "Failed", msg)
+        c.events.append(Event("Warning", "DataError", msg))
+        return c.decision(FAILED, delete=live)
     if restarts >= c.job.max_restarts:
         msg = f"{why}; restart budget spent ({restarts}/{c.job.max_restarts} restarts, spec.maxRestarts)"
         c.patch["phase"] = FAILED

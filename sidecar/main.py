@@ -151,12 +151,15 @@ class Sidecar:
     settings: SidecarSettings
     steps_per_epoch: int
     failure: str | None
+    permanent: bool = False
+    """The failure is a DataError: the same data fails the same way in any world."""
 
 
 def prepare(settings: SidecarSettings) -> Sidecar:
     """Load, open, resume and bind. Bad input becomes `failure`, reported to trainers."""
     ranks = [settings.rank + i for i in range(settings.local_world_size)]
     failure: str | None = None
+    permanent = False
     job: specs.JobSpec | None = None
     storage_options = read_storage_options(settings.storage_options_dir)
     steps_per_epoch, total_steps, start_step = 1, 0, 0
@@ -168,7 +171,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         start_step, _ = resume_position(job, settings, storage_options)
         del table
     except errors.UserError as exc:
-        failure = str(exc)
+        failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
 
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]
@@ -191,7 +194,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         factory=factory, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         start_step=start_step, resume_step=start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint)
-    return Sidecar(server, settings, steps_per_epoch, failure)
+    return Sidecar(server, settings, steps_per_epoch, failure, permanent)
 
 
 def serve(sidecar: Sidecar) -> int:
@@ -207,12 +210,15 @@ def serve(sidecar: Sidecar) -> int:
             server.run(tick=RequestWatcher(server, settings.podinfo_dir))
             failure = next((f.failure for f in server.feeds if f.failure), None)
     finally:
+        global_step = min((f.control.acked + 1 for f in server.feeds), default=0)
+        epoch, step = divmod(global_step, max(1, sidecar.steps_per_epoch))
         report = {
-            "globalStep": min((f.control.acked + 1 for f in server.feeds), default=0),
+            "globalStep": global_step, "epoch": epoch, "step": step,
             "stepsPerEpoch": sidecar.steps_per_epoch,
             "lastCheckpoint": server.last_checkpoint,
             "drained": bool(server.feeds) and all(f.drained for f in server.feeds),
             "error": failure,
+            "permanent": bool(failure) and sidecar.permanent and failure == sidecar.failure,
         }
         server.close()
         if settings.termination_log is not None:

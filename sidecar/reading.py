@@ -31,7 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def open_table(data: specs.DataSpec, storage_options: Mapping[str, str] | None = None) -> Any:
-    """Open `data.table` at `data.uri`; a missing table is the user's to fix."""
+    """Open `data.table` at `data.uri`; a missing table or column is a DataError.
+
+    A uri that cannot be opened stays a plain UserError: credentials or the
+    network may come back, so the operator's restart budget applies.
+    """
     options = {**data.storage_options, **(storage_options or {})}
     try:
         db = lancedb.connect(data.uri, storage_options=options or None)
@@ -39,7 +43,7 @@ def open_table(data: specs.DataSpec, storage_options: Mapping[str, str] | None =
     except Exception as exc:  # lancedb raises many kinds for a bad uri / credentials
         raise errors.UserError(f"cannot open LanceDB at spec.data.uri={data.uri!r}: {exc}") from exc
     if data.table not in names:
-        raise errors.UserError(
+        raise errors.DataError(
             f"table spec.data.table={data.table!r} does not exist at {data.uri!r} "
             f"(tables there: {names or 'none'})"
         )
@@ -47,7 +51,7 @@ def open_table(data: specs.DataSpec, storage_options: Mapping[str, str] | None =
     if data.columns:
         missing = sorted(set(data.columns) - set(table.schema.names))
         if missing:
-            raise errors.UserError(
+            raise errors.DataError(
                 f"spec.data.columns names {missing}, which table {data.table!r} lacks "
                 f"(its columns: {table.schema.names})"
             )
@@ -86,7 +90,7 @@ class EpochLayout:
 def layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
     """Build the epoch's permutation exactly as StreamingDataset does, and size it.
 
-    Raises UserError when the (filtered) table cannot fill one global step.
+    Raises DataError when the (filtered) table cannot fill one global step.
     """
     where = f" after spec.data.filter={data.filter!r}" if data.filter else ""
     try:
@@ -100,12 +104,12 @@ def layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
         except ValueError:
             num_rows = None  # the filter itself is bad; `exc` says why
         if num_rows is not None and num_rows < data.num_splits:
-            raise errors.UserError(
+            raise errors.DataError(
                 f"table {data.table!r} has {num_rows} rows{where}, fewer than "
                 f"spec.data.numSplits={data.num_splits}; loosen the filter or use fewer splits"
             ) from exc
         using = f" with spec.data.filter={data.filter!r}" if data.filter else ""
-        raise errors.UserError(
+        raise errors.DataError(
             f"cannot cut table {data.table!r}{using} into spec.data.numSplits="
             f"{data.num_splits} splits: {exc}"
         ) from exc
@@ -116,12 +120,12 @@ def layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
     split_size = topology.split_size(num_rows, data.num_splits)
     steps = topology.steps_per_epoch(num_rows, data.num_splits, data.global_batch_size)
     if num_rows < data.num_splits:
-        raise errors.UserError(
+        raise errors.DataError(
             f"table {data.table!r} has {num_rows} rows{where}, fewer than "
             f"spec.data.numSplits={data.num_splits}; loosen the filter or use fewer splits"
         )
     if steps < 1:
-        raise errors.UserError(
+        raise errors.DataError(
             f"table {data.table!r} has {num_rows} rows{where}: {data.num_splits} splits of "
             f"{split_size} rows cannot fill one global step of "
             f"spec.data.globalBatchSize={data.global_batch_size} rows"

@@ -2,6 +2,8 @@
 
     SplitfeedError
     ├── UserError              bad input; the message says what to fix (CLI exits 2)
+    │   └── DataError          the table, its columns or the filter cannot feed this job:
+    │                          restarting cannot help (the operator fails the job at once)
     ├── ProtocolError          a malformed, oversized or out-of-order message
     ├── SidecarUnavailable     the sidecar does not answer; reconnect or retry
     ├── SidecarFailed          the sidecar reported a fatal error (e.g. missing table)
@@ -19,6 +21,10 @@ class SplitfeedError(Exception):
 
 
 class UserError(SplitfeedError):
+    pass
+
+
+class DataError(UserError):
     pass
 
 

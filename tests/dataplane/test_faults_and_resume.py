@@ -161,4 +161,6 @@ def test_bad_data_config_fails_the_trainer_with_a_clear_error(pods, table_uri, d
     with pytest.raises(SidecarFailed, match=words.replace("[", r"\[").replace("]", r"\]")):
         StreamClient(pod.socket_dir, 0, timeout_s=30)
     assert pod.wait() == 2
-    assert words in json.loads(pod.termination_log.read_text())["error"]
+    report = json.loads(pod.termination_log.read_text())
+    assert words in report["error"]
+    assert report["permanent"] is True  # the operator fails the job instead of restarting it

@@ -340,6 +340,31 @@ def test_a_vanished_pod_of_a_started_world_is_a_failure():
     assert c.status["restarts"] == 1
 
 
+def test_a_trainer_that_exited_non_zero_fails_its_pod_while_a_plain_sidecar_still_runs():
+    """--sidecar-mode container, restartPolicy Never: nothing restarts the trainer, the pod stays Running."""
+    c = Cluster().running()
+    c.pods["resnet-w0-1"]["status"] = {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 137}}},
+        {"name": "splitfeed-sidecar", "state": {"running": {}}}]}
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and c.status["restarts"] == 1
+    assert "resnet-w0-1 failed" in d.events[0].message
+
+
+def test_a_permanent_data_error_fails_the_job_without_spending_the_restart_budget():
+    c = Cluster(maxRestarts=3).running()
+    report = {"globalStep": 0, "epoch": 0, "step": 0, "lastCheckpoint": None, "drained": False,
+              "error": "table spec.data.table='nope' does not exist", "permanent": True}
+    c.pods["resnet-w0-2"]["status"] = {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "state": {"running": {}}},
+        {"name": "splitfeed-sidecar", "state": {"terminated": {"exitCode": 2, "message": json.dumps(report)}}}]}
+    d = c.step()
+    assert c.status["phase"] == "Failed" and c.reason("Failed") == "DataError"
+    assert c.status.get("restarts") is None
+    assert "'nope' does not exist" in d.events[0].message and d.events[0].reason == "DataError"
+    assert rescaling.is_terminal(c.status)
+
+
 def test_the_restart_budget_ends_in_failed_with_the_reason():
     c = Cluster(maxRestarts=1).running()
     c.set_phase("Failed", "resnet-w0-0")
