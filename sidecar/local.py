@@ -214,8 +214,11 @@ def _summary(stats_files: list[Path], elapsed: float, out: IO[str]) -> None:
     rows = sum(s.get("rows", 0) for s in stats)
     steps = max((s.get("batches", 0) for s in stats), default=0)
     busy = sum(s.get("elapsed_s", 0.0) for s in stats)
+    streaming = max((s.get("elapsed_s", 0.0) for s in stats), default=0.0)
     stall = sum(s.get("wait_s", 0.0) for s in stats) / busy if busy else 0.0
-    print(f"splitfeed local: {steps} steps per rank, {rows} rows in {elapsed:.1f} s "
-          f"({rows / elapsed if elapsed else 0:.0f} rows/s), data stall {stall:.1%}",
+    # rows/s over the time data flowed (first batch to last), not process start-up.
+    rate = rows / streaming if streaming else 0.0
+    print(f"splitfeed local: {steps} steps per rank, {rows} rows in {elapsed:.1f} s; "
+          f"{rate:.0f} rows/s while streaming, data stall {stall:.1%}",
           file=out, flush=True)
 
