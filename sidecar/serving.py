@@ -72,8 +72,9 @@ class Source:
                 return True
             return False
 
-        iterator = self._factory(self._rank, first_step)
+        iterator: Any = None
         try:
+            iterator = self._factory(self._rank, first_step)
             for item in iterator:
                 if not put(item):
                     return
