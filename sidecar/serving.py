@@ -28,6 +28,9 @@ from splitfeed.trainer_client import errors, protocol, ring
 
 log = logging.getLogger(__name__)
 
+FAILURE_LINGER_S = 2.0
+"""How long a failed sidecar keeps answering (with the error) before it exits."""
+
 SourceFactory = Callable[[int, int], Iterator[tuple[int, pa.RecordBatch]]]
 """(global rank, first global step) -> (global_step, batch) in delivery order."""
 
@@ -239,6 +242,7 @@ class Server:
             for i, rank in enumerate(ranks)
         ]
         self.stopping = threading.Event()
+        self._failed_at: float | None = None
         self.last_checkpoint: dict[str, Any] | None = None
         self.drain_token: str | None = None
 
@@ -264,6 +268,8 @@ class Server:
     # -- the loop -----------------------------------------------------------------
 
     def finished(self) -> bool:
+        if self._failed_at is not None:
+            return time.monotonic() - self._failed_at > FAILURE_LINGER_S
         return all(
             f.drained or f.said_bye or (f.end_sent and f.control.acked + 1 >= f.total_steps)
             for f in self.feeds
@@ -345,7 +351,10 @@ class Server:
         log.error("rank %d cannot continue: %s", feed.rank, feed.failure, exc_info=not user)
         if feed.peer is not None:
             self._send(feed.peer, "error", code="source", message=feed.failure, fatal=True)
-        self.stopping.set()
+        # Linger a moment rather than stop: a trainer mid-handshake still maps
+        # this sidecar's files and must hear why, not find them gone.
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
 
     def _receive(self) -> None:
         while True:

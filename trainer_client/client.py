@@ -322,8 +322,13 @@ class StreamClient:
             if self._control is not None:
                 log.warning("sidecar restarted (instance %s -> %s); continuing at step %s",
                             self._instance, message["instance"], message["next_step"])
+            try:
+                control = ring.Control(Path(message["ctl"]), create=False)
+            except FileNotFoundError:
+                raise SidecarUnavailable(
+                    f"the sidecar at {self._dir} went away during the handshake") from None
             self._instance = message["instance"]
-            self._control = ring.Control(Path(message["ctl"]), create=False)
+            self._control = control
         self.rank = message["rank"]
         self.world_size = message["world_size"]
         self.resume_step = message["resume_step"]

@@ -164,3 +164,50 @@ def test_bad_data_config_fails_the_trainer_with_a_clear_error(pods, table_uri, d
     report = json.loads(pod.termination_log.read_text())
     assert words in report["error"]
     assert report["permanent"] is True  # the operator fails the job instead of restarting it
+
+
+@pytest.mark.parametrize("lazy", [pytest.param(False, id="at-start"), pytest.param(True, id="mid-stream")])
+def test_a_reader_failure_reaches_the_trainer_and_stops_the_sidecar(socket_root, lazy):
+    import threading
+
+    import numpy as np
+    import pyarrow as pa
+
+    from splitfeed.sidecar import serving
+    from splitfeed.trainer_client import UserError
+
+    def factory(rank, first):
+        if not lazy:
+            raise UserError("bucket 'nope' does not exist")
+
+        def batches():
+            yield first, pa.record_batch({"id": pa.array(np.arange(4))})
+            raise UserError("bucket 'nope' does not exist")
+
+        return batches()
+
+    box = {}
+
+    def serve():
+        server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=factory,
+                                steps_per_epoch=10, total_steps=10, start_step=0, resume_step=0, prefetch=2)
+        box["server"] = server
+        try:
+            server.run()
+        finally:
+            server.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with pytest.raises(SidecarFailed, match="bucket 'nope' does not exist"):
+            with StreamClient(socket_root, 0, timeout_s=30) as client:
+                for _ in client:
+                    pass
+        thread.join(30)
+        assert not thread.is_alive()
+        assert box["server"].feeds[0].failure == "bucket 'nope' does not exist"
+    finally:
+        if thread.is_alive():
+            box["server"].stopping.set()
+            thread.join(10)
