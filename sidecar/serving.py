@@ -144,6 +144,7 @@ class RankFeed:
         self.end_sent = False
         self.drained = False
         self.said_bye = False
+        self.all_taken_at: float | None = None  # when the trainer took the last batch
         self.failure: str | None = None
 
     # -- slots ---------------------------------------------------------------
@@ -207,6 +208,11 @@ class RankFeed:
         self.control.close()
 
 
+END_LINGER_S = 30.0
+"""After a trainer took its last batch, how long to keep answering it (a final
+checkpoint) when it exits without saying bye."""
+
+
 class Server:
     """Serves the local ranks of one pod (or one local process group)."""
 
@@ -242,6 +248,7 @@ class Server:
             for i, rank in enumerate(ranks)
         ]
         self.stopping = threading.Event()
+        self.end_linger_s = END_LINGER_S
         self._failed_at: float | None = None
         self.last_checkpoint: dict[str, Any] | None = None
         self.drain_token: str | None = None
@@ -268,12 +275,25 @@ class Server:
     # -- the loop -----------------------------------------------------------------
 
     def finished(self) -> bool:
+        """Every rank drained, said bye, or took its last batch END_LINGER_S ago.
+
+        A trainer that took its last batch may still checkpoint (saving at the
+        end is common), so the sidecar answers until the trainer says bye
+        (StreamClient.close) or the linger runs out.
+        """
+        now = time.monotonic()
         if self._failed_at is not None:
-            return time.monotonic() - self._failed_at > FAILURE_LINGER_S
-        return all(
-            f.drained or f.said_bye or (f.end_sent and f.control.acked + 1 >= f.total_steps)
-            for f in self.feeds
-        )
+            return now - self._failed_at > FAILURE_LINGER_S
+        done = True
+        for f in self.feeds:
+            if f.drained or f.said_bye:
+                continue
+            if f.end_sent and f.control.acked + 1 >= f.total_steps:
+                f.all_taken_at = f.all_taken_at or now
+                if now - f.all_taken_at >= self.end_linger_s:
+                    continue
+            done = False
+        return done
 
     def run(self, tick: Callable[[], None] | None = None) -> None:
         """Serve until every rank is finished or `stopping` is set."""

@@ -150,6 +150,21 @@ def test_a_drain_request_checkpoints_and_ends_iteration(pods, table_uri, tmp_pat
     assert report["error"] is None
 
 
+def test_a_checkpoint_after_the_last_batch_is_still_answered(pods, table_uri, tmp_path):
+    """Saving at the end is common: the sidecar must not be gone by then (found end to end)."""
+    import time
+
+    pod = pods("pod", manifest(table_uri, str(tmp_path / "ckpt")), replicas=1, replica=0).start_thread()
+    client = StreamClient(pod.socket_dir, 0, timeout_s=10)
+    try:
+        steps = sum(1 for _ in client)
+        time.sleep(0.5)  # the sidecar's loop has seen the last batch taken
+        assert client.checkpoint() == steps
+    finally:
+        client.close()
+    assert pod.wait() == 0
+
+
 @pytest.mark.parametrize("data,words", [
     pytest.param({"table": "nope"}, "table spec.data.table='nope' does not exist", id="no-table"),
     pytest.param({"filter": "id < 10"}, "has 10 rows after spec.data.filter='id < 10', fewer than "
