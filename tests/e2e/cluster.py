@@ -228,28 +228,38 @@ class Cluster:
         return ""
 
     # -- StreamingJobs -------------------------------------------------------------------
-    def manifest(self, name: str, *, log_dir: Path, replicas: int = 4, epochs: int = 1,
-                 sleep_s: float = 0.25, checkpoint_every: int = 0, checkpoint_uri: str | None = None,
-                 restart_policy: str = "Never", timeout_seconds: int = 60,
+    def manifest(self, name: str, *, log_dir: Path | None = None, replicas: int = 4, epochs: int = 1,
+                 sleep_s: float = 0.25, checkpoint_every: int = 0, restart_policy: str = "Never", timeout_seconds: int = 60,
                  **data: Any) -> dict[str, Any]:
         """A StreamingJob over the test table whose data section is the data-plane reference's."""
-        ref = dataplane.manifest(self.table_uri, checkpoint_uri, epochs=epochs, **data)["spec"]
-        command = ["python", str(TRAINER), str(log_dir), "--sleep-s", str(sleep_s),
+        ref = dataplane.manifest(self.table_uri, self.checkpoint_uri, epochs=epochs, **data)["spec"]
+        command = ["python", str(TRAINER), str(log_dir or self.log_dir(name)), "--sleep-s", str(sleep_s),
                    "--checkpoint-every", str(checkpoint_every), "--timeout-s", "60"]
         spec: dict[str, Any] = {
             "replicas": replicas,
             "data": ref["data"],
             "sidecar": ref["sidecar"],
+            "checkpoint": {"uri": self.checkpoint_uri, "timeoutSeconds": timeout_seconds},
             "trainer": {"template": {"spec": {
                 "restartPolicy": restart_policy,
                 "terminationGracePeriodSeconds": 2,
                 "containers": [{"name": "trainer", "image": "e2e-trainer:ignored", "command": command}],
             }}},
         }
-        if checkpoint_uri:
-            spec["checkpoint"] = {"uri": checkpoint_uri, "timeoutSeconds": timeout_seconds}
         return {"apiVersion": "splitfeed.io/v1alpha1", "kind": "StreamingJob",
                 "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+    def log_dir(self, job: str) -> Path:
+        """Where the trainers of `job` log (tests/e2e/trainer.py)."""
+        return self.work / "logs" / job
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return str(self.work / "ckpt")
+
+    def store(self, job: str) -> Path:
+        """The job's data checkpoints: <checkpoint.uri>/<namespace>/<job> (pod contract)."""
+        return self.work / "ckpt" / NS / job
 
     def apply(self, obj: dict[str, Any], check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=check)

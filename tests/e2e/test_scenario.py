@@ -6,68 +6,20 @@ every pod (the operator's too) as local processes. See tests/e2e/cluster.py.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.dataplane import harness as dataplane
-from tests.e2e import exactness
-from tests.e2e.cluster import NS, SYSTEM_NS, Cluster, StatusWatch, alive, log, max_step, wait_for
+from tests.e2e.cluster import NS, SYSTEM_NS, Cluster, StatusWatch, alive, log, wait_for
+from tests.e2e.jobs import assert_exact, event_reasons, reference_steps, scale, wait_phase
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-def reference(cluster: Cluster, epochs: int) -> tuple[list[set[int]], "functools._lru_cache_wrapper"]:
-    """The unscaled run's global steps, and rank r's batches at world size w (lancedb in-process)."""
-    overrides = {"epochs": epochs}
-
-    @functools.lru_cache(maxsize=None)
-    def rank_batches(world: int, rank: int) -> list[list[int]]:
-        return dataplane.reference_batches(cluster.table_uri, overrides, world, rank)
-
-    return dataplane.reference_global_steps(cluster.table_uri, overrides), rank_batches
-
-
-def assert_exact(cluster: Cluster, name: str, log_dir: Path, checkpoint_dir: Path,
-                 epochs: int) -> exactness.Summary:
-    """The exactness rule of tests/e2e/exactness.py against lancedb's StreamingDataset."""
-    global_steps, rank_batches = reference(cluster, epochs)
-    summary = exactness.check(log_dir, exactness.complete_checkpoints(checkpoint_dir / NS / name),
-                              global_steps, rank_batches)
-    log(f"{name}: exact over {len(global_steps)} global steps: {summary}")
-    return summary
-
-
-def resume_step(log_dir: Path, world: int) -> int | None:
-    """The step world `world` resumed at, as its first trainer logged it."""
-    for path in sorted(log_dir.glob(f"w{world}-r*.jsonl")):
-        lines = path.read_text().splitlines()
-        if lines:
-            return int(json.loads(lines[0])["resumeStep"])
-    return None
-
-
-def scale(cluster: Cluster, name: str, replicas: int, *, world: int, steps_in_world: int) -> None:
-    """Once world `world` has trained `steps_in_world` steps, `kubectl scale` the job; wait for the next world."""
-    log_dir = cluster.work / "logs" / name
-    wait_for(lambda: resume_step(log_dir, world) is not None
-             and max_step(log_dir, world) >= resume_step(log_dir, world) + steps_in_world - 1,
-             120, f"world {world} to train {steps_in_world} steps")
-    log(f"{name}: world {world} at step {max_step(log_dir, world)}: kubectl scale --replicas={replicas}")
-    cluster.kubectl("-n", NS, "scale", f"sj/{name}", f"--replicas={replicas}")
-    wait_for(lambda: (st := cluster.status(name)).get("worldEpoch") == world + 1 and st.get("phase") == "Running",
-             120, f"world {world + 1} running")
-    log(f"{name}: world {world + 1} running with {replicas} replicas")
-
-
 def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_steps(cluster: Cluster) -> None:
     name, epochs = "scenario", 2
-    log_dir, ckpt = cluster.work / "logs" / name, cluster.work / "ckpt"
-    manifest = cluster.manifest(name, log_dir=log_dir, replicas=4, epochs=epochs, sleep_s=0.25,
-                                checkpoint_uri=str(ckpt))
+    manifest = cluster.manifest(name, replicas=4, epochs=epochs, sleep_s=0.25)
     with StatusWatch(cluster, name) as watch:
         log(f"{name}: kubectl apply (4 replicas, numSplits 24, globalBatchSize 48, {epochs} epochs)")
         cluster.apply(manifest)
@@ -76,14 +28,13 @@ def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_step
         log(f"{name}: 4 pods running")
         scale(cluster, name, 2, world=0, steps_in_world=6)
         scale(cluster, name, 3, world=1, steps_in_world=5)
-        wait_for(lambda: cluster.status(name).get("phase") == "Succeeded", 150, "the job to succeed")
-        log(f"{name}: Succeeded")
+        wait_phase(cluster, name, "Succeeded")
 
     # The trainers saw exactly the unscaled reference, world after world.
-    summary = assert_exact(cluster, name, log_dir, ckpt, epochs)
+    summary = assert_exact(cluster, name, epochs)
     sizes = [size for _, size, _, _ in summary.worlds]
     assert sizes == [4, 2, 3], summary
-    steps_per_epoch = len(reference(cluster, epochs)[0]) // epochs
+    steps_per_epoch = len(reference_steps(cluster.table_uri, epochs)) // epochs
     assert 0 < summary.worlds[1][2] < steps_per_epoch, f"the first rescale was not mid-epoch: {summary}"
 
     # The status walked through the rescale phases, and events say so.
@@ -97,7 +48,7 @@ def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_step
     status = cluster.status(name)
     assert (status["worldEpoch"], status["replicas"], status["worldSize"]) == (2, 3, 3)
     assert status.get("restarts", 0) == 0
-    events = [e["reason"] for e in cluster.events(name)]
+    events = event_reasons(cluster, name)
     log(f"{name}: events {events}")
     for reason in ("CheckpointRequested", "Drained", "StartingNewWorld", "RescaleComplete"):
         assert events.count(reason) >= (3 if reason == "StartingNewWorld" else 2), (reason, events)
