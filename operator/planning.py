@@ -184,8 +184,35 @@ def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str,
     return env
 
 
+def _local_path(uri: str | None) -> str | None:
+    if not uri:
+        return None
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    return uri if uri.startswith("/") else None
+
+
+def shared_mounts(job: specs.JobSpec, trainer_mounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's volume mounts that hold a local data.uri or checkpoint.uri.
+
+    The loader reads the table and writes checkpoints there too, so it gets the
+    same mounts (a hostPath or a PVC on a development cluster; object storage
+    needs none). Without them a local path would name the sidecar's own image.
+    """
+    paths = [p for p in (_local_path(job.data.uri), _local_path(job.checkpoint.uri)) if p]
+    out: list[dict[str, Any]] = []
+    for m in trainer_mounts:
+        mount = str(m.get("mountPath", "")).rstrip("/")
+        if mount and any(p == mount or p.startswith(mount + "/") for p in paths):
+            shared = {k: m[k] for k in ("name", "mountPath", "subPath", "readOnly") if k in m}
+            if shared not in out:
+                out.append(shared)
+    return out
+
+
 def sidecar_container(
-    job: specs.JobSpec, world_epoch: int, replica: int, settings: Settings
+    job: specs.JobSpec, world_epoch: int, replica: int, settings: Settings,
+    extra_mounts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     args = ["sidecar", "--config", f"{CONFIG_DIR}/config.json", "--podinfo-dir", PODINFO_DIR]
     mounts = [
@@ -196,6 +223,7 @@ def sidecar_container(
     if job.data.storage_options_secret:
         args += ["--storage-options-dir", STORAGE_DIR]
         mounts.append({"name": VOLUME_STORAGE, "mountPath": STORAGE_DIR, "readOnly": True})
+    mounts += [copy.deepcopy(m) for m in extra_mounts or []]
     args += ["--termination-log", TERMINATION_LOG]
     env = {
         **pod_env(job, world_epoch, replica),
@@ -262,13 +290,15 @@ def pod(
     annotations = {**(tmeta.get("annotations") or {}), ANNOTATION_CHECKSUM: config_checksum(job)}
 
     containers = spec.get("containers") or []
+    shared: list[dict[str, Any]] = []
     for c in containers:
         if c.get("name") == TRAINER_NAME:
+            shared = shared_mounts(job, c.get("volumeMounts") or [])
             c["env"] = _merge_env(c.get("env") or [], _env(trainer_env(job, world_epoch, replica)))
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
                 {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
             ]
-    sidecar = sidecar_container(job, world_epoch, replica, settings)
+    sidecar = sidecar_container(job, world_epoch, replica, settings, shared)
     if settings.sidecar_mode == "native":
         spec["initContainers"] = (spec.get("initContainers") or []) + [sidecar]
     else:

@@ -111,6 +111,23 @@ def test_volumes_and_mounts_follow_the_contract():
         "splitfeed-shm": "/var/run/splitfeed"}
 
 
+def test_the_sidecar_gets_the_trainer_mounts_that_hold_a_local_table_or_checkpoint_dir():
+    """A hostPath table on a development cluster: the loader must see it (found by make e2e-kind)."""
+    m = manifest()
+    m["spec"]["data"]["uri"] = "/data/lance/db"
+    m["spec"]["checkpoint"]["uri"] = "file:///ckpt/run1"
+    tpl = m["spec"]["trainer"]["template"]["spec"]
+    tpl["volumes"] = [{"name": n, "hostPath": {"path": f"/{n}"}} for n in ("data", "ckpt", "other")]
+    tpl["containers"][0]["volumeMounts"] = [
+        {"name": "data", "mountPath": "/data", "readOnly": True},
+        {"name": "ckpt", "mountPath": "/ckpt/"}, {"name": "other", "mountPath": "/dat"}]
+    pod = planning.pod(specs.parse_job(m), 0, 0, OWNER, NATIVE)
+    mounts = containers(pod)["splitfeed-sidecar"]["volumeMounts"]
+    assert [x for x in mounts if not x["name"].startswith("splitfeed-")] == [
+        {"name": "data", "mountPath": "/data", "readOnly": True}, {"name": "ckpt", "mountPath": "/ckpt/"}]
+    kubernetes_validate.validate(pod, "1.30.0", strict=True)
+
+
 @pytest.mark.parametrize("gpus, replica, rank", [(1, 0, 0), (1, 3, 3), (2, 3, 6), (4, 1, 4)])
 def test_rank_environment(gpus, replica, rank):
     j = job(gpusPerReplica=gpus, replicas=2 if gpus == 4 else 4)
