@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,13 @@ class Cluster:
                     raise
 
     def _install(self) -> None:
+        # The chart's operator serves liveness on 0.0.0.0:8080, and pods share this host's network.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", 8080))
+            except OSError as exc:
+                raise AssertionError(f"port 8080 is taken ({exc}): the chart's operator listens there "
+                                     "and the test kubelet runs pods on the host network") from None
         crd = strip_cel(yaml.safe_load((REPO / "crds" / "streamingjob.yaml").read_text()))
         self.kubectl("apply", "-f", "-", input=json.dumps(crd))
         self.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/streamingjobs.splitfeed.io")

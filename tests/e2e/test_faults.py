@@ -31,6 +31,11 @@ def start(cluster: Cluster, name: str, **kw: object) -> None:
     wait_running(cluster, name, 0)
 
 
+def done(cluster: Cluster, name: str) -> None:
+    """Delete a finished job (the garbage collector removes its pods)."""
+    cluster.kubectl("-n", NS, "delete", "sj", name, "--wait=false")
+
+
 def kill(cluster: Cluster, pod: str, container: str) -> int:
     pid = cluster.kubelet.pid(NS, pod, container)
     assert pid, f"no process for {pod}/{container}"
@@ -58,6 +63,7 @@ def test_a_killed_sidecar_is_restarted_in_place_and_its_trainer_continues_exactl
     assert status["worldEpoch"] == 0 and status.get("restarts", 0) == 0
     assert [(size, resume) for _, size, resume, _ in summary.worlds] == [(2, 0)]
     assert summary.replayed == 0
+    done(cluster, name)
 
 
 def test_a_killed_trainer_fails_its_pod_and_the_world_restarts_from_the_last_checkpoint(
@@ -74,6 +80,7 @@ def test_a_killed_trainer_fails_its_pod_and_the_world_restarts_from_the_last_che
     assert [size for _, size, _, _ in summary.worlds] == [2, 2]
     assert summary.worlds[1][2] >= 4, f"world 1 did not resume from a checkpoint: {summary}"
     assert "WorldFailed" in event_reasons(cluster, name)
+    done(cluster, name)
 
 
 def test_a_deleted_pod_restarts_the_world_from_the_last_checkpoint(cluster: Cluster) -> None:
@@ -88,6 +95,7 @@ def test_a_deleted_pod_restarts_the_world_from_the_last_checkpoint(cluster: Clus
     assert status["restarts"] == 1
     assert summary.worlds[1][2] >= 4, f"world 1 did not resume from a checkpoint: {summary}"
     assert "WorldFailed" in event_reasons(cluster, name)
+    done(cluster, name)
 
 
 def test_an_operator_killed_mid_rescale_comes_back_through_its_deployment_and_finishes(
@@ -117,6 +125,7 @@ def test_an_operator_killed_mid_rescale_comes_back_through_its_deployment_and_fi
     assert [size for _, size, _, _ in summary.worlds] == [2, 1]
     assert status.get("restarts", 0) == 0
     assert "RescaleComplete" in event_reasons(cluster, name)
+    done(cluster, name)
 
 
 @contextlib.contextmanager
@@ -163,3 +172,4 @@ def test_an_unwritable_checkpoint_store_delays_checkpoints_and_loses_nothing(clu
     assert [size for _, size, _, _ in summary.worlds] == [2, 1]
     assert summary.worlds[1][2] > 3, f"the drain's checkpoint was not written once writable: {summary}"
     assert status.get("restarts", 0) == 0
+    done(cluster, name)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import datetime
 import json
 import os
@@ -91,12 +92,16 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+try:  # loaded here, not in the forked child (no imports between fork and exec)
+    _LIBC: Any = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - not Linux
+    _LIBC = None
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """preexec_fn: SIGKILL the child if the kubelet thread that started it dies (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class ApiError(RuntimeError):
@@ -333,8 +338,8 @@ class Kubelet:
                 self.log(f"pod {meta['namespace']}/{meta['name']}:\n{traceback.format_exc()}")
         with self._lock:
             for uid in [u for u in self.runs if u not in seen]:
-                run = self.runs.pop(uid)  # force-deleted under us: stop it now
-                self.log(f"{run.namespace}/{run.name} vanished: killing its processes")
+                run = self.runs.pop(uid)  # removed under us (force-deleted, or finished and deleted)
+                self.log(f"{run.namespace}/{run.name} is gone from the API: stopping what still runs")
                 self._signal_all(run, signal.SIGKILL)
                 self._reap(run)
                 shutil.rmtree(run.shm, ignore_errors=True)
