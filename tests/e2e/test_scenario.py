@@ -2,6 +2,13 @@
 
 Everything runs for real except the container runtime: the test kubelet runs
 every pod (the operator's too) as local processes. See tests/e2e/cluster.py.
+
+Exactness rule (tests/e2e/exactness.py): each world commits the steps from its
+own resume step up to the next world's resume step, which must be a complete
+checkpoint; within that range every rank has exactly one batch, equal to its
+StreamingDataset batch for that world size, and the committed ranges tile the
+unscaled reference. Batches a drained world received past its last complete
+checkpoint are received again by the next world and are not counted twice.
 """
 
 from __future__ import annotations
