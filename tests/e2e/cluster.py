@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from tests.dataplane import harness as dataplane
-from tests.envtest.controlplane import (ControlPlane, KubectlError, MISSING_ASSETS_HINT, find_assets,
+from tests.envtest.controlplane import (ControlPlane, strip_cel, KubectlError, MISSING_ASSETS_HINT, find_assets,
                                         free_port)
 from tests.kubelet.kubelet import Kubelet
 
@@ -70,15 +70,6 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
         time.sleep(interval)
-
-
-def strip_cel(node: Any) -> Any:
-    """Kubernetes 1.20 rejects x-kubernetes-validations (CEL arrived in 1.25)."""
-    if isinstance(node, dict):
-        return {k: strip_cel(v) for k, v in node.items() if k != "x-kubernetes-validations"}
-    if isinstance(node, list):
-        return [strip_cel(v) for v in node]
-    return node
 
 
 def webhook_certs(d: Path, dns_name: str) -> None:

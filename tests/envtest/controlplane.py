@@ -25,6 +25,7 @@ import socket
 import ssl
 import subprocess
 import sys
+from typing import Any
 import threading
 import time
 import urllib.error
@@ -445,6 +446,15 @@ class ControlPlane:
             self._wait("kube-controller-manager", lambda: True, "started")
 
 
+def strip_cel(node: Any) -> Any:
+    """Kubernetes 1.20 rejects x-kubernetes-validations (CEL arrived in 1.25)."""
+    if isinstance(node, dict):
+        return {k: strip_cel(v) for k, v in node.items() if k != "x-kubernetes-validations"}
+    if isinstance(node, list):
+        return [strip_cel(v) for v in node]
+    return node
+
+
 if __name__ == "__main__":  # manual use: python -m tests.envtest.controlplane [controllers]
     import tempfile
 
@@ -457,3 +467,4 @@ if __name__ == "__main__":  # manual use: python -m tests.envtest.controlplane [
         print("Ctrl-C to stop")
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
+

@@ -26,7 +26,7 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.envtest.controlplane import MISSING_ASSETS_HINT, ControlPlane, KubectlError, find_assets, free_port
+from tests.envtest.controlplane import MISSING_ASSETS_HINT, ControlPlane, strip_cel, KubectlError, find_assets, free_port
 from tests.operator.builders import manifest
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
@@ -45,15 +45,6 @@ PEERING_CRDS = [
     for plural, kind, scope in [("clusterkopfpeerings", "ClusterKopfPeering", "Cluster"),
                                 ("kopfpeerings", "KopfPeering", "Namespaced")]
 ]
-
-
-def strip_cel(node: Any) -> Any:
-    """Kubernetes 1.20 rejects x-kubernetes-validations (CEL arrived in 1.25)."""
-    if isinstance(node, dict):
-        return {k: strip_cel(v) for k, v in node.items() if k != "x-kubernetes-validations"}
-    if isinstance(node, list):
-        return [strip_cel(v) for v in node]
-    return node
 
 
 def make_certs(d: Path) -> None:
