@@ -34,6 +34,13 @@ REMOVING_OLD_WORLD = "RemovingOldWorld"
 STARTING_NEW_WORLD = "StartingNewWorld"
 POLL_S = 2.0
 """How soon to look again while a step waits on pods."""
+REPORT_GRACE_S = 15.0
+"""How long a pod whose trainer exited non-zero may wait for its still-running sidecar's report.
+
+A sidecar that hits a data error tells the trainer first (which then exits) and writes its
+termination report a moment later (sidecar FAILURE_LINGER_S, then exit). Judging the pod in
+between would restart the world for an error that restarting cannot fix.
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +97,25 @@ def _failed(p: Mapping[str, Any]) -> bool:
         return False
     return any((((cs.get("state") or {}).get("terminated") or {}).get("exitCode") or 0) != 0
                for cs in (p.get("status") or {}).get("containerStatuses") or [])
+
+
+def _report_pending(p: Mapping[str, Any], now: datetime.datetime) -> bool:
+    """A trainer exited non-zero under REPORT_GRACE_S ago and the sidecar has not yet exited."""
+    if _phase(p) == FAILED:
+        return False
+    status = p.get("status") or {}
+    sidecar_running = any(
+        cs.get("name") == planning.SIDECAR_NAME and not (cs.get("state") or {}).get("terminated")
+        for key in ("initContainerStatuses", "containerStatuses") for cs in status.get(key) or [])
+    if not sidecar_running:
+        return False
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if (term.get("exitCode") or 0) != 0 and term.get("finishedAt"):
+            age = (now - conditions.parse_timestamp(term["finishedAt"])).total_seconds()
+            if age < REPORT_GRACE_S:
+                return True
+    return False
 
 
 def _terminated(p: Mapping[str, Any]) -> bool:
@@ -267,6 +293,10 @@ def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> 
         c.cond(conditions.READY, False, "Failed", msg)
         c.events.append(Event("Warning", "DataError", msg))
         return c.decision(FAILED, delete=live)
+    if not lost and any(_report_pending(p, c.now) for p in failed):
+        c.cond(conditions.READY, False, "AwaitingSidecarReport",
+               f"{why}; waiting up to {REPORT_GRACE_S:g}s for the sidecar's report before restarting")
+        return c.decision("AwaitingSidecarReport", requeue_s=1.0)
     if restarts >= c.job.max_restarts:
         msg = f"{why}; restart budget spent ({restarts}/{c.job.max_restarts} restarts, spec.maxRestarts)"
         c.patch["phase"] = FAILED

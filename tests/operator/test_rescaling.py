@@ -343,12 +343,57 @@ def test_a_vanished_pod_of_a_started_world_is_a_failure():
 def test_a_trainer_that_exited_non_zero_fails_its_pod_while_a_plain_sidecar_still_runs():
     """--sidecar-mode container, restartPolicy Never: nothing restarts the trainer, the pod stays Running."""
     c = Cluster().running()
+    exited = T0 - datetime.timedelta(seconds=rescaling.REPORT_GRACE_S)
     c.pods["resnet-w0-1"]["status"] = {"phase": "Running", "containerStatuses": [
-        {"name": "trainer", "state": {"terminated": {"exitCode": 137}}},
+        {"name": "trainer", "state": {"terminated": {"exitCode": 137, "finishedAt": ts(exited)}}},
         {"name": "splitfeed-sidecar", "state": {"running": {}}}]}
     d = c.step()
     assert d.step == "RemovingOldWorld" and c.status["restarts"] == 1
     assert "resnet-w0-1 failed" in d.events[0].message
+
+
+def ts(t: datetime.datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def trainer_exited_sidecar_running(c: Cluster, pod: str) -> None:
+    c.pods[pod]["status"] = {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 1, "finishedAt": ts(c.now)}}},
+        {"name": "splitfeed-sidecar", "state": {"running": {}}}]}
+
+
+def test_a_data_error_reported_just_after_the_trainer_exits_still_spends_no_restart():
+    """The sidecar tells its trainer first and writes its report a moment later (the race CI once hit)."""
+    c = Cluster(maxRestarts=3).running()
+    trainer_exited_sidecar_running(c, "resnet-w0-2")
+    c.now += datetime.timedelta(seconds=1)
+    d = c.step()
+    assert d.step == "AwaitingSidecarReport" and d.delete == [] and d.requeue_s
+    assert c.status.get("restarts") is None and c.reason("Ready") == "AwaitingSidecarReport"
+    report = {"globalStep": 0, "error": "table spec.data.table='nope' does not exist", "permanent": True}
+    c.pods["resnet-w0-2"]["status"]["containerStatuses"][1]["state"] = {
+        "terminated": {"exitCode": 2, "message": json.dumps(report), "finishedAt": ts(c.now)}}
+    c.now += datetime.timedelta(seconds=2)
+    c.step()
+    assert c.status["phase"] == "Failed" and c.reason("Failed") == "DataError"
+    assert c.status.get("restarts") is None
+
+
+def test_a_sidecar_that_never_reports_delays_the_restart_by_the_grace_only():
+    c = Cluster(maxRestarts=3).running()
+    trainer_exited_sidecar_running(c, "resnet-w0-0")
+    c.now += datetime.timedelta(seconds=rescaling.REPORT_GRACE_S - 1)
+    assert c.step().step == "AwaitingSidecarReport"
+    c.now += datetime.timedelta(seconds=1)
+    assert c.step().step == "RemovingOldWorld" and c.status["restarts"] == 1
+
+
+def test_a_lost_pod_restarts_at_once_even_while_another_awaits_its_report():
+    c = Cluster(maxRestarts=3).running()
+    trainer_exited_sidecar_running(c, "resnet-w0-0")
+    c.set_phase("Running", "resnet-w0-1")
+    del c.pods["resnet-w0-3"]
+    assert c.step().step == "RemovingOldWorld" and c.status["restarts"] == 1
 
 
 def test_a_permanent_data_error_fails_the_job_without_spending_the_restart_budget():
