@@ -1,10 +1,10 @@
 """The sidecar's serving loop: fill each local rank's ring, answer its trainer.
 
-One thread owns the ZeroMQ ROUTER socket and every control block; data is
-produced by one `Source` thread per rank. The loop never blocks on data: it
-polls the socket with a short timeout while a source or a slot is pending.
-A malformed message gets an error reply and a log line; nothing a trainer
-sends can stop the loop.
+One thread owns the ZeroMQ ROUTER socket and answers the trainers; one
+publishing thread per rank reads that rank's batches and writes each into a
+free slot of its ring (RankFeed). They share only the control block, an outbox
+and a wake-up event. A malformed message gets an error reply and a log line;
+nothing a trainer sends can stop the loop.
 """
 
 from __future__ import annotations
@@ -35,102 +35,52 @@ SourceFactory = Callable[[int, int], Iterator[tuple[int, pa.RecordBatch]]]
 """(global rank, first global step) -> (global_step, batch) in delivery order."""
 
 
-class Source:
-    """Runs a batch iterator in a thread, a few batches ahead, restartable."""
-
-    def __init__(self, factory: SourceFactory, rank: int, depth: int = 2,
-                 signal: tuple[zmq.Context, str] | None = None) -> None:
-        self._factory = factory
-        self._rank = rank
-        self._depth = depth
-        self._signal = signal  # where to say "an item is ready" so the loop need not poll
-        self._stop = threading.Event()
-        self._queue: queue.Queue[Any] = queue.Queue(depth)
-        self._thread: threading.Thread | None = None
-
-    def start(self, first_step: int) -> None:
-        self.stop()
-        self._stop = threading.Event()
-        self._queue = queue.Queue(self._depth)
-        self._thread = threading.Thread(
-            target=self._run, args=(first_step, self._stop, self._queue),
-            name=f"source-r{self._rank}", daemon=True)
-        self._thread.start()
-
-    def _run(self, first_step: int, stop: threading.Event, out: queue.Queue[Any]) -> None:
-        signal = None
-        if self._signal is not None:
-            signal = self._signal[0].socket(zmq.PUSH)  # sockets are per thread
-            signal.setsockopt(zmq.LINGER, 0)
-            signal.connect(self._signal[1])
-
-        def put(item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                except queue.Full:
-                    continue
-                if signal is not None:
-                    signal.send(b"", zmq.NOBLOCK)
-                return True
-            return False
-
-        iterator: Any = None
-        try:
-            iterator = self._factory(self._rank, first_step)
-            for item in iterator:
-                if not put(item):
-                    return
-            put(StopIteration())
-        except BaseException as exc:  # handed to the loop, which reports it
-            put(exc)
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-            if signal is not None:
-                signal.close()
-
-    def poll(self) -> Any:
-        """(global_step, batch), StopIteration(), an exception, or None if not ready."""
-        try:
-            return self._queue.get_nowait()
-        except queue.Empty:
-            return None
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
-
-
 # A thread pool per write cost more than the copy it parallelises (make bench).
 _WRITE_OPTIONS = pa.ipc.IpcWriteOptions(use_threads=False)
-_schema_bytes: dict[pa.Schema, int] = {}
+_schema_bytes: dict[int, tuple[pa.Schema, int]] = {}
+
+ROOM_RECHECK_S = 0.005
+"""A publisher waiting for room re-checks the ring this often even without a wake-up
+(bounds the cost of a wake-up lost to a race on the shared flags)."""
 
 
 def ipc_size(batch: pa.RecordBatch) -> int:
     """Bytes of `batch` as an IPC stream (schema, batch, end marker), without writing it."""
-    schema_bytes = _schema_bytes.get(batch.schema)
-    if schema_bytes is None:
+    # Keyed by identity (a schema's hash walks its fields: microseconds per batch);
+    # the schema is kept in the value so its id cannot be reused meanwhile.
+    schema = batch.schema
+    cached = _schema_bytes.get(id(schema))
+    if cached is None or cached[0] is not schema:
+        if len(_schema_bytes) > 64:
+            _schema_bytes.clear()
         sink = pa.MockOutputStream()
-        pa.ipc.new_stream(sink, batch.schema).close()
-        schema_bytes = _schema_bytes[batch.schema] = int(sink.size())
-    return schema_bytes + int(pa.ipc.get_record_batch_size(batch)) + 64
+        pa.ipc.new_stream(sink, schema).close()
+        cached = _schema_bytes[id(schema)] = (schema, int(sink.size()))
+    return cached[1] + int(pa.ipc.get_record_batch_size(batch)) + 64
 
 
 class RankFeed:
-    """One local rank: its control block, slot pool, source and trainer."""
+    """One local rank: its control block, its slots, and the thread that fills them.
+
+    The publishing thread reads the rank's batches (the `factory`) and writes
+    each straight into a free slot: the batch never crosses a thread on its
+    way to the trainer, which halved the sidecar's CPU per batch against
+    handing it to the serving loop first (make bench, transport). The loop
+    thread only talks on the socket; what the publisher needs said (`ready`
+    to a waiting trainer, `end`, a failure) goes through `outbox` plus a
+    one-byte signal that wakes the loop.
+    """
 
     def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
-                 source: Source, prefetch: int, start_step: int, total_steps: int) -> None:
+                 factory: SourceFactory, prefetch: int, start_step: int, total_steps: int,
+                 signal: tuple[zmq.Context, str] | None = None) -> None:
         self.local_rank = local_rank
         self.rank = rank
-        self.source = source
         self.prefetch = prefetch
         self.start_step = start_step
         self.total_steps = total_steps
+        self._factory = factory
+        self._signal = signal  # where to say "the outbox has news"
         self._dir = directory
         self._instance = instance
         self.control = ring.Control(ring.control_path(directory, instance, local_rank), create=True)
@@ -139,13 +89,108 @@ class RankFeed:
         self.slots: list[ring.SlotFile] = []
         self.peer: bytes | None = None
         self.trainer_pid: int | None = None
-        self.next_step = start_step  # next global step the source will yield
-        self.pending: tuple[int, pa.RecordBatch] | None = None
+        self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.end_sent = False
         self.drained = False
         self.said_bye = False
         self.all_taken_at: float | None = None  # when the trainer took the last batch
         self.failure: str | None = None
+        self._woken = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the publishing thread ---------------------------------------------------
+
+    def start(self, first_step: int) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publish_all, args=(first_step, self._stop),
+                                        name=f"publish-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the publisher; on return nothing but the loop touches the slots."""
+        self._stop.set()
+        self._woken.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def wake(self) -> None:
+        """The trainer made room (its `wake` message)."""
+        self._woken.set()
+
+    def _publish_all(self, first_step: int, stop: threading.Event) -> None:
+        signal = None
+        if self._signal is not None:
+            signal = self._signal[0].socket(zmq.PUSH)  # sockets are per thread
+            signal.setsockopt(zmq.LINGER, 0)
+            signal.connect(self._signal[1])
+
+        def tell(kind: str, value: Any) -> None:
+            self.outbox.put((kind, value))
+            if signal is not None:
+                signal.send(b"", zmq.NOBLOCK)
+
+        iterator: Any = None
+        try:
+            iterator = self._factory(self.rank, first_step)
+            next_step = first_step
+            for global_step, batch in iterator:
+                if not self._publish(global_step, batch, stop):
+                    return
+                next_step = global_step + 1
+                if self.control.trainer_waiting:
+                    self.control.trainer_waiting = 0
+                    tell("ready", global_step)
+            if not stop.is_set():
+                tell("end", next_step)
+        except BaseException as exc:  # the loop reports it to the trainer
+            if not stop.is_set():
+                tell("error", exc)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+            if signal is not None:
+                signal.close()
+
+    def _publish(self, global_step: int, batch: pa.RecordBatch, stop: threading.Event) -> bool:
+        """Write one batch into a slot once there is room; False if stopped first."""
+        index = self._room(ipc_size(batch), stop)
+        if index is None:
+            return False
+        nbytes = self.write(index, batch)
+        control = self.control
+        control.step[index] = global_step
+        control.nbytes[index] = nbytes
+        control.posted[global_step % ring.MAX_SLOTS] = index
+        control.state[index] = ring.SlotState.FILLED  # last: the trainer may take it now
+        return True
+
+    def _room(self, size: int, stop: threading.Event) -> int | None:
+        """A free slot for `size` bytes once fewer than `prefetch` batches wait, or None if stopped.
+
+        Says what it waits for in `sidecar_waiting` before sleeping, then looks
+        again: a trainer that made room before it saw the flag sent no wake-up.
+        """
+        control = self.control
+        while not stop.is_set() and not self.drained and not self.failure:
+            self._woken.clear()
+            index, waiting_for = self._try_slot(size)
+            if index is None:
+                control.sidecar_waiting = waiting_for
+                index, _ = self._try_slot(size)
+            if index is not None:
+                control.sidecar_waiting = ring.Waiting.NO
+                return index
+            self._woken.wait(ROOM_RECHECK_S)
+        return None
+
+    def _try_slot(self, size: int) -> tuple[int | None, int]:
+        if self.control.filled() >= self.prefetch:
+            return None, ring.Waiting.ROOM
+        index = self.free_slot(size)
+        return index, ring.Waiting.SLOT
 
     # -- slots ---------------------------------------------------------------
 
@@ -181,23 +226,25 @@ class RankFeed:
 
     def write(self, index: int, batch: pa.RecordBatch) -> int:
         sink = pa.FixedSizeBufferWriter(pa.py_buffer(self.slots[index].view))
-        with pa.ipc.new_stream(sink, batch.schema, options=_WRITE_OPTIONS) as writer:
+        with pa.ipc.RecordBatchStreamWriter(sink, batch.schema, options=_WRITE_OPTIONS) as writer:
             writer.write_batch(batch)
         return int(sink.tell())
 
     def reset(self, next_step: int, *, trainer_gone: bool) -> None:
-        """Discard what was prefetched and continue at `next_step`."""
+        """Discard what was published and continue at `next_step`."""
+        self.stop()
         states = self.control.state
         for i in range(len(self.slots)):
             if states[i] == ring.SlotState.FILLED or (trainer_gone and states[i] == ring.SlotState.TAKEN):
                 states[i] = ring.SlotState.FREE
-        self.pending = None
+        while not self.outbox.empty():
+            self.outbox.get_nowait()  # news of the stopped publisher
         self.end_sent = False
-        self.next_step = next_step
-        self.source.start(next_step)
+        self.control.sidecar_waiting = ring.Waiting.NO
+        self.start(next_step)
 
     def close(self) -> None:
-        self.source.stop()
+        self.stop()
         for slot in self.slots:
             try:
                 os.unlink(slot.path)
@@ -243,7 +290,7 @@ class Server:
         self._poller.register(self._signals, zmq.POLLIN)
         self.feeds = [
             RankFeed(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
-                     source=Source(factory, rank, signal=(self._ctx, signal_address)), prefetch=prefetch,
+                     factory=factory, signal=(self._ctx, signal_address), prefetch=prefetch,
                      start_step=start_step, total_steps=total_steps)
             for i, rank in enumerate(ranks)
         ]
@@ -298,16 +345,17 @@ class Server:
     def run(self, tick: Callable[[], None] | None = None) -> None:
         """Serve until every rank is finished or `stopping` is set."""
         while not self.stopping.is_set() and not self.finished():
-            waiting_for_trainer = any([self._fill(feed) for feed in self.feeds])
-            # Sources and trainers wake the loop with a message; the timeouts only
-            # bound the cost of a wake-up lost to a race on the shared flags.
-            events = dict(self._poller.poll(5 if waiting_for_trainer else 100))
+            # Publishers and trainers wake the loop with a message; the timeout
+            # only paces `tick` and the `finished` linger.
+            events = dict(self._poller.poll(100))
             if self._signals in events:
                 while True:
                     try:
                         self._signals.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                for feed in self.feeds:
+                    self._deliver(feed)
             if self.sock in events:
                 self._receive()
             if tick is not None:
@@ -329,41 +377,21 @@ class Server:
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that trainer is gone
             log.debug("cannot reach trainer %r: %s", peer, exc)
 
-    def _fill(self, feed: RankFeed) -> bool:
-        """Publish what fits; True while the feed waits for the trainer to free a slot."""
-        if feed.peer is None or feed.drained or feed.end_sent or feed.failure:
-            return False
+    def _deliver(self, feed: RankFeed) -> None:
+        """Say what the rank's publisher has news of."""
         while True:
-            if feed.pending is None:
-                item = feed.source.poll()
-                if item is None:
-                    return False  # the source signals when it has an item
-                if isinstance(item, StopIteration):
-                    self._send(feed.peer, "end", next_step=feed.next_step)
+            try:
+                kind, value = feed.outbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "error":
+                self._fail(feed, value)
+            elif feed.peer is not None and not feed.failure:
+                if kind == "end":
+                    self._send(feed.peer, "end", next_step=value)
                     feed.end_sent = True
-                    return False
-                if isinstance(item, BaseException):
-                    self._fail(feed, item)
-                    return False
-                feed.pending = item
-            if feed.control.filled() >= feed.prefetch:
-                feed.control.sidecar_waiting = 1
-                return True
-            global_step, batch = feed.pending
-            index = feed.free_slot(ipc_size(batch))
-            if index is None:
-                feed.control.sidecar_waiting = 1
-                return True
-            nbytes = feed.write(index, batch)
-            control = feed.control
-            control.step[index] = global_step
-            control.nbytes[index] = nbytes
-            control.state[index] = ring.SlotState.FILLED  # last: the trainer may take it now
-            if control.trainer_waiting:
-                control.trainer_waiting = 0
-                self._send(feed.peer, "ready", global_step=global_step)
-            feed.pending = None
-            feed.next_step = global_step + 1
+                else:
+                    self._send(feed.peer, "ready", global_step=value)
 
     def _fail(self, feed: RankFeed, exc: BaseException) -> None:
         user = isinstance(exc, (errors.UserError, errors.SidecarFailed))
@@ -407,7 +435,7 @@ class Server:
         elif kind == "bye":
             self._feed_for(peer).said_bye = True
         elif kind == "wake":
-            pass  # the loop re-checks the control block anyway
+            self._feed_for(peer).wake()
         else:
             raise errors.ProtocolError(f"a trainer does not send {kind!r}")
 
@@ -473,9 +501,9 @@ class Server:
 def tune_interpreter() -> None:
     """Hand the GIL over faster in a sidecar process.
 
-    The serving loop and the source threads pass every batch between them; with
-    CPython's default 5 ms switch interval each hand-off can wait that long for
-    the GIL, which measured as a 2x loss of transport throughput (make bench).
+    The serving loop answers trainers while publishing threads run Python code;
+    with CPython's default 5 ms switch interval an answer (a checkpoint, a
+    `ready` to a waiting trainer) can wait that long for the GIL.
     """
     sys.setswitchinterval(0.0002)
 

@@ -40,6 +40,9 @@ from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavai
 
 log = logging.getLogger(__name__)
 
+SPIN_S = 200e-6
+"""How long the trainer polls the ring for its next batch before sleeping on the socket."""
+
 _torch: Any = None
 
 
@@ -227,6 +230,7 @@ class StreamClient:
 
     def _next_batch(self) -> Batch | None:
         """The batch of `_next_step`, from the ring; the socket only when it must wait."""
+        deadline: float | None = None
         while True:
             control = self._control
             assert control is not None  # set by the first welcome
@@ -235,22 +239,38 @@ class StreamClient:
             if step >= control.end_step:
                 self._ended = True
                 return None
-            index = self._find(control, step)
+            index = control.find(step)
+            if index is None:
+                index = self._spin(control, step)
             if index is None:
                 control.trainer_waiting = 1
-                index = self._find(control, step)  # it may have landed meanwhile
+                index = control.find(step, scan=True)  # it may have landed meanwhile
             if index is not None:
                 control.trainer_waiting = 0
                 return self._take(control, index, step)
-            message = self._receive()
+            if deadline is None:
+                deadline = time.monotonic() + self._timeout_s
+            elif time.monotonic() > deadline:  # answers to heartbeats are no batch
+                raise SidecarUnavailable(self._why_no_batch())
+            message = self._receive(deadline)
             if message["type"] == "welcome":
                 self._welcome(message)
             # ready / end are wake-ups: look at the ring again
 
     @staticmethod
-    def _find(control: ring.Control, step: int) -> int | None:
-        found = np.flatnonzero((control.step == step) & (control.state == ring.SlotState.FILLED))
-        return int(found[0]) if len(found) else None
+    def _spin(control: ring.Control, step: int) -> int | None:
+        """Poll the ring for up to SPIN_S before sleeping on the socket.
+
+        A socket wake-up costs both processes more CPU than this (ZeroMQ's I/O
+        threads, context switches); a sidecar that keeps up usually publishes
+        the batch within the spin (make bench, transport at 1 MiB).
+        """
+        deadline = time.perf_counter() + SPIN_S
+        while time.perf_counter() < deadline:
+            index = control.find(step)
+            if index is not None:
+                return index
+        return None
 
     def checkpoint(self) -> int:
         """Persist this rank's data position; returns the global steps completed.
@@ -358,17 +378,25 @@ class StreamClient:
             log.warning("sidecar: %s", message["message"])
         return message
 
-    def _receive(self) -> dict[str, Any]:
+    def _receive(self, deadline: float) -> dict[str, Any]:
         """The next message; a silent sidecar gets a hello (it may have restarted)."""
-        deadline = time.monotonic() + self._timeout_s
         while True:
             message = self._receive_raw(self._heartbeat_s)
             if message is not None:
                 return message
             if time.monotonic() > deadline:
-                raise SidecarUnavailable(f"no batch from the sidecar in {self._timeout_s} s")
+                raise SidecarUnavailable(self._why_no_batch())
             self._sock.send(protocol.encode(
                 "hello", local_rank=self.local_rank, pid=os.getpid(), next_step=self._next_step))
+
+    def _why_no_batch(self) -> str:
+        control = self._control
+        if control is not None and control.sidecar_waiting == ring.Waiting.SLOT:
+            held = int(np.count_nonzero(control.state[: control.num_slots] == ring.SlotState.TAKEN))
+            return (f"no batch in {self._timeout_s} s: this process still references {held} earlier "
+                    f"batches, every slot of the ring ({ring.MAX_SLOTS}); drop the batches (or tensors "
+                    "viewing them) you no longer need, or copy what you keep (tensor.clone())")
+        return f"no batch from the sidecar in {self._timeout_s} s"
 
     # -- batches --------------------------------------------------------------------
 
@@ -394,7 +422,7 @@ class StreamClient:
         del record_batch, root, buffer
         control.acked = step
         self._next_step = step + 1
-        if control.sidecar_waiting and control.filled() <= control.prefetch // 2:
+        if control.sidecar_waiting == ring.Waiting.ROOM and control.filled() <= control.prefetch // 2:
             self._wake()
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         return Batch(columns, epoch=epoch, step=in_epoch, global_step=step)
@@ -418,7 +446,11 @@ class StreamClient:
     def _flush_releases(self) -> None:
         """Batches freed since the last call may unblock a waiting sidecar."""
         control = self._control
-        if control is not None and control.sidecar_waiting:
+        if control is None:
+            return
+        waiting = control.sidecar_waiting
+        if waiting == ring.Waiting.SLOT or (
+                waiting == ring.Waiting.ROOM and control.filled() <= control.prefetch // 2):
             self._wake()
 
     def _wake(self) -> None:

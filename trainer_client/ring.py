@@ -22,7 +22,7 @@ flag costs milliseconds, never correctness.
 
 Slot state transitions (SlotState):
     INVALID -> FREE           sidecar creates the slot
-    FREE    -> FILLED         sidecar wrote a batch and sent `ready`
+    FREE    -> FILLED         sidecar wrote a batch (and `posted` it), `ready` if the trainer waits
     FILLED  -> TAKEN          trainer handed the batch to user code
     TAKEN   -> FREE           trainer: nothing references the batch any more
     any     -> FREE           sidecar, when a new trainer process says hello
@@ -30,7 +30,6 @@ Slot state transitions (SlotState):
 
 from __future__ import annotations
 
-import enum
 import mmap
 import os
 from pathlib import Path
@@ -38,16 +37,28 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = 0x53465247  # "SFRG"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAX_SLOTS = 256
 PAGE = mmap.PAGESIZE
 
 
-class SlotState(enum.IntEnum):
+class SlotState:
+    """Slot states as plain ints: numpy compares an IntEnum member ~4 us slower
+    than an int, and these comparisons run several times per batch."""
+
     INVALID = 0
     FREE = 1
     FILLED = 2
     TAKEN = 3
+
+
+class Waiting:
+    """Values of `sidecar_waiting`: what the sidecar waits for, so the trainer
+    wakes it only when that has happened (not on every batch)."""
+
+    NO = 0
+    ROOM = 1    # `prefetch` slots are FILLED: wake when at most prefetch // 2 are
+    SLOT = 2    # every slot is held (MAX_SLOTS): wake when one is freed
 
 
 # Header words (int64 each), by index. Plain arrays rather than a structured
@@ -65,8 +76,11 @@ _WORDS = (
 )
 _NUM_WORDS = 16
 _HEADER_BYTES = _NUM_WORDS * 8
-# Per slot: state (u4), then step, gen, nbytes (i8), each an array of MAX_SLOTS.
-CONTROL_BYTES = _HEADER_BYTES + MAX_SLOTS * (4 + 8 + 8 + 8)
+# Per slot: state (u4), then step, gen, nbytes (i8), each an array of MAX_SLOTS;
+# then `posted`: posted[s % MAX_SLOTS] is the slot the sidecar last filled with
+# global step s, so the trainer finds a batch with two scalar reads instead of a
+# scan (at most MAX_SLOTS batches are in flight, so the index is unambiguous).
+CONTROL_BYTES = _HEADER_BYTES + MAX_SLOTS * (4 + 8 + 8 + 8 + 8)
 
 
 def control_path(directory: Path, instance: str, local_rank: int) -> Path:
@@ -96,6 +110,8 @@ class Control:
         self.gen = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         offset += MAX_SLOTS * 8
         self.nbytes = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
+        offset += MAX_SLOTS * 8
+        self.posted = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         if create:
             self.step[:] = -1
             self.magic, self.version, self.acked = MAGIC, LAYOUT_VERSION, -1
@@ -103,11 +119,25 @@ class Control:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
 
     def filled(self) -> int:
-        return int(np.count_nonzero(self.state == SlotState.FILLED))
+        return int(np.count_nonzero(self.state[: self.num_slots] == SlotState.FILLED))
+
+    def find(self, step: int, *, scan: bool = False) -> int | None:
+        """The slot holding global step `step`, FILLED, or None.
+
+        `posted` is exact for every FILLED slot; `scan` double-checks with a full
+        scan (microseconds) where a miss means going to sleep.
+        """
+        index = int(self.posted[step % MAX_SLOTS])
+        if self.state[index] == SlotState.FILLED and self.step[index] == step:
+            return index
+        if not scan:
+            return None
+        found = np.flatnonzero((self.step == step) & (self.state == SlotState.FILLED))
+        return int(found[0]) if len(found) else None
 
     def close(self) -> None:
         # numpy views pin the mapping; drop them first.
-        del self.words, self.state, self.step, self.gen, self.nbytes
+        del self.words, self.state, self.step, self.gen, self.nbytes, self.posted
         self._mm.close()
 
 
