@@ -175,7 +175,8 @@ class RankFeed:
         """
         control = self.control
         while not stop.is_set() and not self.drained and not self.failure:
-            self._woken.clear()
+            if self._woken.is_set():
+                self._woken.clear()
             index, waiting_for = self._try_slot(size)
             if index is None:
                 control.sidecar_waiting = waiting_for
@@ -187,17 +188,18 @@ class RankFeed:
         return None
 
     def _try_slot(self, size: int) -> tuple[int | None, int]:
-        if self.control.filled() >= self.prefetch:
+        states = self.control.states()
+        if states.count(ring.SlotState.FILLED) >= self.prefetch:
             return None, ring.Waiting.ROOM
-        index = self.free_slot(size)
-        return index, ring.Waiting.SLOT
+        return self.free_slot(size, states), ring.Waiting.SLOT
 
     # -- slots ---------------------------------------------------------------
 
-    def free_slot(self, size: int) -> int | None:
+    def free_slot(self, size: int, states: list[int] | None = None) -> int | None:
         """A FREE slot that fits `size` bytes (grown if needed), or None."""
-        free = np.flatnonzero(self.control.state[: len(self.slots)] == ring.SlotState.FREE)
-        if not len(free):
+        if states is None:
+            states = self.control.states()
+        if ring.SlotState.FREE not in states:
             if len(self.slots) >= ring.MAX_SLOTS:
                 return None
             self.slots.append(self._slot_file(len(self.slots), 0, size))
@@ -206,7 +208,7 @@ class RankFeed:
             self.control.state[index] = ring.SlotState.FREE
             self.control.num_slots = len(self.slots)
             return index
-        index = int(free[0])
+        index = states.index(ring.SlotState.FREE)
         if self.slots[index].size < size:
             # Too small: a new file (a trainer may still map the old one, which
             # stays valid until it unmaps it).

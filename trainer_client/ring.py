@@ -118,8 +118,12 @@ class Control:
         elif self.magic != MAGIC or self.version != LAYOUT_VERSION:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
 
+    def states(self) -> list[int]:
+        """Every slot's state (a list: counting in one costs a tenth of a numpy reduction here)."""
+        return self.state[: self.num_slots].tolist()  # type: ignore[no-any-return]
+
     def filled(self) -> int:
-        return int(np.count_nonzero(self.state[: self.num_slots] == SlotState.FILLED))
+        return self.states().count(SlotState.FILLED)
 
     def find(self, step: int, *, scan: bool = False) -> int | None:
         """The slot holding global step `step`, FILLED, or None.

@@ -126,3 +126,53 @@ def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, m
     finally:
         server.stopping.set()
         thread.join(10)
+
+
+def mixed(step: int) -> pa.RecordBatch:
+    """Every kind of column, with lengths that repeat (equal metadata) and change (new metadata)."""
+    n = (3, 5, 3, 5, 1)[step % 5]
+    base = step * 100
+    floats = [float(base + i) if (base + i) % 3 else None for i in range(n)]
+    return pa.record_batch({
+        "id": pa.array(np.arange(base, base + n), pa.int64()),
+        "maybe": pa.array(floats, pa.float32()),
+        "name": pa.array([f"row-{base + i}" for i in range(n)]),
+        "flag": pa.array([(base + i) % 2 == 0 for i in range(n)]),
+        "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(n * 4, dtype=np.float32) + base), 4),
+        "tags": pa.array([[base + i] * (i % 3) for i in range(n)], pa.list_(pa.int64())),
+    })
+
+
+def test_every_column_type_arrives_intact_and_numeric_columns_are_writable_views(socket_root):
+    steps = 12
+
+    def source(rank: int, first: int):
+        return ((s, mixed(s)) for s in range(first, steps))
+
+    server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=source,
+                            steps_per_epoch=steps, total_steps=steps, start_step=0, resume_step=0, prefetch=2)
+    server.end_linger_s = 0.0
+    thread = threading.Thread(target=lambda: (server.run(), server.close()), daemon=True)
+    thread.start()
+    try:
+        with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
+            for step, batch in enumerate(client):
+                want = mixed(step)
+                assert batch.global_step == step and batch.rows == want.num_rows
+                for name in want.schema.names:
+                    got = batch[name]
+                    expected = want.column(name).to_numpy(zero_copy_only=False)
+                    if name in ("maybe", "tags"):  # nulls / lists: compared as Python values
+                        assert pa.array(list(got) if name == "tags" else got,
+                                        want.schema.field(name).type, from_pandas=True).to_pylist() \
+                            == want.column(name).to_pylist(), name
+                    elif name == "vec":
+                        assert np.array_equal(got, np.stack(expected)), name
+                    else:
+                        assert list(got) == list(expected), name
+                for name in ("id", "vec"):  # views of the slot: writable, not owning their memory
+                    assert batch[name].flags.writeable and not batch[name].flags.owndata
+        assert step == steps - 1
+    finally:
+        server.stopping.set()
+        thread.join(10)

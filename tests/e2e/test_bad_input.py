@@ -59,8 +59,10 @@ def test_data_that_cannot_feed_the_job_fails_it_at_once_with_a_condition_that_sa
     assert words in failed["message"]
     assert status.get("restarts", 0) == 0, "a data error must not spend the restart budget"
     assert status["worldEpoch"] == 0
+    # Events are posted after the status patch they describe: wait for ours.
+    wait_for(lambda: "DataError" in event_reasons(cluster, name), 30, f"{name}'s DataError event")
     reasons = event_reasons(cluster, name)
-    assert "DataError" in reasons and "WorldFailed" not in reasons, reasons
+    assert "WorldFailed" not in reasons, reasons
     described = cluster.kubectl("-n", NS, "describe", "sj", name).stdout
     assert words in described
     wait_for(lambda: not [p for p in cluster.pods(name) if p["status"].get("phase") == "Running"], 30,

@@ -55,6 +55,8 @@ def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_step
     status = cluster.status(name)
     assert (status["worldEpoch"], status["replicas"], status["worldSize"]) == (2, 3, 3)
     assert status.get("restarts", 0) == 0
+    # Events are posted after the status patch they describe: wait for the last one.
+    wait_for(lambda: "Succeeded" in event_reasons(cluster, name), 30, f"{name}'s Succeeded event")
     events = event_reasons(cluster, name)
     log(f"{name}: events {events}")
     for reason in ("CheckpointRequested", "Drained", "StartingNewWorld", "RescaleComplete"):
