@@ -8,10 +8,15 @@
 
 Batches are mapped from the sidecar's ring without a copy. A slot goes back to
 the sidecar only when nothing the trainer got from it is referenced any more:
-every array handed out is a view of one per-batch root array, and a finalizer
-on that root frees the slot. Acknowledgements (the consumer commit behind
-checkpoints) are a counter in shared memory, so the steady state costs one
-small ZeroMQ message per batch (`ready`).
+every array handed out is a view of one per-batch root array, and a weakref
+callback on that root frees the slot. Acknowledgements (the consumer commit
+behind checkpoints), slot states and "I am waiting" flags live in shared
+memory; a ZeroMQ message is sent only to wake a peer that sleeps, so a
+pipeline that keeps up sends none (the trainer polls the ring for SPIN_S
+before it sleeps).
+
+Holding every slot's batch (ring.MAX_SLOTS) while asking for another can never
+be served; after `timeout_s` that is an error that says so.
 
 Either side may restart: the client says `hello` with the next global step it
 expects, so a new sidecar continues exactly there, and a new trainer process
