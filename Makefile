@@ -35,7 +35,9 @@ bench: install
 lint: install
 	@tree=$$(mktemp -d) && mkdir $$tree/splitfeed && \
 	for p in trainer_client sidecar operator; do ln -s $(CURDIR)/$$p $$tree/splitfeed/$$p; done && \
-	PYTHONPATH=$$tree $(VENV)/bin/lint-imports; rc=$$?; rm -rf $$tree; exit $$rc
+	PYTHONPATH=$$tree $(VENV)/bin/lint-imports && \
+	(cd $$tree && $(abspath $(PY)) -m mypy --config-file $(CURDIR)/pyproject.toml -p splitfeed); \
+	rc=$$?; rm -rf $$tree; exit $$rc
 	$(PY) -c "import operator, collections"
 	$(PY) crds/sync.py --check
 

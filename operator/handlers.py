@@ -7,7 +7,7 @@ configured, because Kopf refuses to start with admission handlers and no server.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -37,11 +37,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
                                           settings=config.planning)
 
 
-async def _reconcile(memo: kopf.Memo, namespace: str, name: str, *, wait: bool) -> None:
+async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, *, wait: bool) -> None:
+    assert namespace is not None  # StreamingJob is a namespaced resource
     outcome = await reconciling.reconcile(memo["ctx"], namespace, name)
     if outcome.body is not None:
         for e in outcome.events:
-            kopf.event(outcome.body, type=e.type, reason=e.reason, message=e.message)
+            # kopf.event reads only the reference fields, which a plain dict has.
+            kopf.event(cast(kopf.Body, outcome.body), type=e.type, reason=e.reason, message=e.message)
     if outcome.permanent_error and wait:
         raise kopf.PermanentError(outcome.permanent_error)
     if wait and outcome.requeue_s is not None:
@@ -51,7 +53,7 @@ async def _reconcile(memo: kopf.Memo, namespace: str, name: str, *, wait: bool) 
 @kopf.on.resume(G, V, P)
 @kopf.on.create(G, V, P)
 @kopf.on.update(G, V, P, field="spec")
-async def reconcile_on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def reconcile_on_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     await _reconcile(memo, namespace, name, wait=True)
 
 
@@ -60,7 +62,7 @@ def _live(status: kopf.Status, **_: Any) -> bool:
 
 
 @kopf.timer(G, V, P, interval=TIMER_INTERVAL_S, when=_live)
-async def reconcile_periodically(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def reconcile_periodically(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     await _reconcile(memo, namespace, name, wait=False)
 
 

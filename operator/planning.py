@@ -204,7 +204,7 @@ def shared_mounts(job: specs.JobSpec, trainer_mounts: list[dict[str, Any]]) -> l
     for m in trainer_mounts:
         mount = str(m.get("mountPath", "")).rstrip("/")
         if mount and any(p == mount or p.startswith(mount + "/") for p in paths):
-            shared = {k: m[k] for k in ("name", "mountPath", "subPath", "readOnly") if k in m}
+            shared: dict[str, Any] = {k: m[k] for k in ("name", "mountPath", "subPath", "readOnly") if k in m}
             if shared not in out:
                 out.append(shared)
     return out

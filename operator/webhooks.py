@@ -17,7 +17,8 @@ G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 
 
 @kopf.on.validate(G, V, P, id="streamingjob", operations=["CREATE", "UPDATE"])
-def validate_job(body: kopf.Body, old: Any, operation: str | None, memo: kopf.Memo, **_: Any) -> None:
+def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operation: str | None = None,
+                 **_: Any) -> None:
     # Kopf's own metadata/status patches must pass even for a job admitted before the rules.
     if operation == "UPDATE" and old and old.get("spec") == body.get("spec"):
         return

@@ -204,9 +204,10 @@ def _supervise(sidecars: list[Process], trainers: list[Process], stats_files: li
 
 def _read_stats(path: Path) -> dict[str, float]:
     try:
-        return json.loads(path.read_text())
+        stats = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return stats if isinstance(stats, dict) else {}
 
 
 def _summary(stats_files: list[Path], elapsed: float, out: IO[str]) -> None:

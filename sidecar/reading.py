@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import lancedb
@@ -173,7 +173,7 @@ def iter_blocks(
     *,
     start_global_step: int,
     stop_global_step: int | None = None,
-) -> Iterator[tuple[int, pa.RecordBatch]]:
+) -> Generator[tuple[int, pa.RecordBatch], None, None]:
     """Yield (global_step, block) for `splits`: G/N cycles over them, reference order.
 
     `splits` is a rank's block (one sidecar, numWorkers=1) or a worker's

@@ -73,7 +73,7 @@ class RankFeed:
 
     def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
                  factory: SourceFactory, prefetch: int, start_step: int, total_steps: int,
-                 signal: tuple[zmq.Context, str] | None = None) -> None:
+                 signal: tuple[zmq.Context[Any], str] | None = None) -> None:
         self.local_rank = local_rank
         self.rank = rank
         self.prefetch = prefetch
@@ -269,7 +269,7 @@ class Server:
                  factory: SourceFactory, steps_per_epoch: int, total_steps: int,
                  start_step: int, resume_step: int, prefetch: int,
                  checkpoint: Callable[[int, int], str] | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context[Any] | None = None) -> None:
         self.directory = Path(directory)
         self.instance = uuid.uuid4().hex[:12]
         self.world_size = world_size

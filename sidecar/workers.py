@@ -118,7 +118,7 @@ def _to_ipc(batch: pa.RecordBatch) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    return bytes(sink.getvalue())
 
 
 def _from_ipc(payload: memoryview) -> pa.RecordBatch:

@@ -58,10 +58,11 @@ def _torch_module() -> Any:
     global _torch
     if _torch is None:
         try:
-            import torch
+            import torch as module
         except ImportError:  # numpy arrays are handed out without it
-            torch = False
-        _torch = torch
+            _torch = False
+        else:
+            _torch = module
     return _torch
 
 
@@ -186,7 +187,7 @@ class StreamClient:
         timeout_s: float = 300.0,
         heartbeat_s: float = 1.0,
         as_tensors: bool = True,
-        context: zmq.Context | None = None,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
         directory = socket_dir or os.environ.get("SPLITFEED_SOCKET_DIR")
         if not directory:

@@ -61,19 +61,22 @@ class Waiting:
     SLOT = 2    # every slot is held (MAX_SLOTS): wake when one is freed
 
 
+class _Word:
+    """One int64 header word of the control block, read and written as an attribute."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __get__(self, control: Control, owner: type | None = None) -> int:
+        return int(control.words[self.index])
+
+    def __set__(self, control: Control, value: int) -> None:
+        control.words[self.index] = value
+
+
 # Header words (int64 each), by index. Plain arrays rather than a structured
 # dtype: this is the per-batch hot path on both sides, and plain element access
 # costs a fraction of a structured field's.
-_WORDS = (
-    "magic", "version", "num_slots",
-    "acked",                 # last global step the trainer received (consumer commit)
-    "end_step",              # no batch at or after this global step
-    "prefetch",              # a waiting sidecar is woken below half of it
-    "sidecar_waiting",       # sidecar blocks for the trainer to take or free a slot
-    "trainer_waiting",       # trainer blocks on the socket for a batch
-    "checkpoint_requested",
-    "drain_requested",
-)
 _NUM_WORDS = 16
 _HEADER_BYTES = _NUM_WORDS * 8
 # Per slot: state (u4), then step, gen, nbytes (i8), each an array of MAX_SLOTS;
@@ -97,6 +100,17 @@ class Control:
     `state[i]`, `step[i]` (global step held), `gen[i]` (file generation) and
     `nbytes[i]` describe slot i; header words are attributes (`control.acked`).
     """
+
+    magic = _Word(0)
+    version = _Word(1)
+    num_slots = _Word(2)
+    acked = _Word(3)                 # last global step the trainer received (consumer commit)
+    end_step = _Word(4)              # no batch at or after this global step
+    prefetch = _Word(5)              # a waiting sidecar is woken below half of it
+    sidecar_waiting = _Word(6)       # a Waiting value: the sidecar sleeps until woken
+    trainer_waiting = _Word(7)       # the trainer sleeps on the socket for a batch
+    checkpoint_requested = _Word(8)
+    drain_requested = _Word(9)
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)
@@ -143,20 +157,6 @@ class Control:
         # numpy views pin the mapping; drop them first.
         del self.words, self.state, self.step, self.gen, self.nbytes, self.posted
         self._mm.close()
-
-
-def _word(index: int) -> property:
-    def get(self: Control) -> int:
-        return int(self.words[index])
-
-    def set(self: Control, value: int) -> None:
-        self.words[index] = value
-
-    return property(get, set)
-
-
-for _index, _name in enumerate(_WORDS):
-    setattr(Control, _name, _word(_index))
 
 
 class SlotFile:
