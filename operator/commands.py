@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
     from . import handlers  # noqa: F401  (registers the handlers)
     if config.webhook is not None:
-        from . import webhooks  # noqa: F401
+        from . import webhooks
+
+        webhooks.register(kopf.get_default_registry())
 
     asyncio.run(kopf.operator(
         clusterwide=not config.namespaces,

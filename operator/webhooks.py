@@ -1,8 +1,9 @@
 """Validating admission webhooks: a StreamingJob, and its scale subresource.
 
-Imported by `commands` only when a webhook server is configured (Kopf refuses to
-start with admission handlers but no server). The rules are `admission`'s, the
-same ones the reconciler re-checks before every reshape.
+`register` adds them to a Kopf registry; `commands` does so only when a webhook
+server is configured (Kopf refuses to start with admission handlers but no
+server). The rules are `admission`'s, the same ones the reconciler re-checks
+before every reshape.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from . import admission, planning
 G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 
 
-@kopf.on.validate(G, V, P, id="streamingjob", operations=["CREATE", "UPDATE"])
+def register(registry: kopf.OperatorRegistry) -> None:
+    kopf.on.validate(G, V, P, id="streamingjob", operations=["CREATE", "UPDATE"],
+                     registry=registry)(validate_job)
+    kopf.on.validate(G, V, P, subresource="scale", id="scale", operations=["UPDATE"],
+                     registry=registry)(validate_scale)
+
+
 def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operation: str | None = None,
                  **_: Any) -> None:
     # Kopf's own metadata/status patches must pass even for a job admitted before the rules.
@@ -28,7 +35,6 @@ def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operation: s
         raise kopf.AdmissionError(str(exc), code=422) from exc
 
 
-@kopf.on.validate(G, V, P, subresource="scale", id="scale", operations=["UPDATE"])
 async def validate_scale(body: kopf.Body, namespace: str | None, name: str | None,
                          memo: kopf.Memo, **_: Any) -> None:
     replicas = (body.get("spec") or {}).get("replicas")

@@ -14,8 +14,6 @@ import copy
 import importlib.util
 import json
 import pathlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -395,19 +393,17 @@ class TestWebhook:
         # path (POST /<id>); a request for a path with no handler is admitted
         # unchecked. So the chart's paths must be operator/webhooks.py's ids,
         # with the same subresource and operations.
-        # A child process: importing the module registers its handlers in Kopf's
-        # global registry, which would leak into the operator tests' runs.
-        probe = (
-            "import json, kopf, splitfeed.operator.webhooks\n"
-            "print(json.dumps([[h.id, h.subresource, list(h.operations or [])]\n"
-            "    for h in kopf.get_default_registry()._webhooks.get_all_handlers()\n"
-            "    if h.selector is not None and h.selector.group == 'splitfeed.io']))"
-        )
-        found = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
-                               text=True, timeout=120, cwd=ROOT)
+        import kopf
+
+        from splitfeed.operator import webhooks
+
+        registry = kopf.OperatorRegistry()
+        webhooks.register(registry)
         handlers = {
-            (f"/{id_}", "streamingjobs" + (f"/{sub}" if sub else ""), tuple(operations))
-            for id_, sub, operations in json.loads(found.stdout.strip().splitlines()[-1])
+            (f"/{h.id}", "streamingjobs" + (f"/{h.subresource}" if h.subresource else ""),
+             tuple(h.operations or []))
+            for h in registry._webhooks.get_all_handlers()
+            if h.selector is not None and h.selector.group == "splitfeed.io"
         }
         assert handlers
         hooks = one(objects(SCENARIOS["webhook"]), "ValidatingWebhookConfiguration")["webhooks"]

@@ -1,6 +1,7 @@
 """The operator in-process (real Kopf, real handlers) against kmock's Kubernetes emulator.
 
-Fast tier: no apiserver, no webhooks (kmock cannot call them). Pod phases are set
+Fast tier: no apiserver. kmock cannot call webhooks, so the admission test posts
+AdmissionReviews to Kopf's own webhook server itself. Pod phases are set
 by the test, as a kubelet would. kmock notes (TESTING.md): Kopf only starts
 watching once CRDs, namespaces, events and kopfpeerings are listable; objects
 need a resourceVersion; kmock replays every object as ADDED on each watch, so
@@ -21,7 +22,7 @@ import kubernetes
 import pytest
 import pytest_asyncio
 
-from splitfeed.operator import configs, handlers, kube  # noqa: F401 (handlers registers)
+from splitfeed.operator import configs, handlers, kube, reconciling, webhooks  # noqa: F401 (handlers registers)
 from tests.operator.builders import manifest
 
 JOBS = "splitfeed.io/v1alpha1/streamingjobs"
@@ -59,14 +60,18 @@ async def cluster(kmock: Any) -> AsyncIterator[Any]:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(kmock: Any) -> AsyncIterator[None]:
+async def running_operator(kmock: Any, settings: kopf.OperatorSettings | None = None,
+                           registry: kopf.OperatorRegistry | None = None) -> AsyncIterator[None]:
     config = kubernetes.client.Configuration(host=str(kmock.url).rstrip("/"))
     client = kube.Kube(kubernetes.client.ApiClient(config))
     stop = asyncio.Event()
     vault = Vault({"kmock": kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"))})
+    memo = kopf.Memo(config=configs.OperatorConfig(peering=None), kube=client)
+    if registry is not None:  # no startup handler there to build the context
+        memo["ctx"] = reconciling.Context(kube=client, settings=memo["config"].planning)
     task = asyncio.create_task(kopf.operator(
-        clusterwide=True, standalone=True, vault=vault, stop_flag=stop,
-        memo=kopf.Memo(config=configs.OperatorConfig(peering=None), kube=client)))
+        clusterwide=True, standalone=True, vault=vault, stop_flag=stop, settings=settings,
+        registry=registry, memo=memo))
     try:
         yield
     finally:
@@ -187,3 +192,80 @@ async def test_an_operator_restarted_mid_rescale_finishes_it(cluster):
         await until(lambda: (job_of(cluster)["status"].get("worldEpoch"), phase(cluster)) == (1, "Running"),
                     what="world 1 running after the restart")
         assert sorted(pods_of(cluster)) == ["resnet-w1-0"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def review(obj: dict[str, Any], *, operation: str, old: dict[str, Any] | None = None,
+           sub_resource: str | None = None) -> dict[str, Any]:
+    """An AdmissionReview as the kube-apiserver sends it (admission.k8s.io/v1)."""
+    meta = obj["metadata"]
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "review-1", "operation": operation, "name": meta["name"], "namespace": meta["namespace"],
+        "kind": {"group": "splitfeed.io", "version": "v1alpha1", "kind": "StreamingJob"},
+        "resource": {"group": "splitfeed.io", "version": "v1alpha1", "resource": "streamingjobs"},
+        "subResource": sub_resource, "object": obj, "oldObject": old, "dryRun": False,
+        "userInfo": {"username": "alice", "groups": ["system:authenticated"]}}}
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_the_webhooks_answer_admission_reviews_with_the_rule_and_the_valid_counts(cluster):
+    import aiohttp
+
+    port = free_port()
+    settings = kopf.OperatorSettings()
+    settings.admission.server = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
+    registry = kopf.OperatorRegistry()  # only the webhooks: the other tests run without a server
+    webhooks.register(registry)
+    add_job(cluster, manifest(replicas=4))
+    valid_counts = [n for n in range(1, 49) if 48 % n == 0 and 960 % n == 0]  # numSplits 48, batch 960
+
+    async with running_operator(cluster, settings, registry), aiohttp.ClientSession() as http:
+        async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    async with http.post(f"http://127.0.0.1:{port}/{path}", json=body) as resp:
+                        # 404 until Kopf has discovered the CRD it serves
+                        if resp.status != 404 or time.monotonic() > deadline:
+                            assert resp.status == 200, await resp.text()
+                            answer: dict[str, Any] = (await resp.json())["response"]
+                            assert answer["uid"] == "review-1"
+                            return answer
+                except aiohttp.ClientConnectionError:  # not listening yet
+                    if time.monotonic() > deadline:
+                        raise
+                await asyncio.sleep(0.2)
+
+        assert (await post("streamingjob", review(manifest(replicas=6), operation="CREATE")))["allowed"]
+
+        denied = await post("streamingjob", review(manifest(replicas=5), operation="CREATE"))
+        assert not denied["allowed"] and denied["status"]["code"] == 422
+        assert "5" in denied["status"]["message"]
+        assert f"Valid replica counts for this job: {valid_counts}" in denied["status"]["message"]
+
+        unknown = manifest(replicas=4)
+        unknown["spec"]["data"]["numSplit"] = 24
+        denied = await post("streamingjob", review(unknown, operation="CREATE"))
+        assert not denied["allowed"] and "spec.data.numSplit" in denied["status"]["message"]
+
+        # Kopf's own writes (status, annotations) to a job admitted before a rule changed pass.
+        bad = manifest(replicas=5)
+        assert (await post("streamingjob", review(bad, operation="UPDATE", old=bad)))["allowed"]
+
+        def scale(replicas: int) -> dict[str, Any]:
+            return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                    "metadata": {"name": "resnet", "namespace": "ns"}, "spec": {"replicas": replicas}}
+
+        denied = await post("scale", review(scale(5), operation="UPDATE", old=scale(4), sub_resource="scale"))
+        assert not denied["allowed"]
+        assert f"Valid replica counts for this job: {valid_counts}" in denied["status"]["message"]
+        assert (await post("scale", review(scale(8), operation="UPDATE", old=scale(4),
+                                           sub_resource="scale")))["allowed"]
