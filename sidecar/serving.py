@@ -195,10 +195,8 @@ class RankFeed:
 
     # -- slots ---------------------------------------------------------------
 
-    def free_slot(self, size: int, states: list[int] | None = None) -> int | None:
-        """A FREE slot that fits `size` bytes (grown if needed), or None."""
-        if states is None:
-            states = self.control.states()
+    def free_slot(self, size: int, states: list[int]) -> int | None:
+        """A FREE slot that fits `size` bytes (grown if needed), or None; `states` as just read."""
         if ring.SlotState.FREE not in states:
             if len(self.slots) >= ring.MAX_SLOTS:
                 return None

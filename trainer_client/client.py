@@ -176,6 +176,11 @@ def _release(holds: dict[int, weakref.ref[np.ndarray]], control: ring.Control, s
         pass  # the control block is already closed
 
 
+def _room_made(control: ring.Control) -> bool:
+    """The sidecar waits for room in the ring and at most half of `prefetch` is filled."""
+    return control.sidecar_waiting == ring.Waiting.ROOM and control.filled() <= control.prefetch // 2
+
+
 class StreamClient:
     """Connects to this rank's sidecar and yields its batches in order."""
 
@@ -207,7 +212,7 @@ class StreamClient:
         self._sock.connect(f"ipc://{self._dir / protocol.SOCKET_NAME}")
         self._inbox: collections.deque[dict[str, Any]] = collections.deque()
         self._slot_files: dict[tuple[str, int, int], ring.SlotFile] = {}
-        self._layouts: dict[bytes, tuple[int, list[tuple[str, _View | None]]]] = {}
+        self._layouts: dict[bytes, tuple[pa.Schema, int, list[tuple[str, _View | None]]]] = {}
         self._holds: dict[int, weakref.ref[np.ndarray]] = {}  # keeps the release callbacks alive
         self._control: ring.Control | None = None
         self._instance = ""
@@ -436,7 +441,7 @@ class StreamClient:
         del root
         control.acked = step
         self._next_step = step + 1
-        if control.sidecar_waiting == ring.Waiting.ROOM and control.filled() <= control.prefetch // 2:
+        if _room_made(control):
             self._wake()
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         return Batch(columns, epoch=epoch, step=in_epoch, global_step=step, rows=rows)
@@ -454,16 +459,17 @@ class StreamClient:
         body = schema_end + 8 + int.from_bytes(mm[schema_end + 4:schema_end + 8], "little")
         key = mm[:body]
         known = self._layouts.get(key)
+        record_batch: pa.RecordBatch | None = None
         if known is None:
             if len(self._layouts) > 16:
                 self._layouts.clear()
-            record_batch = self._read_ipc(root, schema_end)
-            base = pa.py_buffer(root).address
-            known = self._layouts[key] = (record_batch.num_rows, [
-                (name, _view_of(array, base))
-                for name, array in zip(record_batch.schema.names, record_batch.columns)])
-        rows, layout = known
-        record_batch = None
+            buffer = pa.py_buffer(root)
+            schema = pa.ipc.read_schema(buffer.slice(0, schema_end))
+            record_batch = self._read_batch(buffer, schema_end, schema)
+            known = self._layouts[key] = (schema, record_batch.num_rows, [
+                (name, _view_of(array, buffer.address))
+                for name, array in zip(schema.names, record_batch.columns)])
+        schema, rows, layout = known
         columns: dict[str, Any] = {}
         for name, view in layout:
             if view is not None:
@@ -472,14 +478,12 @@ class StreamClient:
                 columns[name] = value.reshape(shape) if len(shape) > 1 else value
             else:
                 if record_batch is None:
-                    record_batch = self._read_ipc(root, schema_end)
+                    record_batch = self._read_batch(pa.py_buffer(root), schema_end, schema)
                 columns[name] = record_batch.column(name).to_numpy(zero_copy_only=False)
         return columns, rows
 
     @staticmethod
-    def _read_ipc(root: np.ndarray, schema_end: int) -> pa.RecordBatch:
-        buffer = pa.py_buffer(root)
-        schema = pa.ipc.read_schema(buffer.slice(0, schema_end))
+    def _read_batch(buffer: pa.Buffer, schema_end: int, schema: pa.Schema) -> pa.RecordBatch:
         return pa.ipc.read_record_batch(pa.ipc.read_message(buffer.slice(schema_end)), schema)
 
     def _flush_releases(self) -> None:
@@ -487,9 +491,7 @@ class StreamClient:
         control = self._control
         if control is None:
             return
-        waiting = control.sidecar_waiting
-        if waiting == ring.Waiting.SLOT or (
-                waiting == ring.Waiting.ROOM and control.filled() <= control.prefetch // 2):
+        if control.sidecar_waiting == ring.Waiting.SLOT or _room_made(control):
             self._wake()
 
     def _wake(self) -> None:

@@ -33,8 +33,8 @@ def factory(rank: int, first: int):
 def serve(socket_root):
     started = []
 
-    def start(total_steps: int, prefetch: int) -> serving.Server:
-        server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=factory,
+    def start(total_steps: int, prefetch: int, source=factory) -> serving.Server:
+        server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=source,
                                 steps_per_epoch=total_steps, total_steps=total_steps, start_step=0,
                                 resume_step=0, prefetch=prefetch)
         server.end_linger_s = 0.0
@@ -110,22 +110,14 @@ def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, m
             gate.wait(10)
             yield step, pa.record_batch({"id": pa.array(np.arange(step * ROWS, (step + 1) * ROWS))})
 
-    server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=slow,
-                            steps_per_epoch=3, total_steps=3, start_step=0, resume_step=0, prefetch=2)
-    server.end_linger_s = 0.0
-    thread = threading.Thread(target=lambda: (server.run(), server.close()), daemon=True)
-    thread.start()
-    try:
-        with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30, heartbeat_s=30) as client:
-            threading.Timer(0.3, gate.set).start()
-            started = time.monotonic()
-            got = [ids(b)[0] // ROWS for b in client]
-            # heartbeat_s=30: only a `ready` can have woken it this soon
-            assert time.monotonic() - started < 10
-        assert got == [0, 1, 2]
-    finally:
-        server.stopping.set()
-        thread.join(10)
+    serve(total_steps=3, prefetch=2, source=slow)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30, heartbeat_s=30) as client:
+        threading.Timer(0.3, gate.set).start()
+        started = time.monotonic()
+        got = [ids(b)[0] // ROWS for b in client]
+        # heartbeat_s=30: only a `ready` can have woken it this soon
+        assert time.monotonic() - started < 10
+    assert got == [0, 1, 2]
 
 
 def mixed(step: int) -> pa.RecordBatch:
@@ -143,36 +135,28 @@ def mixed(step: int) -> pa.RecordBatch:
     })
 
 
-def test_every_column_type_arrives_intact_and_numeric_columns_are_writable_views(socket_root):
+def test_every_column_type_arrives_intact_and_numeric_columns_are_writable_views(serve, socket_root):
     steps = 12
 
     def source(rank: int, first: int):
         return ((s, mixed(s)) for s in range(first, steps))
 
-    server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=source,
-                            steps_per_epoch=steps, total_steps=steps, start_step=0, resume_step=0, prefetch=2)
-    server.end_linger_s = 0.0
-    thread = threading.Thread(target=lambda: (server.run(), server.close()), daemon=True)
-    thread.start()
-    try:
-        with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
-            for step, batch in enumerate(client):
-                want = mixed(step)
-                assert batch.global_step == step and batch.rows == want.num_rows
-                for name in want.schema.names:
-                    got = batch[name]
-                    expected = want.column(name).to_numpy(zero_copy_only=False)
-                    if name in ("maybe", "tags"):  # nulls / lists: compared as Python values
-                        assert pa.array(list(got) if name == "tags" else got,
-                                        want.schema.field(name).type, from_pandas=True).to_pylist() \
-                            == want.column(name).to_pylist(), name
-                    elif name == "vec":
-                        assert np.array_equal(got, np.stack(expected)), name
-                    else:
-                        assert list(got) == list(expected), name
-                for name in ("id", "vec"):  # views of the slot: writable, not owning their memory
-                    assert batch[name].flags.writeable and not batch[name].flags.owndata
-        assert step == steps - 1
-    finally:
-        server.stopping.set()
-        thread.join(10)
+    serve(total_steps=steps, prefetch=2, source=source)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
+        for step, batch in enumerate(client):
+            want = mixed(step)
+            assert batch.global_step == step and batch.rows == want.num_rows
+            for name in want.schema.names:
+                got = batch[name]
+                expected = want.column(name).to_numpy(zero_copy_only=False)
+                if name in ("maybe", "tags"):  # nulls / lists: compared as Python values
+                    assert pa.array(list(got) if name == "tags" else got,
+                                    want.schema.field(name).type, from_pandas=True).to_pylist() \
+                        == want.column(name).to_pylist(), name
+                elif name == "vec":
+                    assert np.array_equal(got, np.stack(expected)), name
+                else:
+                    assert list(got) == list(expected), name
+            for name in ("id", "vec"):  # views of the slot: writable, not owning their memory
+                assert batch[name].flags.writeable and not batch[name].flags.owndata
+    assert step == steps - 1
