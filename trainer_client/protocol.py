@@ -6,8 +6,13 @@ the protocol version and a type; decoding validates both, the size and every
 field's type, so garbage gets an error reply instead of crashing the sidecar.
 JSON rather than pickle: pickle would execute code on the receiver.
 
-Trainer -> sidecar: hello, checkpoint, wake, bye.
-Sidecar -> trainer: welcome, ready, end, checkpointed, error.
+Trainer -> sidecar: hello, checkpoint, commit, drain, wake, bye.
+Sidecar -> trainer: welcome, ready, end, checkpointed, committed, error.
+
+The world's agreement (docs/agreement.md) speaks the same frames over TCP:
+member sidecar -> coordinator: join, frozen, drain_request, committed_world;
+coordinator -> member: joined, freeze, commit_at, complete;
+operator -> coordinator: drain_request, answered by drain_ack.
 """
 
 from __future__ import annotations
@@ -37,6 +42,21 @@ _SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "end": {"next_step": (int,)},
     "checkpointed": {"step": (int,), "drained": (bool,), "uri": (str,)},
     "error": {"code": (str,), "message": (str,), "fatal": (bool,)},
+    # Trainer -> sidecar: phase two of a checkpoint (the model for `step` is saved).
+    "commit": {"step": (int,)},
+    "committed": {"step": (int,)},
+    # Trainer -> sidecar: this process got SIGTERM; ask the world to drain.
+    "drain": {"reason": (str,)},
+    # The world's agreement (docs/agreement.md).
+    "join": {"replica": (int,), "instance": (str,), "published": (int,)},
+    "joined": {"resume_step": (int,), "table_version": (int, type(None))},
+    "freeze": {"round": (int,)},
+    "frozen": {"round": (int,), "replica": (int,), "published": (int,)},
+    "commit_at": {"round": (int,), "step": (int,), "drain": (bool,)},
+    "committed_world": {"replica": (int,), "step": (int,)},
+    "complete": {"step": (int,)},
+    "drain_request": {"token": (str,), "reason": (str,)},
+    "drain_ack": {"token": (str,), "state": (str,)},
 }
 
 
