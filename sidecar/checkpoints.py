@@ -1,34 +1,132 @@
-"""Data checkpoints: one small JSON file per rank per global step.
+"""Data checkpoints: per rank per global step, two-phase, fenced by world, tied to one job.
 
-Layout (docs/pod-contract.md):
-    <uri>/<namespace>/<job>/step-<global_step:012d>/rank-<rank:05d>-of-<world:05d>.json
-A step is complete when every rank of one world size has a valid file there.
+Layout (docs/pod-contract.md), under `<uri>/<namespace>/<job>/<job uid>/`:
+    worlds/world-<epoch:06d>.json                     written once when world <epoch> starts
+    step-<step:012d>/w<epoch:06d>-rank-<rank:05d>-of-<world:05d>.json    the rank's record
+    step-<step:012d>/w<epoch:06d>-rank-<rank:05d>-of-<world:05d>.commit  its commit marker
+
+Why each part:
+- The job's UID is in the path, so a deleted and re-created job (same name, new
+  UID) starts at step 0 instead of resuming what another job wrote; reading
+  another job's checkpoints takes `spec.checkpoint.resumeFrom`.
+- A record carries its provenance (table URI, table, version, columns, filter,
+  splits, shuffle, seed, clump size, batch size, epochs, job UID, world epoch)
+  and a resume refuses one that does not match the job, naming each field.
+- Two phases (docs/agreement.md): a record is the rank's data position; its
+  commit marker says the trainer also saved its model for that step. A step is
+  complete when every rank of one world has a valid record and a marker.
+- Fencing: each world writes its marker, holding the step it resumed from,
+  before any of its ranks gets a batch. A record of world e at step s is used
+  only if s <= the resume step of every newer world that has started: a stale
+  pod of an old world (a partitioned node, a slow deletion) may still write, but
+  what it writes after a newer world took over is never resumed. A pod can only
+  write under its own world epoch, and the world epoch is part of every file
+  name, so it cannot overwrite or outrank a newer world's files either.
+
 Files are written whole (temp file + rename locally; S3 puts are atomic) and
-carry a sha256 of their state, so a torn or corrupted file is detected and the
-previous complete step is used instead.
-
-Storage goes through pyarrow.fs, which speaks local paths and s3:// alike.
+carry a sha256, so a torn or corrupted file makes its step incomplete and an
+older complete step is used instead. Reads retry transient storage errors with
+back-off and then fail: a flaky read must never make one rank fall back to an
+older step than its peers. Storage goes through pyarrow.fs (local paths, s3://).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
+import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+from splitfeed.trainer_client import errors, specs
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
-_RANK_FILE = re.compile(r"^rank-(\d{5})-of-(\d{5})\.json$")
+_RANK_FILE = re.compile(r"^w(\d{6,})-rank-(\d{5})-of-(\d{5})\.(json|commit)$")
+_WORLD_FILE = re.compile(r"^world-(\d{6,})\.json$")
+
+Merge = Callable[[list[dict[str, Any]]], dict[str, Any]]
+T = TypeVar("T")
+
+# Provenance key -> the spec field a user would change, for messages. These must
+# match for a checkpoint to resume; `epochs` and `worldEpoch` are recorded only.
+CHECKED: dict[str, str] = {
+    "dataUri": "spec.data.uri",
+    "table": "spec.data.table",
+    "tableVersion": "the table version (spec.data.version; status.data.tableVersion)",
+    "columns": "spec.data.columns",
+    "filter": "spec.data.filter",
+    "numSplits": "spec.data.numSplits",
+    "shuffle": "spec.data.shuffle",
+    "shuffleSeed": "spec.data.shuffleSeed",
+    "shuffleClumpSize": "spec.data.shuffleClumpSize",
+    "globalBatchSize": "spec.data.globalBatchSize",
+}
+
+
+class ProvenanceMismatch(errors.DataError):
+    """Checkpoints written for other data or another order: resuming them would be wrong."""
+
+    def __init__(self, where: str, differences: list[tuple[str, Any, Any]]) -> None:
+        self.fields = [key for key, _, _ in differences]
+        listed = "; ".join(
+            f"{CHECKED.get(key, key)}: the checkpoint has {found!r}, this job has {ours!r}"
+            for key, found, ours in differences
+        )
+        super().__init__(
+            f"the checkpoints at {where} were written for other data or another row order, "
+            f"so this job cannot resume them ({listed}). Set those fields back to the "
+            "checkpoint's values to resume it, or start at step 0: create a new StreamingJob "
+            "(a job only resumes its own checkpoints) or drop spec.checkpoint.resumeFrom"
+        )
+
+
+class StaleWorld(errors.UserError):
+    """This pod belongs to a world that a newer world has replaced; it must not serve."""
+
+
+class StoreUnavailable(errors.UserError):
+    """The checkpoint store kept failing after retries; a restart may succeed."""
+
+
+def provenance(
+    job_data: specs.DataSpec, *, table_version: int, job_uid: str, world_epoch: int
+) -> dict[str, Any]:
+    """What a checkpoint record says it belongs to (see CHECKED for what is compared)."""
+    return {
+        "dataUri": job_data.uri,
+        "table": job_data.table,
+        "tableVersion": int(table_version),
+        "columns": list(job_data.columns) if job_data.columns else None,
+        "filter": job_data.filter,
+        "numSplits": job_data.num_splits,
+        "shuffle": job_data.shuffle,
+        "shuffleSeed": job_data.shuffle_seed,
+        "shuffleClumpSize": job_data.shuffle_clump_size,
+        "globalBatchSize": job_data.global_batch_size,
+        "epochs": job_data.epochs,
+        "jobUid": job_uid,
+        "worldEpoch": int(world_epoch),
+    }
+
+
+def check_provenance(expected: Mapping[str, Any], found: Mapping[str, Any], where: str = "the store") -> None:
+    """Raise ProvenanceMismatch naming every order-defining field that differs."""
+    differences = [
+        (key, found.get(key), expected.get(key)) for key in CHECKED if found.get(key) != expected.get(key)
+    ]
+    if differences:
+        raise ProvenanceMismatch(where, differences)
 
 
 def filesystem(uri: str, storage_options: Mapping[str, str] | None = None) -> tuple[pafs.FileSystem, str]:
@@ -56,29 +154,106 @@ def filesystem(uri: str, storage_options: Mapping[str, str] | None = None) -> tu
     raise ValueError(f"checkpoint uri {uri!r}: only local paths and s3:// are supported")
 
 
-def _digest(state: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _sealed(record: dict[str, Any]) -> bytes:
+    return json.dumps({**record, "sha256": _digest(record)}).encode()
+
+
+def _unsealed(blob: bytes) -> dict[str, Any] | None:
+    """The record if its checksum holds, else None (torn, corrupt, or not ours)."""
+    try:
+        record = json.loads(blob)
+        if not isinstance(record, dict) or record.get("version") != FORMAT_VERSION:
+            return None
+        digest = record.pop("sha256", None)
+        return record if digest == _digest(record) else None
+    except (ValueError, TypeError):
+        return None
+
+
+def _rank_name(world_epoch: int, rank: int, world_size: int, ext: str) -> str:
+    return f"w{world_epoch:06d}-rank-{rank:05d}-of-{world_size:05d}.{ext}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A complete step: its merged state, and the world that wrote it."""
+
+    step: int
+    state: dict[str, Any]
+    world_size: int
+    world_epoch: int
+    provenance: dict[str, Any] | None
 
 
 class Store:
-    """The checkpoints of one job."""
+    """The checkpoints of one job (one UID); `provenance` is what this process writes.
+
+    Without `uid` the pre-UID layout `<uri>/<namespace>/<job>/` is used; that is
+    only for callers not yet passing SPLITFEED_JOB_UID and will go.
+    """
+
+    retries = 5
+    """Attempts per storage read before StoreUnavailable; the waits double from backoff_s."""
+    backoff_s = 0.2
 
     def __init__(self, uri: str, namespace: str, job: str,
-                 storage_options: Mapping[str, str] | None = None) -> None:
+                 storage_options: Mapping[str, str] | None = None, *,
+                 uid: str | None = None, provenance: Mapping[str, Any] | None = None) -> None:
         self.fs, root = filesystem(uri, storage_options)
-        self.root = f"{root}/{namespace}/{job}"
+        self.root = f"{root}/{namespace}/{job}" + (f"/{uid}" if uid else "")
         self.uri = uri
+        self.where = f"{uri.rstrip('/')}/{namespace}/{job}" + (f"/{uid}" if uid else "")
+        self.uid = uid
+        self.provenance = dict(provenance) if provenance is not None else None
+        self.world_epoch = int(self.provenance["worldEpoch"]) if self.provenance else 0
+
+    # --- writing ---------------------------------------------------------------
 
     def _step_dir(self, global_step: int) -> str:
         return f"{self.root}/step-{global_step:012d}"
 
     def write(self, *, global_step: int, rank: int, world_size: int, state: Mapping[str, Any]) -> str:
+        """Phase one: the rank's data position for `global_step` (not resumable until committed)."""
         directory = self._step_dir(global_step)
         self.fs.create_dir(directory, recursive=True)
-        path = f"{directory}/rank-{rank:05d}-of-{world_size:05d}.json"
+        path = f"{directory}/{_rank_name(self.world_epoch, rank, world_size, 'json')}"
         record = {"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
-                  "worldSize": world_size, "state": dict(state), "sha256": _digest(state)}
-        blob = json.dumps(record).encode()
+                  "worldSize": world_size, "worldEpoch": self.world_epoch,
+                  "provenance": self.provenance, "state": dict(state)}
+        self._put(path, _sealed(record))
+        return path
+
+    def commit(self, *, global_step: int, rank: int, world_size: int) -> None:
+        """Phase two: the rank's trainer saved its model for `global_step` (docs/agreement.md)."""
+        path = f"{self._step_dir(global_step)}/{_rank_name(self.world_epoch, rank, world_size, 'commit')}"
+        self._put(path, _sealed({"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
+                                 "worldSize": world_size, "worldEpoch": self.world_epoch}))
+
+    def start_world(self, *, resume_step: int) -> None:
+        """Record that this store's world starts from `resume_step`; once per world, by its
+        coordinator, before any rank gets a batch. Refuses a world older than one that
+        started (StaleWorld); a marker already there (a restarted coordinator) is kept."""
+        worlds = self.worlds()
+        newer = sorted(e for e in worlds if e > self.world_epoch)
+        if newer:
+            raise StaleWorld(
+                f"world {newer[-1]} of this job has started; this pod belongs to world "
+                f"{self.world_epoch}, which it replaced, and must not serve")
+        if self.world_epoch in worlds:
+            log.info("world %d already started at step %d", self.world_epoch,
+                     worlds[self.world_epoch]["resumeStep"])
+            return
+        self.fs.create_dir(f"{self.root}/worlds", recursive=True)
+        self._put(f"{self.root}/worlds/world-{self.world_epoch:06d}.json", _sealed(
+            {"version": FORMAT_VERSION, "worldEpoch": self.world_epoch, "resumeStep": resume_step,
+             "provenance": self.provenance}))
+
+    def _put(self, path: str, blob: bytes) -> None:
+        """Write `path` whole: temp file + rename locally, a single put on object storage."""
         if isinstance(self.fs, pafs.LocalFileSystem):
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             with open(tmp, "wb") as f:
@@ -89,61 +264,204 @@ class Store:
         else:
             with self.fs.open_output_stream(path) as f:
                 f.write(blob)
-        return path
 
-    def steps(self) -> list[int]:
+    # --- reading ---------------------------------------------------------------
+
+    def _retry(self, what: str, read: Callable[[], T]) -> T:
+        """`read()`, retried with doubling waits on transient errors (not on absence)."""
+        delay = self.backoff_s
+        for attempt in range(1, self.retries + 1):
+            try:
+                return read()
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                if attempt == self.retries:
+                    raise StoreUnavailable(
+                        f"checkpoint store {self.where}: {what} failed {attempt} times ({exc}); "
+                        "check spec.checkpoint.uri and its credentials") from exc
+                log.warning("checkpoint store %s: %s failed (%s); retry %d of %d in %.1f s",
+                            self.where, what, exc, attempt, self.retries - 1, delay)
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _list(self, directory: str) -> list[pafs.FileInfo]:
+        def read() -> list[pafs.FileInfo]:
+            infos = self.fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+            return list(infos)
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+            return self._retry(f"listing {directory}", read)
         except FileNotFoundError:
             return []
-        found = [_STEP_DIR.match(i.base_name) for i in infos if i.type == pafs.FileType.Directory]
+
+    def _read(self, path: str) -> dict[str, Any] | None:
+        def read() -> bytes:
+            with self.fs.open_input_stream(path) as f:
+                return bytes(f.read())
+        try:
+            blob = self._retry(f"reading {path}", read)
+        except FileNotFoundError:
+            return None
+        record = _unsealed(blob)
+        if record is None:
+            log.warning("checkpoint file %s is corrupt, torn or of another format; ignoring it", path)
+        return record
+
+    def steps(self) -> list[int]:
+        """Steps with a directory, newest first (complete or not)."""
+        found = [_STEP_DIR.match(i.base_name) for i in self._list(self.root)
+                 if i.type == pafs.FileType.Directory]
         return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
-    def _read_step(self, global_step: int) -> dict[int, list[dict[str, Any]]]:
-        """Valid rank states of one step, grouped by world size."""
-        by_world: dict[int, dict[int, dict[str, Any]]] = {}
-        infos = self.fs.get_file_info(pafs.FileSelector(self._step_dir(global_step)))
-        for info in infos:
+    def worlds(self) -> dict[int, dict[str, Any]]:
+        """The world markers: world epoch -> {resumeStep, provenance, ...}."""
+        out: dict[int, dict[str, Any]] = {}
+        for info in self._list(f"{self.root}/worlds"):
+            m = _WORLD_FILE.match(info.base_name)
+            if m is None:
+                continue
+            marker = self._read(info.path)
+            if marker is not None and marker.get("worldEpoch") == int(m.group(1)):
+                out[int(m.group(1))] = marker
+        return out
+
+    def pinned_version(self) -> int | None:
+        """The table version the job's newest started world read; None before any world."""
+        worlds = self.worlds()
+        for epoch in sorted(worlds, reverse=True):
+            version = (worlds[epoch].get("provenance") or {}).get("tableVersion")
+            if version is not None:
+                return int(version)
+        return None
+
+    def _complete(self, global_step: int, resume_steps: Mapping[int, int]) -> list[tuple[int, list[dict[str, Any]]]]:
+        """(world epoch, its records by rank) for each world that completed the step and is
+        not fenced off by a newer world's resume step; newest world first."""
+        files: dict[tuple[int, int, int], dict[str, str]] = {}
+        for info in self._list(self._step_dir(global_step)):
             m = _RANK_FILE.match(info.base_name)
-            if not m:
+            if m:
+                key = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+                files.setdefault(key, {})[m.group(4)] = info.path
+        by_world: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
+        for (epoch, rank, world), paths in sorted(files.items()):
+            if any(global_step > step for e, step in resume_steps.items() if e > epoch):
+                continue  # fenced: a newer world started before this step
+            if set(paths) != {"json", "commit"}:
+                continue  # prepared, never committed: the trainer's model may not exist
+            record, marker = self._read(paths["json"]), self._read(paths["commit"])
+            fields = {"globalStep": global_step, "rank": rank, "worldSize": world, "worldEpoch": epoch}
+            if record is None or marker is None or any(
+                record.get(k) != v or marker.get(k) != v for k, v in fields.items()
+            ):
+                log.warning("checkpoint step %d: rank %d of world %d is unusable; ignoring it",
+                            global_step, rank, epoch)
                 continue
-            rank, world = int(m.group(1)), int(m.group(2))
-            try:
-                with self.fs.open_input_stream(info.path) as f:
-                    record = json.loads(f.read())
-                ok = (record.get("version") == FORMAT_VERSION and record.get("rank") == rank
-                      and record.get("worldSize") == world and record.get("globalStep") == global_step
-                      and record.get("sha256") == _digest(record.get("state")))
-            except (OSError, ValueError, TypeError, AttributeError) as exc:
-                ok, record = False, {"error": str(exc)}
-            if not ok:
-                log.warning("checkpoint file %s is corrupt or incomplete; ignoring it", info.path)
-                continue
-            by_world.setdefault(world, {})[rank] = record["state"]
-        return {w: [ranks[r] for r in range(w)] for w, ranks in by_world.items()
-                if sorted(ranks) == list(range(w))}
+            by_world.setdefault((epoch, world), {})[rank] = record
+        complete = [(epoch, [ranks[r] for r in range(world)])
+                    for (epoch, world), ranks in by_world.items() if sorted(ranks) == list(range(world))]
+        return sorted(complete, key=lambda c: c[0], reverse=True)
 
-    def latest_complete(
-        self, merge: Callable[[list[dict[str, Any]]], dict[str, Any]],
-        accept: Callable[[dict[str, Any]], Any] | None = None,
-    ) -> tuple[int, dict[str, Any], int] | None:
-        """(global_step, merged state, world size) of the newest complete step.
+    def _resume_steps(self) -> dict[int, int]:
+        return {e: int(m.get("resumeStep", 0)) for e, m in self.worlds().items()}
 
-        `merge` is StreamingDataset.merge_state_dicts; `accept` may raise
-        ValueError for a state this job cannot use, which skips that step too.
-        """
+    def _use(self, global_step: int, epoch: int, records: list[dict[str, Any]],
+             expect: Mapping[str, Any] | None, merge: Merge) -> Found:
+        """Check provenance (ProvenanceMismatch), then merge the ranks' states."""
+        found = records[0].get("provenance")
+        if expect is not None:
+            for record in records:
+                check_provenance(expect, record.get("provenance") or {}, self.where)
+        if self.uid is not None:
+            for record in records:
+                uid = (record.get("provenance") or {}).get("jobUid")
+                if uid != self.uid:
+                    raise ProvenanceMismatch(self.where, [("jobUid", uid, self.uid)])
+        merged = merge([r["state"] for r in records])
+        return Found(global_step, merged, len(records), epoch, found)
+
+    def find(self, global_step: int, merge: Merge, *, expect: Mapping[str, Any] | None = None) -> Found | None:
+        """Exactly `global_step` if complete (newest eligible world), else None."""
+        complete = self._complete(global_step, self._resume_steps())
+        if not complete:
+            return None
+        epoch, records = complete[0]
+        return self._use(global_step, epoch, records, expect, merge)
+
+    def load(self, global_step: int, merge: Merge, *, expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The merged state of exactly `global_step`; an error, never an older step, if it is
+        not complete. `expect` (this job's provenance) is checked: ProvenanceMismatch."""
+        found = self.find(global_step, merge, expect=expect)
+        if found is None:
+            raise errors.UserError(
+                f"checkpoint step {global_step} under {self.where} is not complete (a record and a "
+                "commit marker from every rank of one world); the world was told to resume there")
+        return found.state
+
+    def newest(self, merge: Merge, *, expect: Mapping[str, Any] | None = None,
+               accept: Callable[[dict[str, Any]], Any] | None = None) -> Found | None:
+        """The newest complete step. Incomplete, corrupt or fenced steps are skipped (logged);
+        a provenance mismatch is raised, not skipped; storage errors are retried, then raised.
+        `accept` may raise ValueError for a state this job cannot use, which skips that step."""
+        resume_steps = self._resume_steps()
         for step in self.steps():
-            complete = self._read_step(step)
+            complete = self._complete(step, resume_steps)
             if not complete:
                 log.warning("checkpoint step %d is incomplete; trying an older one", step)
                 continue
-            world = max(complete)
+            epoch, records = complete[0]
             try:
-                merged = merge(complete[world])
+                found = self._use(step, epoch, records, expect, merge)
                 if accept is not None:
-                    accept(merged)
+                    accept(found.state)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("checkpoint step %d cannot be used (%s); trying an older one", step, exc)
                 continue
-            return step, merged, world
+            return found
         return None
+
+    def latest_complete(
+        self, merge: Merge, accept: Callable[[dict[str, Any]], Any] | None = None, *,
+        expect: Mapping[str, Any] | None = None,
+    ) -> tuple[int, dict[str, Any], int] | None:
+        """(global_step, merged state, world size) of the newest complete step (see `newest`)."""
+        found = self.newest(merge, expect=expect, accept=accept)
+        return None if found is None else (found.step, found.state, found.world_size)
+
+
+def stores(job: specs.JobSpec, *, uid: str, storage_options: Mapping[str, str] | None = None,
+           provenance: Mapping[str, Any] | None = None) -> list[Store]:
+    """Where a job may resume from, in order: its own checkpoints, then (when it has none)
+    the ones `spec.checkpoint.resumeFrom` names. Empty without spec.checkpoint.uri."""
+    uri = job.checkpoint.uri
+    if not uri:
+        return []
+    own = Store(uri, job.namespace, job.name, storage_options, uid=uid, provenance=provenance)
+    source = job.checkpoint.resume_from
+    if source is None:
+        return [own]
+    return [own, Store(uri, job.namespace, source.name or job.name, storage_options, uid=source.uid)]
+
+
+def newest(stores: Sequence[Store], merge: Merge, *, expect: Mapping[str, Any] | None = None,
+           accept: Callable[[dict[str, Any]], Any] | None = None) -> Found | None:
+    """The newest complete step of the first store that has one (see `stores`)."""
+    for store in stores:
+        found = store.newest(merge, expect=expect, accept=accept)
+        if found is not None:
+            return found
+    return None
+
+
+def load(stores: Sequence[Store], global_step: int, merge: Merge, *,
+         expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Exactly `global_step` from the first store that holds it complete; an error otherwise."""
+    for store in stores:
+        found = store.find(global_step, merge, expect=expect)
+        if found is not None:
+            return found.state
+    where = " or ".join(s.where for s in stores) or "nowhere (no spec.checkpoint.uri)"
+    raise errors.UserError(
+        f"checkpoint step {global_step} is not complete under {where} (a record and a commit "
+        "marker from every rank of one world); the world was told to resume there")

@@ -50,12 +50,16 @@ def shm_root() -> str | None:
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    """In the child: get SIGINT if the launcher dies, even by SIGKILL (Linux).
+
+    SIGINT, not SIGTERM: SIGTERM asks a world to drain (docs/agreement.md), and
+    an orphaned world has nobody to report to.
+    """
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
 
 
 class Process:
@@ -73,9 +77,10 @@ class Process:
         return "\n".join(text[-lines:])
 
     def stop(self) -> None:
+        """End the process now: SIGINT, because SIGTERM asks a world to drain (docs/agreement.md)."""
         if self.popen.poll() is None:
             try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
+                os.killpg(self.popen.pid, signal.SIGINT)
             except ProcessLookupError:
                 pass
 
@@ -116,6 +121,7 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     config = work / "config.json"
     config.write_text(json.dumps(job.data_config()))
     master_port = free_port()
+    coordinator = f"tcp://127.0.0.1:{free_port()}"
     sidecars: list[Process] = []
     trainers: list[Process] = []
     stats_files: list[Path] = []
@@ -130,6 +136,7 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
             socket_dir.mkdir()
             env = rank_env(job, replica, 0, socket_dir, master_port)
             env["SPLITFEED_RESUME"] = resume
+            env["SPLITFEED_COORDINATOR"] = coordinator
             sidecar_argv = [sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
                             "--config", str(config)]
             if storage_options_dir is not None:

@@ -12,19 +12,21 @@ import logging
 import os
 import signal
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from splitfeed.trainer_client import errors, specs
 
-from . import checkpoints, positions, reading, serving, workers
+from . import agreement, checkpoints, positions, reading, serving, workers
 
 log = logging.getLogger(__name__)
 
 DRAIN_ANNOTATION = "splitfeed.io/drain"
-CHECKPOINT_ANNOTATION = "splitfeed.io/checkpoint"
 FAILURE_GRACE_S = 10.0
+JOIN_TIMEOUT_S = 300.0
+"""How long a sidecar waits for its world's coordinator (replica 0's sidecar) to answer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,12 @@ class SidecarSettings:
     world_size: int = 1
     local_world_size: int = 1
     resume: str = "latest"
+    resume_step: int | None = None
+    """The world's resume step, chosen by the operator (SPLITFEED_RESUME_STEP); None: the coordinator chooses."""
+    replica: int | None = None
+    """This pod's replica index (NODE_RANK); default rank // local_world_size."""
+    coordinator: str | None = None
+    """tcp://HOST:PORT of replica 0's coordinator (SPLITFEED_COORDINATOR); replica 0 binds its port."""
     checksum: str | None = None
     podinfo_dir: Path | None = None
     storage_options_dir: Path | None = None
@@ -50,6 +58,9 @@ class SidecarSettings:
             "world_size": int(env.get("WORLD_SIZE", "1")),
             "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")),
             "resume": env.get("SPLITFEED_RESUME", "latest"),
+            "resume_step": int(env["SPLITFEED_RESUME_STEP"]) if env.get("SPLITFEED_RESUME_STEP") else None,
+            "replica": int(env["NODE_RANK"]) if env.get("NODE_RANK") else None,
+            "coordinator": env.get("SPLITFEED_COORDINATOR") or None,
             "checksum": env.get("SPLITFEED_CONFIG_CHECKSUM") or None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -105,12 +116,18 @@ def read_annotations(podinfo_dir: Path | None) -> dict[str, str]:
 
 
 class RequestWatcher:
-    """Turns new drain / checkpoint annotation tokens into requests to the server."""
+    """Turns a drain annotation token into a drain request to the world's coordinator.
+
+    The slow, sure path (a kubelet refreshes the file on its sync period); the
+    operator also asks the coordinator directly. A token present when the
+    sidecar starts belongs to its world (tokens name the world epoch) and counts:
+    the coordinator ignores a token it has seen.
+    """
 
     def __init__(self, server: serving.Server, podinfo_dir: Path | None) -> None:
         self._server = server
         self._dir = podinfo_dir
-        self._seen = read_annotations(podinfo_dir)  # tokens present at start are old
+        self._seen: str | None = None
         self._next_check = 0.0
 
     def __call__(self) -> None:
@@ -118,29 +135,74 @@ class RequestWatcher:
         if self._dir is None or now < self._next_check:
             return
         self._next_check = now + 0.5
-        current = read_annotations(self._dir)
-        for key, drain in ((DRAIN_ANNOTATION, True), (CHECKPOINT_ANNOTATION, False)):
-            token = current.get(key)
-            if token and token != self._seen.get(key):
-                log.info("%s requested (token %s)", "drain" if drain else "checkpoint", token)
-                self._server.request_checkpoint(drain=drain)
-        self._seen = current
+        token = read_annotations(self._dir).get(DRAIN_ANNOTATION)
+        if token and token != self._seen:
+            self._seen = token
+            self._server.request_drain(token, token.split("-")[0] or "drain")
 
 
-def resume_position(job: specs.JobSpec, settings: SidecarSettings,
-                    storage_options: Mapping[str, str]) -> tuple[int, int | None]:
-    """(first global step, world size that wrote it) from the newest complete checkpoint."""
-    if settings.resume == "none" or not job.checkpoint.uri:
-        return 0, None
-    store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name, storage_options)
+def replicas_of(settings: SidecarSettings) -> int:
+    return max(1, settings.world_size // max(1, settings.local_world_size))
+
+
+def replica_of(settings: SidecarSettings) -> int:
+    if settings.replica is not None:
+        return settings.replica
+    return settings.rank // max(1, settings.local_world_size)
+
+
+def coordinator_addresses(settings: SidecarSettings) -> tuple[str, str]:
+    """(what replica 0 binds, what members connect to); a lone sidecar picks a free port."""
+    if settings.coordinator is None:
+        if replicas_of(settings) > 1:
+            raise errors.UserError(
+                "SPLITFEED_COORDINATOR is not set: a world of several replicas needs replica 0's "
+                "coordinator address (the operator and `splitfeed local` set it)")
+        return "tcp://127.0.0.1:*", ""
+    host, sep, port = settings.coordinator.rpartition(":")
+    if not settings.coordinator.startswith("tcp://") or not sep or not port.isdigit():
+        raise errors.UserError(f"SPLITFEED_COORDINATOR={settings.coordinator!r} is not tcp://HOST:PORT")
+    return f"tcp://*:{port}", settings.coordinator
+
+
+def job_store(job: specs.JobSpec, storage_options: Mapping[str, str]) -> checkpoints.Store | None:
+    if not job.checkpoint.uri:
+        return None
+    return checkpoints.Store(job.checkpoint.uri, job.namespace, job.name, storage_options)
+
+
+def choose_resume_step(job: specs.JobSpec, settings: SidecarSettings,
+                       store: checkpoints.Store | None) -> int:
+    """The world's resume step, decided once by its coordinator (docs/agreement.md)."""
+    if settings.resume_step is not None:
+        log.info("resuming at global step %d, as the operator recorded", settings.resume_step)
+        return settings.resume_step
+    if settings.resume == "none" or store is None:
+        return 0
     found = store.latest_complete(reading.merge_states,
                                   accept=lambda s: positions.position_from_state(job.data, s))
     if found is None:
         log.info("no complete checkpoint under %s: starting at step 0", job.checkpoint.uri)
-        return 0, None
-    step, merged, world = found
-    log.info("resuming at global step %d from a checkpoint written by %d ranks", step, world)
-    return step, world
+        return 0
+    step, _, world = found
+    log.info("the world resumes at global step %d, the newest complete checkpoint (%d ranks)", step, world)
+    return step
+
+
+def check_resume_step(job: specs.JobSpec, store: checkpoints.Store | None, step: int,
+                      steps_per_epoch: int) -> None:
+    """Load exactly the world's resume step; a store that disagrees is an error, never a guess."""
+    if step == 0:
+        return
+    if store is None:
+        raise errors.UserError(
+            f"the world resumes at global step {step} but the job has no spec.checkpoint.uri")
+    merged = store.load(step, reading.merge_states)
+    position = positions.position_from_state(job.data, merged)
+    if position.epoch * steps_per_epoch + position.step != step:
+        raise errors.UserError(
+            f"checkpoint step {step} holds the position of epoch {position.epoch} step "
+            f"{position.step}, not global step {step}")
 
 
 @dataclasses.dataclass
@@ -153,14 +215,20 @@ class Sidecar:
     failure: str | None
     permanent: bool = False
     """The failure is a DataError: the same data fails the same way in any world."""
+    coordinator: agreement.CoordinatorThread | None = None
+    """Replica 0's: the world's coordinator, alive as long as this sidecar."""
 
 
 def prepare(settings: SidecarSettings) -> Sidecar:
-    """Load, open, resume and bind. Bad input becomes `failure`, reported to trainers."""
+    """Load, open, agree on the resume step and bind. Bad input becomes `failure`, reported to trainers."""
     ranks = [settings.rank + i for i in range(settings.local_world_size)]
+    instance = uuid.uuid4().hex[:12]
     failure: str | None = None
     permanent = False
     job: specs.JobSpec | None = None
+    store: checkpoints.Store | None = None
+    coordinator: agreement.CoordinatorThread | None = None
+    member: agreement.Member | None = None
     storage_options = read_storage_options(settings.storage_options_dir)
     steps_per_epoch, total_steps, start_step = 1, 0, 0
     try:
@@ -168,8 +236,19 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         table = reading.open_table(job.data, storage_options)
         steps_per_epoch = reading.layout_epoch(table, job.data, 0).steps_per_epoch
         total_steps = steps_per_epoch * job.data.epochs
-        start_step, _ = resume_position(job, settings, storage_options)
         del table
+        store = job_store(job, storage_options)
+        bind, address = coordinator_addresses(settings)
+        replica = replica_of(settings)
+        if replica == 0:
+            coordinator = agreement.CoordinatorThread(
+                agreement.Coordinator(replicas=replicas_of(settings), total_steps=total_steps,
+                                      resume_step=choose_resume_step(job, settings, store)),
+                bind)
+            address = address or coordinator.address
+        member = agreement.Member(address, replica, instance)
+        start_step = int(member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)["resume_step"])
+        check_resume_step(job, store, start_step, steps_per_epoch)
     except errors.UserError as exc:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
@@ -180,21 +259,26 @@ def prepare(settings: SidecarSettings) -> Sidecar:
                                          world_size=settings.world_size,
                                          start_global_step=first_step)
 
-    checkpoint = None
-    if job is not None and job.checkpoint.uri:
-        store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name, storage_options)
-        data, world, spe = job.data, settings.world_size, steps_per_epoch
+    checkpoint = commit = None
+    if job is not None and store is not None:
+        data, world, spe, st = job.data, settings.world_size, steps_per_epoch, store
 
         def checkpoint(rank: int, step: int) -> str:
             state = positions.state_dict(data, positions.position_of(step, spe))
-            return store.write(global_step=step, rank=rank, world_size=world, state=state)
+            return st.write(global_step=step, rank=rank, world_size=world, state=state)
+
+        def commit(rank: int, step: int) -> None:
+            st.commit(global_step=step, rank=rank, world_size=world)
 
     server = serving.Server(
         directory=settings.socket_dir, ranks=ranks, world_size=settings.world_size,
         factory=factory, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         start_step=start_step, resume_step=start_step,
-        prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint)
-    return Sidecar(server, settings, steps_per_epoch, failure, permanent)
+        prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
+        member=member if failure is None else None, instance=instance)
+    if failure is not None and member is not None:
+        member.close()
+    return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator)
 
 
 def serve(sidecar: Sidecar) -> int:
@@ -211,16 +295,22 @@ def serve(sidecar: Sidecar) -> int:
             failure = next((f.failure for f in server.feeds if f.failure), None)
     finally:
         global_step = min((f.control.acked + 1 for f in server.feeds), default=0)
+        drained = bool(server.feeds) and all(f.drained for f in server.feeds)
         epoch, step = divmod(global_step, max(1, sidecar.steps_per_epoch))
         report = {
             "globalStep": global_step, "epoch": epoch, "step": step,
             "stepsPerEpoch": sidecar.steps_per_epoch,
             "lastCheckpoint": server.last_checkpoint,
-            "drained": bool(server.feeds) and all(f.drained for f in server.feeds),
+            "drained": drained,
+            "agreedStep": server.drain_step if drained else None,
+            "drainReason": server.drain_reason,
+            "resumeStep": server.resume_step,
             "error": failure,
             "permanent": bool(failure) and sidecar.permanent and failure == sidecar.failure,
         }
         server.close()
+        if sidecar.coordinator is not None:
+            sidecar.coordinator.close()
         if settings.termination_log is not None:
             try:
                 settings.termination_log.write_text(json.dumps(report))
@@ -230,10 +320,24 @@ def serve(sidecar: Sidecar) -> int:
 
 
 def run(settings: SidecarSettings) -> int:
-    """The `splitfeed sidecar` process: SIGTERM / SIGINT stop it cleanly."""
+    """The `splitfeed sidecar` process.
+
+    SIGTERM (pod deletion, eviction, preemption) asks the world to drain at one
+    agreed step and keeps serving until this pod's ranks have checkpointed; a
+    second SIGTERM, or SIGINT, stops at once.
+    """
     serving.tune_interpreter()
     sidecar = prepare(settings)
-    stop = lambda *_: sidecar.server.stopping.set()  # noqa: E731
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    server = sidecar.server
+    terms = []
+
+    def on_term(*_: object) -> None:
+        terms.append(time.monotonic())
+        if len(terms) > 1 or sidecar.failure is not None or server.member is None:
+            server.stopping.set()
+        else:
+            server.preempt_requested = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
     return serve(sidecar)

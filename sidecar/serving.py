@@ -26,6 +26,8 @@ import zmq
 
 from splitfeed.trainer_client import errors, protocol, ring
 
+from . import agreement
+
 log = logging.getLogger(__name__)
 
 FAILURE_LINGER_S = 2.0
@@ -95,6 +97,19 @@ class RankFeed:
         self.said_bye = False
         self.all_taken_at: float | None = None  # when the trainer took the last batch
         self.failure: str | None = None
+        self.resume_step = start_step
+        """Where this rank's current trainer process started (its model's step)."""
+        self.prepared: int | None = None
+        """The step of the trainer's last `checkpoint` (phase one, docs/agreement.md)."""
+        self.committed: int | None = None
+        """The step of its last `commit` (phase two: its model for that step is saved)."""
+        # The gate between the publisher and the world's agreement: frozen while the
+        # coordinator fixes the drain step, then no step at or past `_limit`.
+        self._gate = threading.Condition()
+        self._frozen = False
+        self._limit: int | None = None
+        self.published = start_step - 1
+        """The highest step the publisher has let through the gate (counted before it is written)."""
         self._woken = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -111,6 +126,8 @@ class RankFeed:
         """Stop the publisher; on return nothing but the loop touches the slots."""
         self._stop.set()
         self._woken.set()
+        with self._gate:
+            self._gate.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -118,6 +135,39 @@ class RankFeed:
     def wake(self) -> None:
         """The trainer made room (its `wake` message)."""
         self._woken.set()
+
+    # -- the world's agreement (loop thread) -------------------------------------------
+
+    def freeze(self) -> int:
+        """Publish nothing new; the highest step already let through (docs/agreement.md)."""
+        with self._gate:
+            self._frozen = True
+            return self.published
+
+    def commit_at(self, step: int, *, drain: bool) -> None:
+        """The agreed step: say so in the control block first, then let the publisher go on.
+
+        The publisher takes the gate's lock before it publishes batch `step - 1`,
+        so the trainer sees `checkpoint_at` no later than that batch.
+        """
+        self.control.checkpoint_at = step
+        if drain:
+            self.control.drain_at = step
+        with self._gate:
+            if drain:
+                self._limit = step
+            self._frozen = False
+            self._gate.notify_all()
+
+    def _through_gate(self, step: int, stop: threading.Event) -> bool:
+        """Wait while frozen or at/past a drain step; False if stopped first."""
+        with self._gate:
+            while not stop.is_set() and (self._frozen or (self._limit is not None and step >= self._limit)):
+                self._gate.wait()
+            if stop.is_set():
+                return False
+            self.published = max(self.published, step)
+            return True
 
     def _publish_all(self, first_step: int, stop: threading.Event) -> None:
         signal = None
@@ -157,7 +207,8 @@ class RankFeed:
     def _publish(self, global_step: int, batch: pa.RecordBatch, stop: threading.Event) -> bool:
         """Write one batch into a slot once there is room; False if stopped first."""
         index = self._room(ipc_size(batch), stop)
-        if index is None:
+        # The gate after the room: a step counts as published once only its write is left.
+        if index is None or not self._through_gate(global_step, stop):
             return False
         nbytes = self.write(index, batch)
         control = self.control
@@ -267,14 +318,19 @@ class Server:
                  factory: SourceFactory, steps_per_epoch: int, total_steps: int,
                  start_step: int, resume_step: int, prefetch: int,
                  checkpoint: Callable[[int, int], str] | None = None,
+                 commit: Callable[[int, int], None] | None = None,
+                 member: agreement.Member | None = None,
+                 instance: str | None = None,
                  context: zmq.Context[Any] | None = None) -> None:
         self.directory = Path(directory)
-        self.instance = uuid.uuid4().hex[:12]
+        self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
         self.steps_per_epoch = steps_per_epoch
         self.total_steps = total_steps
         self.resume_step = resume_step
         self._checkpoint = checkpoint
+        self._commit = commit
+        self.member = member
         self._ctx = context or zmq.Context.instance()
         sweep(self.directory)
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -288,6 +344,8 @@ class Server:
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._signals, zmq.POLLIN)
+        if member is not None:
+            self._poller.register(member.socket, zmq.POLLIN)
         self.feeds = [
             RankFeed(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
                      factory=factory, signal=(self._ctx, signal_address), prefetch=prefetch,
@@ -298,15 +356,44 @@ class Server:
         self.end_linger_s = END_LINGER_S
         self._failed_at: float | None = None
         self.last_checkpoint: dict[str, Any] | None = None
-        self.drain_token: str | None = None
+        self.drain_step: int | None = None
+        """The step the world agreed to drain at (docs/agreement.md), once committed."""
+        self.drain_reason: str | None = None
+        self.world_complete: int | None = None
+        """The newest step every rank of the world has committed."""
+        self.preempt_requested = False
+        """Set by a SIGTERM handler; the loop asks the world to drain (sockets belong to the loop)."""
 
-    # -- requests from the operator ------------------------------------------------
+    # -- the world's agreement ------------------------------------------------------
 
-    def request_checkpoint(self, *, drain: bool) -> None:
-        for feed in self.feeds:
-            feed.control.checkpoint_requested = 1
-            if drain:
-                feed.control.drain_requested = 1
+    def request_drain(self, token: str, reason: str) -> None:
+        """Ask the world's coordinator for a drain (an annotation, SIGTERM, a trainer's SIGTERM)."""
+        if self.member is None:
+            log.warning("drain requested (%s) but this sidecar has no coordinator", reason)
+            return
+        log.info("asking the world to drain (%s, token %s)", reason, token)
+        self.member.request_drain(token, reason)
+
+    def _coordinate(self) -> None:
+        assert self.member is not None
+        for message in self.member.receive():
+            kind = message["type"]
+            if kind == "freeze":
+                published = max(feed.freeze() for feed in self.feeds)
+                self.member.published = published
+                self.member.send("frozen", round=message["round"], replica=self.member.replica,
+                                 published=published)
+            elif kind == "commit_at":
+                step = message["step"]
+                if self.drain_step != step:
+                    log.info("the world drains at global step %d (%s)", step, message["reason"])
+                self.drain_step, self.drain_reason = step, message["reason"]
+                for feed in self.feeds:
+                    feed.commit_at(step, drain=message["drain"])
+            elif kind == "complete":
+                self.world_complete = max(self.world_complete or -1, message["step"])
+            elif kind == "error":
+                log.warning("coordinator: %s", message["message"])
 
     def fail_all(self, message: str, *, grace_s: float) -> None:
         """Tell every trainer that says hello why this sidecar cannot serve, then stop."""
@@ -358,12 +445,21 @@ class Server:
                     self._deliver(feed)
             if self.sock in events:
                 self._receive()
+            if self.preempt_requested:
+                self.preempt_requested = False
+                self.request_drain(f"preempt-{self.instance}", "preempt")
+            if self.member is not None:
+                if self.member.socket in events:
+                    self._coordinate()
+                self.member.heartbeat(time.monotonic())
             if tick is not None:
                 tick()
 
     def close(self) -> None:
         for feed in self.feeds:
             feed.close()
+        if self.member is not None:
+            self.member.close()
         self.sock.close(linger=0)
         self._signals.close(linger=0)
         try:
@@ -432,6 +528,11 @@ class Server:
             self._hello(peer, message)
         elif kind == "checkpoint":
             self._checkpoint_rank(self._feed_for(peer), message["step"])
+        elif kind == "commit":
+            self._commit_rank(self._feed_for(peer), message["step"])
+        elif kind == "drain":
+            feed = self._feed_for(peer)
+            self.request_drain(f"{message['reason']}-{self.instance}-r{feed.rank}", message["reason"])
         elif kind == "bye":
             self._feed_for(peer).said_bye = True
         elif kind == "wake":
@@ -452,8 +553,11 @@ class Server:
         new_trainer = message["pid"] != feed.trainer_pid
         acked = feed.control.acked
         wanted = message["next_step"]
-        if wanted is None:  # a new trainer process: continue after its predecessor
-            wanted = acked + 1 if acked >= 0 else feed.start_step
+        if wanted is None:
+            # A new trainer process starts from a model it saved: the world's newest
+            # complete step (docs/agreement.md), never after its predecessor's last batch.
+            wanted = max(feed.start_step, self.world_complete if self.world_complete is not None else -1)
+            feed.resume_step = wanted
         if not 0 <= wanted <= feed.total_steps:
             raise errors.ProtocolError(f"next_step {wanted} is outside 0..{feed.total_steps}")
         same_trainer = feed.peer == peer and not new_trainer
@@ -470,10 +574,11 @@ class Server:
             feed.reset(wanted, trainer_gone=new_trainer)
         self._send(peer, "welcome", instance=self.instance, rank=feed.rank,
                    world_size=self.world_size, ctl=str(feed.control.path),
-                   resume_step=self.resume_step, next_step=wanted,
+                   resume_step=feed.resume_step, next_step=wanted,
                    total_steps=feed.total_steps, steps_per_epoch=self.steps_per_epoch)
 
     def _checkpoint_rank(self, feed: RankFeed, step: int) -> None:
+        """Phase one: write the rank's data position for `step` (not yet resumable)."""
         acked = feed.control.acked
         if step != acked + 1:
             raise errors.ProtocolError(
@@ -489,13 +594,31 @@ class Server:
             self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
                        message=f"checkpoint of step {step} failed: {exc}")
             return
-        drained = bool(feed.control.drain_requested)
-        feed.control.checkpoint_requested = 0
-        feed.drained = feed.drained or drained
-        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        feed.prepared = step
+        self._send(feed.peer or b"", "checkpointed", step=step,
+                   drained=feed.control.drain_at == step, uri=uri)
+
+    def _commit_rank(self, feed: RankFeed, step: int) -> None:
+        """Phase two: the trainer saved its model for `step`; the step may now be resumed."""
+        if feed.prepared != step:
+            raise errors.ProtocolError(
+                f"commit of step {step}, but this rank's last checkpoint is of step {feed.prepared}")
+        assert self._commit is not None  # a prepared step implies a store
+        try:
+            self._commit(feed.rank, step)
+        except Exception as exc:
+            log.error("commit of step %d failed: %s", step, exc)
+            self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
+                       message=f"commit of step {step} failed: {exc}")
+            return
+        feed.committed = step
+        feed.drained = feed.drained or feed.control.drain_at == step
+        epoch = step // max(1, self.steps_per_epoch)
         self.last_checkpoint = {"step": step, "epoch": epoch, "worldSize": self.world_size,
                                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self._send(feed.peer or b"", "checkpointed", step=step, drained=drained, uri=uri)
+        self._send(feed.peer or b"", "committed", step=step)
+        if self.member is not None and all(f.committed == step for f in self.feeds):
+            self.member.send("committed_world", replica=self.member.replica, step=step)
 
 
 def tune_interpreter() -> None:

@@ -31,6 +31,8 @@ import json
 import logging
 import mmap
 import os
+import signal
+import threading
 import time
 import uuid
 import weakref
@@ -218,26 +220,43 @@ class StreamClient:
         self._instance = ""
         self._next_step: int | None = None  # None until the first welcome: "continue"
         self._ended = False
+        self._prepared: int | None = None  # step of the last checkpoint(), until committed
+        self._sigterm = 0
+        self._drain_asked = False
+        self._previous_sigterm: Any = None
         self.drained = False
+        """The world is draining and this rank's checkpoint was of the drain step: stop after saving."""
         self.stats = _Stats(os.environ.get("SPLITFEED_STATS_FILE"))
         try:
             self._welcome(self._hello())
         except BaseException:
             self._sock.close(linger=0)
             raise
+        self._handle_sigterm()
 
     # -- public API -----------------------------------------------------------
 
     @property
     def checkpoint_requested(self) -> bool:
-        """The operator asked for a checkpoint (e.g. before a rescale)."""
-        return bool(self._control is not None and self._control.checkpoint_requested)
+        """The world agreed to checkpoint after the batch this rank just took.
+
+        True on the same global step on every rank of the world (the sidecars
+        agree on it before that batch is published; docs/agreement.md), so a
+        synchronous trainer needs no collective of its own to act on it.
+        """
+        control, step = self._control, self._next_step
+        if control is None or step is None:
+            return False
+        at = control.checkpoint_at
+        return at >= 0 and step == at and self._prepared != at and not self.drained
 
     def __iter__(self) -> StreamClient:
         return self
 
     def __next__(self) -> Batch:
         self._flush_releases()
+        self._commit_implicitly()
+        self._ask_drain_on_sigterm()
         if self._ended or self.drained:
             self.stats.write(final=True)
             raise StopIteration
@@ -257,7 +276,7 @@ class StreamClient:
             assert control is not None  # set by the first welcome
             step = self._next_step
             assert step is not None
-            if step >= control.end_step:
+            if step >= control.end_step or 0 <= control.drain_at <= step:
                 self._ended = True
                 return None
             index = control.find(step)
@@ -273,6 +292,7 @@ class StreamClient:
                 deadline = time.monotonic() + self._timeout_s
             elif time.monotonic() > deadline:  # answers to heartbeats are no batch
                 raise SidecarUnavailable(self._why_no_batch())
+            self._ask_drain_on_sigterm()
             message = self._receive(deadline)
             if message["type"] == "welcome":
                 self._welcome(message)
@@ -294,13 +314,40 @@ class StreamClient:
         return None
 
     def checkpoint(self) -> int:
-        """Persist this rank's data position; returns the global steps completed.
+        """Phase one: persist this rank's data position; returns the global steps completed.
 
         The position is that of the last batch this iterator returned (the
-        consumer commit), never what the sidecar has prefetched.
+        consumer commit), never what the sidecar has prefetched. Save the model
+        for the returned step, then `commit(step)`: only committed steps are
+        resumed, so a crash in between never leaves a data position without
+        its model.
         """
         step = self._next_step or 0
-        self._sock.send(protocol.encode("checkpoint", step=step))
+        reply = self._request("checkpoint", "checkpointed", step)
+        self._prepared = step
+        self.drained = reply["drained"]
+        return step
+
+    def commit(self, step: int | None = None) -> None:
+        """Phase two: the model for `step` (default: the last checkpoint) is saved.
+
+        Iterating on, or `close()`, commits the last checkpoint too: a loop that
+        saves its model right after `checkpoint()` is correct either way.
+        """
+        if step is None:
+            step = self._prepared
+        if step is None or step != self._prepared:
+            raise CheckpointError(f"commit of step {step}, but the last checkpoint() was of step {self._prepared}")
+        self._request("commit", "committed", step)
+        self._prepared = None
+
+    def _commit_implicitly(self) -> None:
+        if self._prepared is not None:
+            self.commit(self._prepared)
+
+    def _request(self, kind: str, answer: str, step: int) -> dict[str, Any]:
+        """Send `kind` for `step` and wait for its `answer`; an error reply raises CheckpointError."""
+        self._sock.send(protocol.encode(kind, step=step))
         deadline = time.monotonic() + self._timeout_s
         held: list[dict[str, Any]] = []
         try:
@@ -308,19 +355,52 @@ class StreamClient:
                 message = self._receive_raw(self._heartbeat_s)
                 if message is None:
                     continue
-                if message["type"] == "checkpointed" and message["step"] == step:
-                    self.drained = message["drained"]
-                    return step
+                if message["type"] == answer and message["step"] == step:
+                    return message
                 if message["type"] == "error":
                     raise CheckpointError(message["message"])
                 held.append(message)
-            raise CheckpointError(f"no answer to checkpoint of step {step} in {self._timeout_s} s")
+            raise CheckpointError(f"no answer to {kind} of step {step} in {self._timeout_s} s")
         finally:
             self._inbox.extendleft(reversed(held))
+
+    # -- SIGTERM: preemption, eviction, node drain -------------------------------------
+
+    def _handle_sigterm(self) -> None:
+        """Turn the first SIGTERM into a drain of the whole world (docs/agreement.md).
+
+        Only from the main thread and only over the default action: a trainer
+        that handles SIGTERM itself keeps its own handler.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        self._previous_sigterm = signal.SIG_DFL
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self._sigterm += 1
+        if self._sigterm > 1:  # the second one: the default action, now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _ask_drain_on_sigterm(self) -> None:
+        """Sockets are not signal-safe: the handler counts, the next client call asks."""
+        if self._sigterm and not self._drain_asked:
+            self._drain_asked = True
+            log.warning("SIGTERM: asking the world to checkpoint at one step and stop")
+            self._sock.send(protocol.encode("drain", reason="preempt"))
 
     def close(self) -> None:
         if self._sock.closed:
             return
+        if self._previous_sigterm is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        try:
+            self._commit_implicitly()
+        except (CheckpointError, SidecarFailed, SidecarUnavailable) as exc:
+            log.error("the last checkpoint was not committed: %s", exc)
         self.stats.write(final=True)
         try:
             self._sock.send(protocol.encode("bye"), zmq.NOBLOCK)
@@ -331,7 +411,9 @@ class StreamClient:
     def __enter__(self) -> StreamClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None:
+            self._prepared = None  # the model may not be saved: commit nothing
         self.close()
 
     # -- handshake --------------------------------------------------------------

@@ -52,7 +52,7 @@ _SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "joined": {"resume_step": (int,), "table_version": (int, type(None))},
     "freeze": {"round": (int,)},
     "frozen": {"round": (int,), "replica": (int,), "published": (int,)},
-    "commit_at": {"round": (int,), "step": (int,), "drain": (bool,)},
+    "commit_at": {"round": (int,), "step": (int,), "drain": (bool,), "reason": (str,)},
     "committed_world": {"replica": (int,), "step": (int,)},
     "complete": {"step": (int,)},
     "drain_request": {"token": (str,), "reason": (str,)},

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = 0x53465247  # "SFRG"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAX_SLOTS = 256
 PAGE = mmap.PAGESIZE
 
@@ -109,8 +109,8 @@ class Control:
     prefetch = _Word(5)              # a waiting sidecar is woken below half of it
     sidecar_waiting = _Word(6)       # a Waiting value: the sidecar sleeps until woken
     trainer_waiting = _Word(7)       # the trainer sleeps on the socket for a batch
-    checkpoint_requested = _Word(8)
-    drain_requested = _Word(9)
+    checkpoint_at = _Word(8)         # the world's agreed step: checkpoint once this many steps are taken (-1: none)
+    drain_at = _Word(9)              # the same step when the world drains: no batch at or after it (-1: none)
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)
@@ -129,6 +129,7 @@ class Control:
         if create:
             self.step[:] = -1
             self.magic, self.version, self.acked = MAGIC, LAYOUT_VERSION, -1
+            self.checkpoint_at = self.drain_at = -1
         elif self.magic != MAGIC or self.version != LAYOUT_VERSION:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
 

@@ -90,7 +90,8 @@ class Pod:
     """One pod's sidecar: a config file, a socket dir, and the sidecar itself."""
 
     def __init__(self, root: Path, name: str, job_manifest: dict, *, replicas: int, replica: int,
-                 gpus: int = 1, resume: str = "latest") -> None:
+                 gpus: int = 1, resume: str = "latest", coordinator: str | None = None,
+                 resume_step: int | None = None) -> None:
         job = specs.parse_job(job_manifest, check_replicas=False)
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -102,10 +103,15 @@ class Pod:
         self.termination_log = self.dir / "termination-log"
         self.env = {"RANK": str(replica * gpus), "WORLD_SIZE": str(replicas * gpus),
                     "LOCAL_WORLD_SIZE": str(gpus), "SPLITFEED_SOCKET_DIR": str(self.socket_dir),
-                    "SPLITFEED_RESUME": resume}
+                    "SPLITFEED_RESUME": resume, "NODE_RANK": str(replica)}
+        if coordinator:
+            self.env["SPLITFEED_COORDINATOR"] = coordinator
+        if resume_step is not None:
+            self.env["SPLITFEED_RESUME_STEP"] = str(resume_step)
         self.settings = sidecar_main.SidecarSettings(
             config=self.config, socket_dir=self.socket_dir, rank=replica * gpus,
-            world_size=replicas * gpus, local_world_size=gpus, resume=resume,
+            world_size=replicas * gpus, local_world_size=gpus, resume=resume, replica=replica,
+            coordinator=coordinator, resume_step=resume_step,
             podinfo_dir=self.podinfo, termination_log=self.termination_log)
         self._thread: threading.Thread | None = None
         self._sidecar: sidecar_main.Sidecar | None = None
@@ -187,6 +193,15 @@ def pods(socket_root: Path):
     yield make
     for pod in made:
         pod.stop()
+
+
+def coordinator_address() -> str:
+    """Where a test world's replica 0 runs its coordinator (docs/agreement.md)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:

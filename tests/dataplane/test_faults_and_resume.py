@@ -13,7 +13,7 @@ import pytest
 from splitfeed.trainer_client import SidecarFailed
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.dataplane.harness import manifest, reference_batches, reference_global_steps, wait_for
+from tests.dataplane.harness import coordinator_address, manifest, reference_batches, reference_global_steps, wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 
@@ -28,11 +28,16 @@ def trainer(pod, log: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_killed_trainer_is_replaced_and_continues_after_its_last_batch(pods, table_uri, tmp_path):
-    pod = pods("pod", manifest(table_uri), replicas=1, replica=0).start_thread()
+@pytest.mark.parametrize("save_at", [None, 3], ids=["no-checkpoint", "committed-at-3"])
+def test_a_trainer_restarted_in_place_resumes_where_its_model_was_saved(pods, table_uri, tmp_path, save_at):
+    """resume_step and the data agree: a new process rewinds to the last committed step."""
+    job = manifest(table_uri, str(tmp_path / "ckpt")) if save_at else manifest(table_uri)
+    pod = pods("pod", job, replicas=1, replica=0).start_thread()
     log = tmp_path / "ids.jsonl"
-    first = trainer(pod, log, "--pause-after", "5")
+    args = ["--save-at", str(save_at)] if save_at else []
+    first = trainer(pod, log, "--pause-after", "5", *args)
     try:
+        assert first.stdout.readline().strip() == "resume 0"
         assert first.stdout.readline().strip() == "paused"
         first.kill()  # SIGKILL by PID, mid-epoch
         first.wait()
@@ -42,8 +47,10 @@ def test_a_killed_trainer_is_replaced_and_continues_after_its_last_batch(pods, t
     second = trainer(pod, log)
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err
-    expected = reference_batches(table_uri, {}, 1, 0)
-    assert logged(log) == list(enumerate(expected))
+    resume = save_at or 0
+    assert out.splitlines()[0] == f"resume {resume}"
+    expected = list(enumerate(reference_batches(table_uri, {}, 1, 0)))
+    assert logged(log) == expected[:5] + expected[resume:]
 
 
 def test_a_killed_sidecar_is_replaced_and_the_trainer_continues_exactly(pods, table_uri):
@@ -61,7 +68,9 @@ def test_a_killed_sidecar_is_replaced_and_the_trainer_continues_exactly(pods, ta
 
 def run_world(pods, job, world: int, name: str, until: int | None, resume: str = "latest"):
     """Run `world` ranks in lockstep until `until` steps are done; checkpoint there."""
-    started = [pods(f"{name}-{r}", job, replicas=world, replica=r, resume=resume).start_thread()
+    coordinator = coordinator_address()
+    started = [pods(f"{name}-{r}", job, replicas=world, replica=r, resume=resume,
+                    coordinator=coordinator).start_thread()
                for r in range(world)]
     clients = [StreamClient(p.socket_dir, 0) for p in started]
     steps: dict[int, set[int]] = {}
@@ -131,22 +140,32 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_complete_one(
     assert any("step 7" in r.getMessage() or "corrupt" in r.getMessage() for r in caplog.records)
 
 
-def test_a_drain_request_checkpoints_and_ends_iteration(pods, table_uri, tmp_path):
+def test_a_drain_request_is_cut_at_an_unpublished_step_and_ends_iteration_after_the_commit(
+        pods, table_uri, tmp_path):
     pod = pods("pod", manifest(table_uri, str(tmp_path / "ckpt")), replicas=1, replica=0).start_thread()
     with StreamClient(pod.socket_dir, 0) as client:
         it = iter(client)
-        for _ in range(3):
-            next(it)
+        taken = [next(it).global_step for _ in range(3)]
         assert not client.checkpoint_requested
-        pod.request("splitfeed.io/drain", "rescale-1")
-        wait_for(lambda: client.checkpoint_requested, what="the drain request")
+        pod.request("splitfeed.io/drain", "rescale-w0")
+        control = client._control
+        wait_for(lambda: control.checkpoint_at >= 0, what="the agreed drain step")
+        agreed = control.checkpoint_at
+        # Batch agreed - 1 was published nowhere when the step was fixed, and at most
+        # prefetchBatches (2) batches were waiting beyond the 3 taken.
+        assert taken[-1] + 2 <= agreed <= taken[-1] + 2 + 2
+        while not client.checkpoint_requested:
+            taken.append(next(it).global_step)
+        assert taken[-1] == agreed - 1
         step = client.checkpoint()
-        assert client.drained
+        assert step == agreed and client.drained and not client.checkpoint_requested
+        client.commit(step)
         with pytest.raises(StopIteration):
             next(it)
     assert pod.wait() == 0
     report = json.loads(pod.termination_log.read_text())
-    assert report["drained"] is True and report["lastCheckpoint"]["step"] == step
+    assert report["drained"] is True and report["agreedStep"] == agreed
+    assert report["lastCheckpoint"]["step"] == agreed and report["drainReason"] == "rescale"
     assert report["error"] is None
 
 

@@ -13,7 +13,7 @@ import zmq
 from splitfeed.trainer_client import protocol, ring
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.dataplane.harness import DIM, manifest, reference_batches, wait_for
+from tests.dataplane.harness import coordinator_address, DIM, manifest, reference_batches, wait_for
 
 
 def ids(batch) -> list[int]:
@@ -27,7 +27,9 @@ def ids(batch) -> list[int]:
 ])
 def test_every_rank_receives_its_reference_batches_in_order(pods, table_uri, world, data):
     job = manifest(table_uri, **data)
-    started = [pods(f"pod{r}", job, replicas=world, replica=r).start_thread() for r in range(world)]
+    coordinator = coordinator_address()
+    started = [pods(f"pod{r}", job, replicas=world, replica=r, coordinator=coordinator).start_thread()
+               for r in range(world)]
     for rank, pod in enumerate(started):
         expected = reference_batches(table_uri, data, world, rank)
         with StreamClient(pod.socket_dir, 0) as client:
@@ -93,7 +95,9 @@ def test_the_sidecar_never_runs_more_than_prefetch_batches_ahead(pods, table_uri
 
 
 def test_one_sidecar_serves_every_gpu_of_its_pod(pods, table_uri):
-    pod = pods("pod1", manifest(table_uri), replicas=2, replica=1, gpus=2).start_thread()
+    coordinator = coordinator_address()
+    pods("pod0", manifest(table_uri), replicas=2, replica=0, gpus=2, coordinator=coordinator).start_thread()
+    pod = pods("pod1", manifest(table_uri), replicas=2, replica=1, gpus=2, coordinator=coordinator).start_thread()
     for local_rank in (0, 1):
         rank = 2 + local_rank
         with StreamClient(pod.socket_dir, local_rank) as client:

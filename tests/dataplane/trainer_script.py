@@ -1,6 +1,9 @@
 """A trainer process for data-plane tests: logs the ids of every batch it gets.
 
-    python trainer_script.py LOG [--pause-after N] [--checkpoint-at S] [--fail-at S]
+    python trainer_script.py LOG [--pause-after N] [--checkpoint-at S] [--save-at S] [--fail-at S]
+
+It prints "resume N" (client.resume_step) first. `--save-at S` checkpoints and
+commits after S global steps and goes on, as a periodic save would.
 
 Each line of LOG is {"step": global_step, "ids": [...]}, flushed before the
 next batch is asked for, so a test that kills this process knows exactly
@@ -21,8 +24,10 @@ def main() -> int:
     parser.add_argument("--pause-after", type=int, help="stop asking for batches after N of them")
     parser.add_argument("--checkpoint-at", type=int, help="checkpoint when S global steps are done, then exit")
     parser.add_argument("--fail-at", type=int, help="raise at global step S")
+    parser.add_argument("--save-at", type=int, help="checkpoint + commit when S global steps are done")
     args = parser.parse_args()
     client = StreamClient(timeout_s=60)
+    print(f"resume {client.resume_step}", flush=True)
     with open(args.log, "a") as log:
         received = 0
         for batch in client:
@@ -31,6 +36,8 @@ def main() -> int:
             log.write(json.dumps({"step": batch.global_step, "ids": batch["id"].tolist()}) + "\n")
             log.flush()
             received += 1
+            if args.save_at is not None and batch.global_step + 1 == args.save_at:
+                client.commit(client.checkpoint())
             if args.checkpoint_at is not None and batch.global_step + 1 == args.checkpoint_at:
                 client.checkpoint()
                 break
