@@ -1,0 +1,104 @@
+"""The world's drain agreement as a pure state machine (sidecar/agreement.py).
+
+Every interleaving is a plain call; the expected step is worked out here from
+the rule in docs/agreement.md (batch S - 1 published nowhere when S is fixed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from splitfeed.sidecar.agreement import COMMITTED, EVERY, FREEZING, IDLE, WAITING_FOR_MEMBERS, Coordinator, cut_step
+from splitfeed.trainer_client import errors
+
+
+def kinds(outs):
+    return [(o.peer, o.kind) for o in outs]
+
+
+def joined_world(replicas: int = 3, total: int = 100) -> Coordinator:
+    c = Coordinator(replicas=replicas, total_steps=total, resume_step=4)
+    for r in range(replicas):
+        c.on_join(f"m{r}".encode(), r)
+    return c
+
+
+def test_members_learn_the_worlds_resume_step_when_they_join():
+    c = Coordinator(replicas=2, total_steps=10, resume_step=4, table_version=9)
+    out = c.on_join(b"m1", 1)
+    assert kinds(out) == [(b"m1", "joined")]
+    assert out[0].fields == {"resume_step": 4, "table_version": 9}
+
+
+def test_a_request_freezes_everyone_and_commits_two_past_the_highest_published_step():
+    c = joined_world()
+    out = c.on_request(b"operator", "rescale-w0", "rescale")
+    assert kinds(out) == [(EVERY, "freeze"), (b"operator", "drain_ack")]
+    assert out[1].fields["state"] == FREEZING
+    # Ranks are at different steps when the request lands; the furthest published 12.
+    assert c.on_frozen(0, 1, 10) == [] and c.on_frozen(2, 1, 12) == []
+    out = c.on_frozen(1, 1, 11)
+    assert kinds(out) == [(EVERY, "commit_at")]
+    assert out[0].fields == {"round": 1, "step": 14, "drain": True, "reason": "rescale"}
+    assert c.phase == COMMITTED and c.step == 14
+
+
+def test_a_request_before_every_member_joined_waits_for_them():
+    c = Coordinator(replicas=2, total_steps=50, resume_step=0)
+    c.on_join(b"m0", 0)
+    out = c.on_request(b"m0", "rescale-w3", "rescale")
+    assert kinds(out) == [(b"m0", "drain_ack")] and c.phase == WAITING_FOR_MEMBERS
+    out = c.on_join(b"m1", 1)  # the Pending pod came up
+    assert kinds(out) == [(b"m1", "joined"), (EVERY, "freeze")]
+
+
+def test_the_same_token_twice_is_one_request_and_a_second_token_joins_the_running_round():
+    c = joined_world()
+    c.on_request(b"op", "rescale-w0", "rescale")
+    assert kinds(c.on_request(b"m1", "rescale-w0", "rescale")) == [(b"m1", "drain_ack")]
+    assert kinds(c.on_request(b"m2", "preempt-x", "preempt")) == [(b"m2", "drain_ack")]
+    assert c.round == 1 and c.reason == "rescale"
+
+
+def test_a_member_restarted_while_freezing_is_asked_again_and_one_restarted_after_the_commit_is_told():
+    c = joined_world()
+    c.on_request(b"op", "t", "suspend")
+    c.on_frozen(0, 1, 5)
+    assert kinds(c.on_join(b"m1-new", 1)) == [(b"m1-new", "joined"), (b"m1-new", "freeze")]
+    assert kinds(c.on_join(b"m0-new", 0)) == [(b"m0-new", "joined")]  # it answered already
+    c.on_frozen(1, 1, 3)
+    c.on_frozen(2, 1, 4)
+    out = c.on_join(b"m2-new", 2)
+    assert kinds(out) == [(b"m2-new", "joined"), (b"m2-new", "commit_at")]
+    assert out[1].fields["step"] == 7
+
+
+def test_an_answer_to_an_old_round_changes_nothing():
+    c = joined_world()
+    c.on_request(b"op", "t", "rescale")
+    assert c.on_frozen(0, 0, 99) == []
+    assert c.answers == {}
+
+
+def test_the_cut_never_passes_the_end_of_the_job():
+    assert cut_step([7, 9], 10) == 10
+    assert cut_step([-1, -1], 10) == 1  # nothing published yet: the first batch is the last
+    c = joined_world(replicas=1, total=10)
+    c.on_request(b"op", "t", "rescale")
+    assert c.on_frozen(0, 1, 9)[0].fields["step"] == 10
+
+
+def test_a_step_is_complete_once_every_member_committed_it():
+    c = joined_world(replicas=2)
+    assert c.on_committed(0, 6) == []
+    out = c.on_committed(1, 6)
+    assert kinds(out) == [(EVERY, "complete")] and out[0].fields == {"step": 6}
+    assert c.on_committed(1, 6) == []  # told once
+    assert kinds(c.on_join(b"late", 0))[-1] == (b"late", "complete")
+
+
+def test_a_replica_outside_the_world_is_a_protocol_error():
+    c = Coordinator(replicas=2, total_steps=10, resume_step=0)
+    with pytest.raises(errors.ProtocolError, match="replica 2 is not in this world"):
+        c.on_join(b"x", 2)
+    assert c.phase == IDLE
