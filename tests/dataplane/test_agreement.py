@@ -15,25 +15,11 @@ import threading
 import time
 
 import pytest
-import zmq
 
-from splitfeed.trainer_client import protocol
 from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.worlds import request_drain
 
 from tests.dataplane.harness import coordinator_address, manifest, reference_batches
-
-
-def ask_coordinator(address: str, token: str) -> str:
-    """What the operator does: a drain_request straight to the world's coordinator."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        sock.send(protocol.encode("drain_request", token=token, reason="rescale"))
-        assert sock.poll(5000), "the coordinator did not answer"
-        return protocol.decode(sock.recv())["state"]
-    finally:
-        sock.close()
 
 
 def run_ranks(started, gpus: int, *, request_at: int, request=None, slow_rank: int = 0) -> dict[int, dict]:
@@ -89,7 +75,7 @@ def test_every_rank_checkpoints_on_the_same_step_and_the_next_world_resumes_ther
 
     def request() -> None:
         if via == "operator":
-            assert ask_coordinator(coordinator, "rescale-w0") == "freezing"
+            assert request_drain(coordinator, "rescale-w0", "rescale", timeout_s=5) == "freezing"
         else:  # the downward-API file of one pod only: the slow path, polled
             started[-1].request("splitfeed.io/drain", "rescale-w0")
 
