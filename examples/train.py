@@ -5,6 +5,11 @@ the batches `StreamClient` yields, checkpoints data + model when asked (or at
 --stop-at-step, to show an elastic resume), and records the ids of every batch
 it receives so the demo can compare global batches across world sizes.
 
+The loop is the README's: `client.checkpoint_requested` is true on the same
+step on every rank (the sidecars agree on it), so no barrier is needed around
+it; rank 0 saves the model (DDP keeps the replicas identical), and
+`client.commit(step)` makes the step resumable only once that model exists.
+
     splitfeed local -f examples/demo-job.yaml -- python examples/train.py --out DIR
 """
 
@@ -28,17 +33,17 @@ def main() -> int:
     parser.add_argument("--features", type=int, default=16)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
     client = StreamClient()
+    dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(args.features, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     args.out.mkdir(parents=True, exist_ok=True)
     models = args.out / "models"
     models.mkdir(exist_ok=True)
+    module = torch.nn.Linear(args.features, 4)
     if client.resume_step:
-        state = torch.load(models / f"step-{client.resume_step}.pt")
-        model.module.load_state_dict(state)
+        module.load_state_dict(torch.load(models / f"step-{client.resume_step}.pt"))
+    model = torch.nn.parallel.DistributedDataParallel(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ids_log = open(args.out / f"ids-rank{client.rank}-of{client.world_size}.jsonl", "a")
 
     for batch in client:
@@ -49,13 +54,15 @@ def main() -> int:
         loss.backward()
         optimizer.step()
         ids_log.write(json.dumps({"step": batch.global_step, "ids": batch["id"].tolist()}) + "\n")
-        done = batch.global_step + 1
-        if client.checkpoint_requested or done == args.stop_at_step:
-            step = client.checkpoint()
+        want_to_save = batch.global_step + 1 == args.stop_at_step
+        if client.checkpoint_requested or want_to_save:
+            step = client.checkpoint()  # this rank's data position
             if client.rank == 0:
-                torch.save(model.module.state_dict(), models / f"step-{step}.pt")
-            dist.barrier()
-            if done == args.stop_at_step or client.drained:
+                tmp = models / f".step-{step}.pt.tmp"
+                torch.save(module.state_dict(), tmp)
+                os.replace(tmp, models / f"step-{step}.pt")
+            client.commit(step)  # the step may now be resumed
+            if client.drained or want_to_save:
                 break
     ids_log.close()
     client.close()

@@ -15,7 +15,9 @@
    so the chart's RBAC is what the apiserver enforces;
 5. a LanceDB table of 1000 rows (as tests/dataplane/harness.py writes it).
 
-StreamingJobs go to namespace `e2e`; their trainers run tests/e2e/trainer.py.
+StreamingJobs go to namespace `e2e`; their trainers run tests/e2e/trainer.py, a
+real DDP trainer (torch.distributed, gloo on CPU) whose rendezvous goes to
+`<job>-w<epoch>-0.<job>`, a name the test kubelet serves from /etc/hosts.
 """
 
 from __future__ import annotations
@@ -241,7 +243,8 @@ class Cluster:
             "checkpoint": {"uri": self.checkpoint_uri, "timeoutSeconds": timeout_seconds},
             "trainer": {"template": {"spec": {
                 "restartPolicy": restart_policy,
-                "terminationGracePeriodSeconds": 2,
+                # docs/agreement.md: enough for prefetchBatches + 2 steps and a checkpoint on SIGTERM.
+                "terminationGracePeriodSeconds": 10,
                 "containers": [{"name": "trainer", "image": "e2e-trainer:ignored", "command": command}],
             }}},
         }

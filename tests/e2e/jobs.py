@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +71,62 @@ def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = 150) ->
     return st
 
 
-def scale(cluster: Cluster, name: str, replicas: int, *, world: int, steps_in_world: int) -> None:
-    """Once world `world` has trained `steps_in_world` steps, `kubectl scale`; wait for the next world."""
+def records(log_dir: Path, world: int) -> Iterator[dict[str, Any]]:
+    """Every line world `world`'s trainers logged (tests/e2e/trainer.py), rank by rank."""
+    for path in sorted(log_dir.glob(f"w{world}-r*.jsonl")):
+        for line in path.read_text().splitlines():
+            yield json.loads(line)
+
+
+def first_time(log_dir: Path, world: int, event: str, **fields: Any) -> float | None:
+    """time.time() of the earliest `event` line of world `world` with these field values."""
+    times = [r["t"] for r in records(log_dir, world)
+             if r["event"] == event and all(r.get(k) == v for k, v in fields.items())]
+    return min(times, default=None)
+
+
+@dataclasses.dataclass
+class Rescale:
+    """Seconds from a request (`kubectl scale`, a suspend, a SIGTERM) to the old world's agreed
+    checkpoint and to the next world's first batch, from the trainers' own timestamps."""
+
+    to_checkpoint: float
+    to_first_batch: float
+
+
+def rescale_latency(cluster: Cluster, name: str, world: int, requested_at: float,
+                    what: str = "rescale") -> Rescale:
+    """Wait for world `world + 1`'s first batch; how long after `requested_at` world `world`
+    checkpointed at its agreed (drained) step and the next world trained."""
+    log_dir = cluster.log_dir(name)
+    first = wait_for(lambda: first_time(log_dir, world + 1, "batch"), 120, f"world {world + 1}'s first batch")
+    agreed = first_time(log_dir, world, "checkpoint", drained=True)
+    assert agreed is not None, f"world {world} of {name} never logged a drained checkpoint"
+    r = Rescale(agreed - requested_at, first - requested_at)
+    log(f"{name}: {what} latency: request -> world {world}'s agreed checkpoint {r.to_checkpoint:.1f} s, "
+        f"-> world {world + 1}'s first batch {r.to_first_batch:.1f} s")
+    return r
+
+
+def scale(cluster: Cluster, name: str, replicas: int, *, world: int, steps_in_world: int) -> float:
+    """Once world `world` has trained `steps_in_world` steps, `kubectl scale`; wait for the next world.
+
+    Returns the time.time() of the `kubectl scale`."""
     wait_steps(cluster, name, world, steps_in_world)
     log(f"{name}: kubectl scale --replicas={replicas}")
+    at = time.time()
     cluster.kubectl("-n", NS, "scale", f"sj/{name}", f"--replicas={replicas}")
     wait_running(cluster, name, world + 1)
     log(f"{name}: world {world + 1} running with {replicas} replicas")
+    return at
+
+
+def finish(cluster: Cluster, name: str) -> None:
+    """Delete a job and wait until none of its processes runs (the next job's world 0 binds
+    the same rendezvous ports on the shared host network)."""
+    cluster.kubectl("-n", NS, "delete", "sj", name, "--wait=false")
+    wait_for(lambda: not any(k[1].startswith(f"{name}-") for k in cluster.kubelet.pids()), 60,
+             f"the processes of {name} to be gone")
 
 
 def event_reasons(cluster: Cluster, name: str) -> list[str]:

@@ -131,7 +131,9 @@ def main() -> int:
     summary = exactness.check(log_dir, exactness.complete_checkpoints(args.work / "ckpt" / NS / NAME),
                               dataplane.reference_global_steps(uri, {"epochs": EPOCHS}), rank_batches)
     log(f"exact: {summary}")
-    assert [size for _, size, _, _ in summary.worlds] == [4, 2, 3], summary
+    assert [w.size for w in summary.worlds] == [4, 2, 3], summary
+    assert [w.ended for w in summary.worlds] == ["drained", "drained", "end"], summary
+    assert summary.replayed == 0, summary
     events = [e["reason"] for e in k.get("events", "--field-selector", f"involvedObject.name={NAME}")["items"]]
     for reason in ("CheckpointRequested", "Drained", "RescaleComplete"):
         assert events.count(reason) >= 2, (reason, events)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 import yaml
 
 from tests.e2e.cluster import NS, Cluster, alive, log, wait_for
-from tests.kubelet.kubelet import Kubelet
+from tests.kubelet.kubelet import HOSTS_MARK, Kubelet, rewrite_hosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -112,3 +114,86 @@ def test_a_native_sidecar_starts_before_the_main_container_and_stops_after_it(
         assert (run.volumes["w"] / "order").read_text().split() == ["side", "main", "side-stopped"]
     finally:
         kubelet.stop()
+
+
+RESOLVER = """
+import json, os, socket, sys, time
+names = sys.argv[1:]
+while True:
+    try:
+        ips = {n: socket.getaddrinfo(n, None, socket.AF_INET)[0][4][0] for n in names}
+        break
+    except socket.gaierror:
+        time.sleep(0.1)
+srv = socket.socket()
+srv.bind(("0.0.0.0", 0))
+srv.listen()
+with open("/out/.r", "w") as f:
+    json.dump({"ips": ips, "port": srv.getsockname()[1]}, f)
+os.replace("/out/.r", "/out/resolved.json")
+while True:
+    conn, _ = srv.accept()
+    conn.sendall(b"hello from dns-0")
+    conn.close()
+"""
+
+
+def resolves(name: str) -> str | None:
+    try:
+        return socket.getaddrinfo(name, None, socket.AF_INET)[0][4][0]
+    except socket.gaierror:
+        return None
+
+
+def test_a_pod_with_hostname_and_subdomain_is_reachable_by_its_cluster_dns_names(cluster: Cluster) -> None:
+    """Kubernetes DNS gives such a pod `<hostname>.<subdomain>[.<ns>.svc[.cluster.local]]` once a headless
+    Service named `<subdomain>` exists; the test kubelet serves these from /etc/hosts (gloo and ZeroMQ
+    resolve through glibc), and removes them when the pod is deleted."""
+    names = ["dns-0.dns", f"dns-0.dns.{NS}.svc", f"dns-0.dns.{NS}.svc.cluster.local"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dns-0", "namespace": NS, "labels": {"app": "dns"}},
+           "spec": {"hostname": "dns-0", "subdomain": "dns", "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "main", "image": "ignored",
+                                    "command": ["python", "-c", RESOLVER, *names],
+                                    "volumeMounts": [{"name": "out", "mountPath": "/out"}]}],
+                    "volumes": [{"name": "out", "emptyDir": {}}]}}
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(pod))
+    wait_for(lambda: cluster.get(f"/api/v1/namespaces/{NS}/pods/dns-0")["status"].get("phase") == "Running",
+             30, "pod dns-0 running")
+    time.sleep(1)  # several kubelet syncs
+    assert [resolves(n) for n in names] == [None] * 3, "a pod name resolves without its headless Service"
+
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "dns", "namespace": NS},
+               "spec": {"clusterIP": "None", "selector": {"app": "dns"}, "publishNotReadyAddresses": True,
+                        "ports": [{"name": "x", "port": 1}]}}
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(service))
+    run = next(r for r in cluster.kubelet.runs.values() if r.name == "dns-0")
+    assert run.volumes is not None
+    out = run.volumes["out"] / "resolved.json"
+    wait_for(out.exists, 30, "the pod to resolve its own names")
+    got = json.loads(out.read_text())
+    assert got["ips"] == {n: cluster.kubelet.ip for n in names}, got
+    assert [resolves(n) for n in names] == [cluster.kubelet.ip] * 3
+    with socket.create_connection((names[0], got["port"]), timeout=10) as conn:
+        assert conn.recv(100) == b"hello from dns-0"
+    hosts = Path("/etc/hosts").read_text()
+    assert hosts.count(HOSTS_MARK) >= 1 and "dns-0.dns " in hosts, hosts
+
+    log("kubelet probe: deleting pod dns-0; its names go")
+    cluster.kubectl("-n", NS, "delete", "pod", "dns-0", "--wait=true", "--timeout=30s")
+    wait_for(lambda: all(resolves(n) is None for n in names), 10, "the deleted pod's names to be gone")
+    cluster.kubectl("-n", NS, "delete", "service", "dns")
+
+
+def test_hosts_lines_of_a_dead_test_kubelet_are_dropped_and_others_kept() -> None:
+    dead = 2 ** 22 + 12345  # above Linux's default pid_max: never a live process
+    live = os.getpid()
+    text = ("127.0.0.1 localhost\n"
+            f"10.0.0.1 a.b {HOSTS_MARK} node=n id=1 pid={dead}\n"
+            f"10.0.0.2 c.d {HOSTS_MARK} node=n id=2 pid={live}\n"
+            f"10.0.0.3 e.f {HOSTS_MARK} node=m id=3 pid={live}\n")
+    out = rewrite_hosts(text, f"node=m id=3 pid={live}", ["10.0.0.4 g.h"])
+    assert out == ("127.0.0.1 localhost\n"
+                   f"10.0.0.2 c.d {HOSTS_MARK} node=n id=2 pid={live}\n"
+                   f"10.0.0.4 g.h {HOSTS_MARK} node=m id=3 pid={live}\n")
+    assert rewrite_hosts("127.0.0.1 localhost", "node=x id=9 pid=1", []) == "127.0.0.1 localhost\n"

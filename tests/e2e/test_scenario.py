@@ -1,14 +1,17 @@
 """End to end: helm-installed operator, `kubectl apply`, train, `kubectl scale` 4 -> 2 -> 3, finish exactly.
 
 Everything runs for real except the container runtime: the test kubelet runs
-every pod (the operator's too) as local processes. See tests/e2e/cluster.py.
+every pod (the operator's too) as local processes, and plays cluster DNS in
+/etc/hosts. The trainers are real DDP trainers (tests/e2e/trainer.py: gloo on
+CPU, a backward pass with an all-reduce every step, the README's loop and no
+barrier of their own). See tests/e2e/cluster.py.
 
-Exactness rule (tests/e2e/exactness.py): each world commits the steps from its
-own resume step up to the next world's resume step, which must be a complete
-checkpoint; within that range every rank has exactly one batch, equal to its
-StreamingDataset batch for that world size, and the committed ranges tile the
-unscaled reference. Batches a drained world received past its last complete
-checkpoint are received again by the next world and are not counted twice.
+Exactness rule (tests/e2e/exactness.py): every rank of a drained world
+checkpointed at one agreed step S and received nothing past it, and the next
+world resumed exactly at S with the model saved there; within each world's
+range every rank has exactly one batch, equal to its StreamingDataset batch for
+that world size, and the ranges tile the unscaled reference. Nothing is
+replayed: only a failed world's batches past its last complete checkpoint may be.
 """
 
 from __future__ import annotations
@@ -19,30 +22,38 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import NS, SYSTEM_NS, Cluster, StatusWatch, alive, log, wait_for
-from tests.e2e.jobs import assert_exact, event_reasons, reference_steps, scale, wait_phase
+from tests.e2e.exactness import DRAINED, END
+from tests.e2e.jobs import assert_exact, event_reasons, reference_steps, rescale_latency, scale, wait_phase
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_steps(cluster: Cluster) -> None:
-    name, epochs = "scenario", 2
-    manifest = cluster.manifest(name, replicas=4, epochs=epochs, sleep_s=0.25)
+    name, epochs, timeout_s = "scenario", 2, 60
+    manifest = cluster.manifest(name, replicas=4, epochs=epochs, sleep_s=0.25, timeout_seconds=timeout_s)
+    latencies = []
     with StatusWatch(cluster, name) as watch:
         log(f"{name}: kubectl apply (4 replicas, numSplits 24, globalBatchSize 48, {epochs} epochs)")
         cluster.apply(manifest)
         wait_for(lambda: len([p for p in cluster.pods(name) if p["status"].get("phase") == "Running"]) == 4,
                  90, "4 pods running")
         log(f"{name}: 4 pods running")
-        scale(cluster, name, 2, world=0, steps_in_world=6)
-        scale(cluster, name, 3, world=1, steps_in_world=5)
+        at = scale(cluster, name, 2, world=0, steps_in_world=6)
+        latencies.append(rescale_latency(cluster, name, 0, at, "rescale 4 -> 2"))
+        at = scale(cluster, name, 3, world=1, steps_in_world=5)
+        latencies.append(rescale_latency(cluster, name, 1, at, "rescale 2 -> 3"))
         wait_phase(cluster, name, "Succeeded")
 
-    # The trainers saw exactly the unscaled reference, world after world.
+    # The trainers saw exactly the unscaled reference, world after world, and nothing twice.
     summary = assert_exact(cluster, name, epochs)
-    sizes = [size for _, size, _, _ in summary.worlds]
-    assert sizes == [4, 2, 3], summary
+    assert [w.size for w in summary.worlds] == [4, 2, 3], summary
+    assert [w.ended for w in summary.worlds] == [DRAINED, DRAINED, END], summary
+    assert summary.replayed == 0, summary
     steps_per_epoch = len(reference_steps(cluster.table_uri, epochs)) // epochs
-    assert 0 < summary.worlds[1][2] < steps_per_epoch, f"the first rescale was not mid-epoch: {summary}"
+    assert 0 < summary.worlds[1].resume_step < steps_per_epoch, f"the first rescale was not mid-epoch: {summary}"
+    # A rescale is the agreement's work, not checkpoint.timeoutSeconds running out.
+    for r in latencies:
+        assert 0 < r.to_checkpoint < r.to_first_batch < timeout_s / 2, (latencies, timeout_s)
 
     # The status walked through the rescale phases, and events say so.
     phases = [p for p, _ in watch.seen]

@@ -1,73 +1,83 @@
-"""The trainer container of the end-to-end tests: a stand-in for synchronous data-parallel training.
+"""The trainer container of the end-to-end tests: a real synchronous data-parallel trainer.
 
     python trainer.py LOG_DIR [--sleep-s S] [--checkpoint-every K] [--timeout-s T]
 
 The pods' `trainer` container runs this (the test kubelet runs it as a local
-process). Like tests/dataplane/trainer_script.py it logs the ids of every batch
-it receives, flushed before it asks for the next one; it adds what a multi-pod
-run needs. Each rank appends JSON lines to LOG_DIR/w<worldEpoch>-r<rank>.jsonl:
+process). It is what a user writes: torch.distributed with gloo on CPU
+(`init_process_group` from MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE, the
+rendezvous going to `<job>-w<epoch>-0.<job>` through the job's headless
+Service), a small model in DistributedDataParallel, a backward pass with its
+gradient all-reduce every step, and the README's loop exactly:
 
-    {"event": "start", "pid", "world", "worldSize", "rank", "resumeStep"}
-    {"event": "batch", "step": <global step>, "ids": [...]}
-    {"event": "checkpoint", "step": <steps completed>, "drained": bool}
+    if client.resume_step: load the model saved for that step (rank 0 saved it)
+    for batch in client:
+        forward, backward (all-reduce), optimizer step
+        if client.checkpoint_requested or want_to_save:    # want_to_save: every K steps
+            step = client.checkpoint()                     # this rank's data position
+            rank 0 saves the model for `step`              # DDP keeps the replicas identical
+            client.commit(step)                            # the step may now be resumed
+            if client.drained: break
+    client.close()
+
+There is no barrier or collective of its own around checkpoints: every rank must
+see `checkpoint_requested` on the same step because the sidecars agreed on it
+(docs/agreement.md). If they do not, the logs below show it and
+tests/e2e/exactness.py fails. One addition a careful user makes too: a
+`client.checkpoint()` that fails (the store is unwritable) is logged; it is
+retried while the world's request stands, and skipped when it was only this
+trainer's periodic wish.
+
+Models go to LOG_DIR/models/step-<step>.pt (shared by every world of the job).
+A world that resumes at step S loads LOG_DIR/models/step-S.pt; if that file is
+missing the trainer logs `model-missing` and exits 3: data and model disagree.
+
+Each rank appends JSON lines to LOG_DIR/w<worldEpoch>-r<rank>.jsonl, every line
+with "t" (time.time()), each flushed before the next batch is asked for:
+
+    {"event": "start", "pid", "world", "worldSize", "rank", "resumeStep", "model": <digest> | null}
+    {"event": "batch", "step": <global step>, "ids": [...], "requested": bool, "loss": float}
+    {"event": "checkpoint", "step": <steps completed>, "drained": bool, "model": <digest>}
     {"event": "checkpoint-failed", "step": <steps completed>, "error": "..."}
+    {"event": "model-missing", "step": <resume step>, "path": "..."}
     {"event": "exit", "reason": "drained" | "end"}
 
-Lockstep. Real DDP ranks are held in step by their collectives, and they decide
-to checkpoint together (one rank's wish is all-reduced), so a drain leaves a
-complete checkpoint. Here a file barrier plays the collective: after each step a
-rank writes LOG_DIR/w<epoch>/s<step>-r<rank> holding its wish to checkpoint
-(the sidecar asked, or every K steps) and waits until every rank of its world
-has written that step or exited; if any rank wished, all checkpoint there. A
-rank whose own sidecar has not seen the drain yet checkpoints without being
-drained and goes on until it sees it (its extra batches are past the complete
-checkpoint: the next world receives them again).
-
-`--sleep-s` paces the steps so that a test can scale mid-epoch.
+`requested` is `client.checkpoint_requested` right after the step, `model` a
+digest of the parameters (equal on every rank: DDP). `--sleep-s` paces the
+steps so that a test can scale mid-epoch.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from splitfeed.trainer_client.client import StreamClient
 from splitfeed.trainer_client.errors import CheckpointError
 
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+CLASSES = 10  # the test table's labels are id % 10
 
 
-class Barrier:
-    """All-reduce of one flag per step over files: every live rank of the world, or wait."""
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
-    def __init__(self, directory: Path, rank: int, world_size: int) -> None:
-        self.dir, self.rank, self.world_size = directory, rank, world_size
-        self.dir.mkdir(parents=True, exist_ok=True)
 
-    def any(self, step: int, wish: bool) -> bool:
-        _write(self.dir / f"s{step}-r{self.rank}", "1" if wish else "0")
-        while True:
-            wishes = []
-            for r in range(self.world_size):
-                mark = self.dir / f"s{step}-r{r}"
-                if mark.exists():
-                    wishes.append(mark.read_text() == "1")
-                elif not (self.dir / f"exit-r{r}").exists():
-                    break
-            else:
-                return any(wishes)
-            time.sleep(0.02)
-
-    def leave(self) -> None:
-        _write(self.dir / f"exit-r{self.rank}", "")
+def model_path(models: Path, step: int) -> Path:
+    return models / f"step-{step:06d}.pt"
 
 
 def main() -> int:
@@ -75,41 +85,82 @@ def main() -> int:
     parser.add_argument("log_dir", type=Path)
     parser.add_argument("--sleep-s", type=float, default=0.0, help="pause after each step")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps")
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="StreamClient timeout")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="StreamClient and collective timeout")
     args = parser.parse_args()
     world, rank = int(os.environ["SPLITFEED_WORLD_EPOCH"]), int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    args.log_dir.mkdir(parents=True, exist_ok=True)
-    barrier = Barrier(args.log_dir / f"w{world}", rank, world_size)
-    client = StreamClient(timeout_s=args.timeout_s, as_tensors=False)
-    with open(args.log_dir / f"w{world}-r{rank}.jsonl", "a") as log:
-        def record(**fields: object) -> None:
-            log.write(json.dumps(fields) + "\n")
-            log.flush()
+    models = args.log_dir / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    log = open(args.log_dir / f"w{world}-r{rank}.jsonl", "a")
 
-        record(event="start", pid=os.getpid(), world=world, worldSize=world_size, rank=rank,
-               resumeStep=client.resume_step)
-        reason = "end"
-        for batch in client:
-            step = batch.global_step
-            record(event="batch", step=step, ids=batch["id"].tolist())
-            del batch
-            time.sleep(args.sleep_s)
-            periodic = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0
-            if barrier.any(step, client.checkpoint_requested or periodic):
-                try:
-                    done = client.checkpoint()
-                except CheckpointError as exc:
-                    record(event="checkpoint-failed", step=step + 1, error=str(exc))
-                else:
-                    record(event="checkpoint", step=done, drained=client.drained)
-                if client.drained:
-                    reason = "drained"
-                    break
-        record(event="exit", reason=reason)
-    barrier.leave()
+    def record(**fields: Any) -> None:
+        log.write(json.dumps({**fields, "t": time.time()}) + "\n")
+        log.flush()
+
+    client = StreamClient(timeout_s=args.timeout_s)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES))
+    path = model_path(models, client.resume_step) if client.resume_step else None
+    if path is not None and path.exists():
+        module.load_state_dict(torch.load(path))
+    loaded = digest(module) if path is not None and path.exists() else None
+    record(event="start", pid=os.getpid(), world=world, worldSize=world_size, rank=rank,
+           resumeStep=client.resume_step, model=loaded)
+    if path is not None and loaded is None:
+        record(event="model-missing", step=client.resume_step, path=str(path))
+        return 3
+    model = DistributedDataParallel(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    reason = "end"
+    for batch in client:
+        step = batch.global_step
+        ids = batch["id"].tolist()
+        loss = torch.nn.functional.cross_entropy(model(batch["vec"].float()), batch["label"].long())
+        optimizer.zero_grad()
+        loss.backward()  # DDP all-reduces the gradients: every rank waits for every other
+        optimizer.step()
+        loss_value = loss.item()
+        del batch, loss  # the graph holds the batch's tensors: free its ring slot
+        requested = client.checkpoint_requested
+        record(event="batch", step=step, ids=ids, requested=requested, loss=round(loss_value, 6))
+        time.sleep(args.sleep_s)
+        want_to_save = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0
+        if requested or want_to_save:
+            done = checkpoint(client, record, step + 1, args.timeout_s)
+            if done is None:
+                continue
+            if rank == 0:
+                tmp = models / f".step-{done:06d}.pt.{os.getpid()}"
+                torch.save(module.state_dict(), tmp)
+                os.replace(tmp, model_path(models, done))
+            client.commit(done)
+            record(event="checkpoint", step=done, drained=client.drained, model=digest(module))
+            if client.drained:
+                reason = "drained"
+                break
+    record(event="exit", reason=reason)
     client.close()
+    dist.destroy_process_group()
+    log.close()
     return 0
+
+
+def checkpoint(client: StreamClient, record: Any, step: int, timeout_s: float) -> int | None:
+    """`client.checkpoint()`; a failure is logged, and retried while the world's request stands."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.checkpoint()
+        except CheckpointError as exc:
+            record(event="checkpoint-failed", step=step, error=str(exc))
+            if not client.checkpoint_requested:
+                return None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 if __name__ == "__main__":

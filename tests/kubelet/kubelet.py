@@ -21,8 +21,10 @@ scheduler: it binds every unscheduled pod to its node):
 - applies the pod's restartPolicy (Never / OnFailure / Always) with a short
   fixed back-off, writes pod status back (phase, container states with exit
   codes and termination messages, podIP, conditions);
-- on deletion: SIGTERM, wait terminationGracePeriodSeconds (capped), SIGKILL,
-  then delete the pod object with gracePeriodSeconds=0, as the kubelet does.
+- on deletion: SIGTERM, wait the deletion's grace period (capped at 30 s),
+  SIGKILL, then delete the pod object with gracePeriodSeconds=0, as the kubelet
+  does; a pod object removed under it (a forced delete) has its processes
+  SIGKILLed at once.
 
 Liberties a test double takes (and the only ones):
 - Images are ignored. `splitfeed`, `python` and `python3` resolve to the
@@ -40,8 +42,23 @@ Liberties a test double takes (and the only ones):
 - podIP and hostIP are this host's first non-loopback IPv4 address (127.0.0.1
   if it has none): Endpoints reject loopback addresses, and Services (a
   webhook's, say) need endpoints. Every process shares the host network.
+- CLUSTER DNS IN /etc/hosts: there is no cluster DNS, so the names Kubernetes
+  DNS gives a pod with spec.hostname + spec.subdomain under a headless Service
+  of that name in its namespace (`<hostname>.<subdomain>`, `….<ns>.svc`,
+  `….<ns>.svc.cluster.local`) are written, with the pod IP, into marked lines
+  of /etc/hosts (glibc's getaddrinfo reads it on every lookup: torch's gloo and
+  ZeroMQ resolve through it). A name appears once the pod is admitted and the
+  Service exists, stays while the pod terminates (publishNotReadyAddresses, as
+  the operator's Service sets), and goes when the pod has finished or its
+  object is gone; `stop()` removes the kubelet's lines, and every edit drops
+  the lines of test kubelets whose process is dead. The short name resolves
+  from every namespace (there are no per-pod search domains). Writing
+  /etc/hosts needs root, as CI has.
 - securityContext, resources, probes and ports are ignored; ConfigMap and
   Secret volumes are written once, when the pod starts.
+- A test may `hold(namespace, pod)` a pod: it is admitted (it has its IP and DNS
+  name) but stays Pending, ContainerCreating, as during a slow image pull, until
+  `release(namespace, pod)`.
 
 Every process is started in its own process group and stopped by PID (its
 group), on pod deletion and in `stop()`, also when a test fails.
@@ -53,6 +70,8 @@ import base64
 import contextlib
 import ctypes
 import datetime
+import errno
+import fcntl
 import json
 import os
 import re
@@ -61,19 +80,22 @@ import signal
 import socket
 import ssl
 import subprocess
+import tempfile
 import threading
 import time
 import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Kubelet", "ApiError", "host_ip"]
+__all__ = ["Kubelet", "ApiError", "HostsFile", "host_ip"]
 
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-GRACE_CAP_S = 5.0
+GRACE_CAP_S = 30.0
 RESTART_DELAY_S = 1.0
 SYNC_S = 0.2
 
@@ -102,6 +124,107 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """preexec_fn: SIGKILL the child if the kubelet thread that started it dies (Linux)."""
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+HOSTS_FILE = Path("/etc/hosts")
+HOSTS_MARK = "# splitfeed-test-kubelet"
+"""Ends every line a test kubelet writes into /etc/hosts, followed by its owner's tag."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def rewrite_hosts(text: str, tag: str, entries: list[str],
+                  alive: Callable[[int], bool] = _pid_alive) -> str:
+    """/etc/hosts text with `tag`'s lines replaced by `entries` and dead owners' lines dropped.
+
+    Each line a kubelet writes ends with `HOSTS_MARK node=… id=… pid=<pid>`: the
+    lines of a kubelet whose process is gone are stale and go too. Every other
+    line is kept as it is.
+    """
+    kept = []
+    for line in text.splitlines(keepends=True):
+        _, sep, owner = line.rstrip("\n").partition(f" {HOSTS_MARK} ")
+        if sep:
+            pid = re.search(r"\bpid=(\d+)$", owner)
+            if owner == tag or (pid is not None and not alive(int(pid.group(1)))):
+                continue
+        kept.append(line)
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"
+    return "".join(kept) + "".join(f"{entry} {HOSTS_MARK} {tag}\n" for entry in entries)
+
+
+class HostsFile:
+    """One kubelet's lines in /etc/hosts: pod DNS names -> pod IP (the cluster DNS liberty).
+
+    Edits hold an exclusive lock (a file beside the temp dir, shared by every
+    test kubelet on the host) and replace the file atomically, or, where it is a
+    bind mount that cannot be renamed over (a container's /etc/hosts), rewrite it
+    in place without ever exposing a half-written line.
+    """
+
+    LOCK = Path(tempfile.gettempdir()) / "splitfeed-test-kubelet-hosts.lock"
+
+    def __init__(self, node: str, path: Path = HOSTS_FILE) -> None:
+        self.path = path
+        self.tag = f"node={node} id={uuid.uuid4().hex[:8]} pid={os.getpid()}"
+        self.entries: list[str] | None = None  # what this kubelet last wrote
+
+    def set(self, entries: list[str]) -> bool:
+        """Make this kubelet's lines `entries` (and drop stale owners'); False if nothing changed."""
+        if entries == self.entries or (not entries and not self.entries):
+            return False
+        self._edit(entries)
+        self.entries = list(entries)
+        return True
+
+    def clear(self) -> None:
+        self._edit([])
+        self.entries = []
+
+    def writable(self) -> bool:
+        return os.access(self.path, os.W_OK)
+
+    def _edit(self, entries: list[str]) -> None:
+        with open(self.LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            old = self.path.read_text()
+            new = rewrite_hosts(old, self.tag, entries)
+            if new != old:
+                self._replace(old, new)
+
+    def _replace(self, old: str, new: str) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.splitfeed-{os.getpid()}")
+        try:
+            tmp.write_text(new)
+            os.chmod(tmp, stat_mode(self.path))
+            os.replace(tmp, self.path)
+            return
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if exc.errno not in (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES, errno.EROFS):
+                raise
+        # A bind mount: write over it, padding with blank lines (which a reader skips) so that
+        # no moment shows the tail of an old line, then cut the padding off.
+        data = new.encode()
+        pad = max(0, len(old.encode()) - len(data))
+        with open(self.path, "r+b") as f:
+            f.write(data + b"\n" * pad)
+            f.flush()
+            f.truncate(len(data))
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
 
 
 class ApiError(RuntimeError):
@@ -231,7 +354,8 @@ class Kubelet:
     def __init__(self, server: str, token: str, ca_file: str | os.PathLike[str],
                  workdir: str | os.PathLike[str], *, bin_dir: str | os.PathLike[str],
                  node: str = "e2e-node", pod_ip: str | None = None,
-                 grace_cap_s: float = GRACE_CAP_S, restart_delay_s: float = RESTART_DELAY_S) -> None:
+                 grace_cap_s: float = GRACE_CAP_S, restart_delay_s: float = RESTART_DELAY_S,
+                 hosts_file: Path = HOSTS_FILE) -> None:
         self.api = Api(server, token, ca_file)
         self.server, self.ca_file = server, Path(ca_file)
         self.root = Path(workdir)
@@ -246,6 +370,9 @@ class Kubelet:
         self.root.mkdir(parents=True, exist_ok=True)
         self._log: Any = open(self.root / "kubelet.log", "a", buffering=1)
         self._deleted: set[str] = set()  # uids of pod objects this kubelet removed
+        self._held: set[tuple[str, str]] = set()  # (namespace, pod) kept Pending by the test
+        self.hosts = HostsFile(node, Path(hosts_file))
+        """This kubelet's pod DNS names in /etc/hosts (see the module doc)."""
         self.errors: list[str] = []
         """Tracebacks of failed syncs (the loop goes on); shown when a test fails."""
 
@@ -257,6 +384,10 @@ class Kubelet:
         self.stop()
 
     def start(self) -> "Kubelet":
+        if not self.hosts.writable():
+            raise PermissionError(f"the test kubelet plays cluster DNS in {self.hosts.path} and cannot write it "
+                                  "(run the end-to-end tier as root, as CI does)")
+        self.hosts.clear()  # also drops the lines of test kubelets that died without stop()
         self._register_node()
         self._thread = threading.Thread(target=self._loop, name="test-kubelet", daemon=True)
         self._thread.start()
@@ -280,9 +411,21 @@ class Kubelet:
                 self._signal_all(run, signal.SIGKILL)
                 self._reap(run)
                 shutil.rmtree(run.shm, ignore_errors=True)
+        if self.hosts.entries:
+            with contextlib.suppress(OSError):
+                self.hosts.clear()
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def hold(self, namespace: str, pod: str) -> None:
+        """Keep `pod` Pending, its containers not started (a slow image pull), until release()."""
+        with self._lock:
+            self._held.add((namespace, pod))
+
+    def release(self, namespace: str, pod: str) -> None:
+        with self._lock:
+            self._held.discard((namespace, pod))
 
     def pid(self, namespace: str, pod: str, container: str) -> int | None:
         """PID of a running container's process (also its process group)."""
@@ -343,6 +486,28 @@ class Kubelet:
                 self._signal_all(run, signal.SIGKILL)
                 self._reap(run)
                 shutil.rmtree(run.shm, ignore_errors=True)
+        self._publish_names()
+
+    # -- cluster DNS (the /etc/hosts liberty) --------------------------------------------
+    def _publish_names(self) -> None:
+        """Pod DNS names of every admitted, unfinished pod with hostname + subdomain under a
+        headless Service of that name (publishNotReadyAddresses is what the operator sets)."""
+        with self._lock:
+            wanted = [(r.namespace, r.pod["spec"]["hostname"], r.pod["spec"]["subdomain"])
+                      for r in self.runs.values()
+                      if not r.gone and r.phase not in ("Succeeded", "Failed")
+                      and r.pod["spec"].get("hostname") and r.pod["spec"].get("subdomain")]
+        entries: list[str] = []
+        if wanted:
+            headless = {(s["metadata"]["namespace"], s["metadata"]["name"])
+                        for s in self.api.get("/api/v1/services")["items"]
+                        if (s.get("spec") or {}).get("clusterIP") == "None"}
+            for ns, host, sub in sorted(set(wanted)):
+                if (ns, sub) in headless:
+                    fqdn = f"{host}.{sub}.{ns}.svc"
+                    entries.append(f"{self.ip} {host}.{sub} {fqdn} {fqdn}.cluster.local")
+        if self.hosts.set(entries):
+            self.log(f"{self.hosts.path}: {len(entries)} pod names")
 
     def _register_node(self) -> None:
         node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node, "labels": {
@@ -385,9 +550,14 @@ class Kubelet:
                     return  # finished before this kubelet started: nothing to run
                 run = self.runs[uid] = PodRun(pod, self.root)
                 self.log(f"admitted {run.namespace}/{run.name}")
+                self._publish_names()  # the pod's DNS name exists before its containers start
             run.pod = pod
-            if run.phase not in ("Succeeded", "Failed"):
+            if run.volumes is None and (run.namespace, run.name) in self._held:
+                run.waiting_reason = "ContainerCreating"
+                run.waiting_message = "held by the test (as during a slow image pull)"
+            elif run.phase not in ("Succeeded", "Failed"):
                 if run.volumes is None:
+                    run.waiting_message = ""
                     self._prepare(run)
                 if run.volumes is not None:
                     self._refresh_downward(run)
