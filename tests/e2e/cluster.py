@@ -260,7 +260,8 @@ class Cluster:
         return str(self.work / "ckpt")
 
     def store(self, job: str) -> Path:
-        """The job's data checkpoints: <checkpoint.uri>/<namespace>/<job> (pod contract)."""
+        """The job's data checkpoints: <checkpoint.uri>/<namespace>/<job> (pod contract; the step
+        directories may sit a level deeper, under the job's UID)."""
         return self.work / "ckpt" / NS / job
 
     def apply(self, obj: dict[str, Any], check: bool = True) -> subprocess.CompletedProcess[str]:

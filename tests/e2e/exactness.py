@@ -129,18 +129,22 @@ def read_worlds(log_dir: Path) -> list[World]:
 
 
 def complete_checkpoints(store: Path) -> set[int]:
-    """Steps under <checkpoint uri>/<namespace>/<job> where every rank of one world size has
-    its record (rank-R-of-W.json) and its commit marker (rank-R-of-W.commit)."""
+    """Steps under the job's checkpoint directory where every rank of one world has its record
+    (`[w<epoch>-]rank-R-of-W.json`) and its commit marker (the same name, `.commit`). The step
+    directories may sit a level deeper (the job's UID), so they are searched for."""
     found: set[int] = set()
-    for step_dir in store.glob("step-*"):
+    for step_dir in store.rglob("step-*"):
+        m = re.match(r"^step-(\d{12})$", step_dir.name)
+        if not m or not step_dir.is_dir():
+            continue
         names = {p.name for p in step_dir.iterdir()}
-        by_world: dict[int, set[int]] = {}
+        by_world: dict[tuple[str, int], set[int]] = {}
         for name in names:
-            m = re.match(r"^rank-(\d{5})-of-(\d{5})\.json$", name)
-            if m and name[:-len(".json")] + ".commit" in names:
-                by_world.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
-        if any(ranks == set(range(w)) for w, ranks in by_world.items()):
-            found.add(int(step_dir.name.split("-")[1]))
+            f = re.match(r"^((?:w\d+-)?)rank-(\d{5})-of-(\d{5})\.json$", name)
+            if f and name[:-len(".json")] + ".commit" in names:
+                by_world.setdefault((f.group(1), int(f.group(3))), set()).add(int(f.group(2)))
+        if any(ranks == set(range(w)) for (_, w), ranks in by_world.items()):
+            found.add(int(m.group(1)))
     return found
 
 

@@ -140,3 +140,16 @@ def test_commit_markers_make_a_step_complete(tmp_path: Path) -> None:
     assert exactness.complete_checkpoints(tmp_path) == set()
     (step / "rank-00001-of-00002.commit").write_text("")
     assert exactness.complete_checkpoints(tmp_path) == {3}
+
+
+def test_commit_markers_of_one_world_make_a_step_complete_also_a_level_deeper(tmp_path: Path) -> None:
+    step = tmp_path / "job-uid" / f"step-{5:012d}"
+    step.mkdir(parents=True)
+    for name in ("w000001-rank-00000-of-00002", "w000002-rank-00001-of-00002"):
+        (step / f"{name}.json").write_text("{}")
+        (step / f"{name}.commit").write_text("")
+    assert exactness.complete_checkpoints(tmp_path) == set(), "ranks of two worlds make no complete step"
+    for name in ("w000001-rank-00001-of-00002",):
+        (step / f"{name}.json").write_text("{}")
+        (step / f"{name}.commit").write_text("")
+    assert exactness.complete_checkpoints(tmp_path) == {5}

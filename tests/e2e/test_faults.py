@@ -161,12 +161,13 @@ def unwritable(path: Path) -> Iterator[None]:
 def test_an_unwritable_checkpoint_store_delays_checkpoints_and_loses_nothing(cluster: Cluster) -> None:
     name = "readonly-store"
     start(cluster, name, checkpoint_every=3)
-    wait_for(lambda: (cluster.store(name) / f"step-{3:012d}").is_dir(), 90, "the first checkpoint")
+    first = wait_for(lambda: next(cluster.store(name).rglob(f"step-{3:012d}"), None), 90, "the first checkpoint")
+    steps_dir = first.parent  # where the job's step directories go (under the job's UID)
     log_dir = cluster.log_dir(name)
 
     def failures() -> int:
         return sum(p.read_text().count('"checkpoint-failed"') for p in log_dir.glob("w0-r*.jsonl"))
-    with unwritable(cluster.store(name)):
+    with unwritable(steps_dir):
         wait_for(lambda: failures() >= 2, 60, "a periodic checkpoint to fail")
         before = failures()
         log(f"{name}: {before} checkpoint attempts failed; kubectl scale --replicas=1")
