@@ -119,6 +119,8 @@ def local(add_parser: AddParser, name: str) -> None:
     p.add_argument("--resume", choices=["latest", "none"], default="latest")
     p.add_argument("--storage-options-dir", type=Path, help="one storage option per file")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--scale-at", action="append", default=[], metavar="STEP:REPLICAS",
+                   help="rescale live once global step STEP is reached (repeatable)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD ARGS... (default: the trainer container's command)")
     p.set_defaults(func=_local)
@@ -131,5 +133,7 @@ def _local(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     job = parse_job_file(args.file, args.replicas)
+    scale_at = [launching.parse_scale_at(text) for text in args.scale_at]
     return launching.run(job, command=command or None, resume=args.resume,
-                         storage_options_dir=args.storage_options_dir, progress=not args.quiet)
+                         storage_options_dir=args.storage_options_dir, progress=not args.quiet,
+                         scale_at=scale_at)

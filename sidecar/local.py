@@ -4,10 +4,16 @@ One sidecar per replica (serving its gpusPerReplica ranks) and one trainer
 process per rank, each with the environment the operator gives pods
 (docs/pod-contract.md). Any failed process stops the run with its error;
 Ctrl-C stops every process. Progress comes from the trainers' stats files.
+
+A live rescale (`--scale-at STEP:REPLICAS`, or a count written to the run's
+`replicas` file) walks the cluster's path: a drain request to the world's
+coordinator, every rank checkpoints at the one agreed step, and the next
+world starts exactly there (SPLITFEED_RESUME_STEP), as the operator does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,9 +24,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from splitfeed.trainer_client import errors, specs
+from splitfeed.trainer_client import errors, specs, worlds
 
 STOP_GRACE_S = 10.0
 
@@ -95,7 +101,7 @@ class Process:
 
 
 def rank_env(job: specs.JobSpec, replica: int, local_rank: int, socket_dir: Path,
-             master_port: int) -> dict[str, str]:
+             master_port: int, world_epoch: int = 0) -> dict[str, str]:
     g = job.gpus_per_replica
     env = dict(os.environ)
     env.update({
@@ -107,64 +113,164 @@ def rank_env(job: specs.JobSpec, replica: int, local_rank: int, socket_dir: Path
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(master_port),
         "SPLITFEED_SOCKET_DIR": str(socket_dir),
-        "SPLITFEED_WORLD_EPOCH": "0",
+        "SPLITFEED_WORLD_EPOCH": str(world_epoch),
     })
     return env
 
 
-def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
-        storage_options_dir: Path | None = None, progress: bool = True,
-        out: IO[str] = sys.stderr) -> int:
-    argv = command or trainer_command(job)
-    work = Path(tempfile.mkdtemp(prefix=f"splitfeed-{job.name}-", dir=shm_root()))
-    logs = Path(tempfile.mkdtemp(prefix=f"splitfeed-{job.name}-logs-"))
-    config = work / "config.json"
-    config.write_text(json.dumps(job.data_config()))
-    master_port = free_port()
-    coordinator = f"tcp://127.0.0.1:{free_port()}"
-    sidecars: list[Process] = []
-    trainers: list[Process] = []
-    stats_files: list[Path] = []
-    print(f"splitfeed local: {job.name}: {job.replicas} replicas x {job.gpus_per_replica} "
-          f"= {job.world_size} ranks; logs in {logs}", file=out)
-    started = time.monotonic()
-    interrupted = False
-    failure: str | None = None
-    try:
-        for replica in range(job.replicas):
-            socket_dir = work / f"replica-{replica}"
-            socket_dir.mkdir()
-            env = rank_env(job, replica, 0, socket_dir, master_port)
-            env["SPLITFEED_RESUME"] = resume
-            env["SPLITFEED_COORDINATOR"] = coordinator
-            sidecar_argv = [sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
-                            "--config", str(config)]
-            if storage_options_dir is not None:
-                sidecar_argv += ["--storage-options-dir", str(storage_options_dir)]
-            sidecars.append(Process(f"sidecar-{replica}", sidecar_argv, env, logs))
-            for local_rank in range(job.gpus_per_replica):
-                env = rank_env(job, replica, local_rank, socket_dir, master_port)
-                stats = work / f"stats-{env['RANK']}.json"
-                env["SPLITFEED_STATS_FILE"] = str(stats)
-                stats_files.append(stats)
-                trainers.append(Process(f"trainer-{env['RANK']}", argv, env, logs))
-        failure = _supervise(sidecars, trainers, stats_files, job, progress, out)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\nsplitfeed local: interrupted; stopping every process", file=out)
-    finally:
-        for p in trainers + sidecars:
+@dataclasses.dataclass
+class World:
+    """One topology's processes, as a world of pods (docs/agreement.md)."""
+
+    epoch: int
+    job: specs.JobSpec
+    coordinator: str
+    sidecars: list[Process]
+    trainers: list[Process]
+    stats: list[Path]
+    reports: list[Path]
+    started: float
+    resume_step: int | None
+
+    def stop(self) -> None:
+        for p in self.trainers + self.sidecars:
             p.stop()
         deadline = time.monotonic() + STOP_GRACE_S
-        for p in trainers + sidecars:
+        for p in self.trainers + self.sidecars:
             try:
                 p.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             p.kill()
-        elapsed = time.monotonic() - started
+
+    def failure(self) -> str | None:
+        for p in self.trainers + self.sidecars:
+            code = p.popen.poll()
+            if code not in (None, 0):
+                return f"{p.name} exited with code {code}:\n{p.tail()}"
+        return None
+
+    def finished(self) -> bool:
+        return all(p.popen.poll() == 0 for p in self.trainers + self.sidecars)
+
+    def steps(self) -> list[int]:
+        """Each rank's received global steps (its last step + 1; 0 before the first)."""
+        return [int(_read_stats(f).get("last_step", -1)) + 1 for f in self.stats]
+
+
+def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path, *,
+                resume: str, resume_step: int | None, storage_options_dir: Path | None) -> World:
+    """One sidecar per replica, one trainer per rank, with the environment pods get."""
+    config = work / "config.json"
+    if not config.exists():
+        config.write_text(json.dumps(job.data_config()))
+    master_port = free_port()
+    coordinator = f"tcp://127.0.0.1:{free_port()}"
+    world = World(epoch, job, coordinator, [], [], [], [], time.monotonic(), resume_step)
+    for replica in range(job.replicas):
+        socket_dir = work / f"w{epoch}-replica-{replica}"
+        socket_dir.mkdir()
+        env = rank_env(job, replica, 0, socket_dir, master_port, epoch)
+        env["SPLITFEED_RESUME"] = resume
+        env["SPLITFEED_COORDINATOR"] = coordinator
+        if resume_step is not None:
+            env["SPLITFEED_RESUME_STEP"] = str(resume_step)
+        report = work / f"w{epoch}-report-{replica}.json"
+        sidecar_argv = [sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
+                        "--config", str(config), "--termination-log", str(report)]
+        if storage_options_dir is not None:
+            sidecar_argv += ["--storage-options-dir", str(storage_options_dir)]
+        world.reports.append(report)
+        world.sidecars.append(Process(f"w{epoch}-sidecar-{replica}", sidecar_argv, env, logs))
+        for local_rank in range(job.gpus_per_replica):
+            env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)
+            stats = work / f"w{epoch}-stats-{env['RANK']}.json"
+            env["SPLITFEED_STATS_FILE"] = str(stats)
+            world.stats.append(stats)
+            world.trainers.append(Process(f"w{epoch}-trainer-{env['RANK']}", argv, env, logs))
+    return world
+
+
+@dataclasses.dataclass
+class Rescale:
+    """What one live rescale cost: where the world cut, and how long each part took."""
+
+    old: int
+    new: int
+    step: int
+    requested_at: float
+    """time.monotonic() of the drain request."""
+    agreed_s: float
+    first_batch_s: float | None = None
+    redone: int = 0
+
+    def __str__(self) -> str:
+        first = f"{self.first_batch_s:.1f} s" if self.first_batch_s is not None else "-"
+        return (f"rescale {self.old} -> {self.new} replicas at global step {self.step}: old world "
+                f"checkpointed {self.agreed_s:.1f} s after the request, new world's first batch after "
+                f"{first}; {self.redone} steps redone")
+
+
+def parse_scale_at(text: str) -> tuple[int, int]:
+    """`STEP:REPLICAS` of --scale-at."""
+    step, sep, replicas = text.partition(":")
+    if not sep or not step.isdigit() or not replicas.isdigit() or int(replicas) < 1:
+        raise errors.UserError(f"--scale-at {text!r}: expected STEP:REPLICAS, e.g. 20:4")
+    return int(step), int(replicas)
+
+
+def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
+        storage_options_dir: Path | None = None, progress: bool = True,
+        out: IO[str] = sys.stderr, scale_at: Sequence[tuple[int, int]] = ()) -> int:
+    """Run the job's worlds until it ends; rescale live at `scale_at` steps or on request."""
+    argv = command or trainer_command(job)
+    work = Path(tempfile.mkdtemp(prefix=f"splitfeed-{job.name}-", dir=shm_root()))
+    logs = Path(tempfile.mkdtemp(prefix=f"splitfeed-{job.name}-logs-"))
+    control = work / "replicas"
+    plan = sorted(scale_at)
+    print(f"splitfeed local: {job.name}: {job.replicas} replicas x {job.gpus_per_replica} "
+          f"= {job.world_size} ranks; logs in {logs}\n"
+          f"  rescale while it runs: echo N > {control}", file=out, flush=True)
+    started = time.monotonic()
+    display = Progress(out, enabled=progress)
+    history: list[World] = []
+    rescales: list[Rescale] = []
+    world: World | None = None
+    interrupted = False
+    failure: str | None = None
+    try:
+        world = start_world(job, 0, argv, work, logs, resume=resume, resume_step=None,
+                            storage_options_dir=storage_options_dir)
+        history.append(world)
+        while True:
+            failure = world.failure()
+            if failure or world.finished():
+                break
+            steps = world.steps()
+            if rescales and rescales[-1].first_batch_s is None and max(steps) > (world.resume_step or 0):
+                rescales[-1].first_batch_s = time.monotonic() - rescales[-1].requested_at
+            target = _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
+            if target is not None:
+                world, rescale = _rescale(world, target, argv, work, logs, resume,
+                                          storage_options_dir, display)
+                history.append(world)
+                rescales.append(rescale)
+                continue
+            display.update(world, rescales)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\nsplitfeed local: interrupted; stopping every process", file=out)
+    except errors.UserError as exc:
+        failure = str(exc)
+    finally:
+        display.close()
+        if world is not None:
+            world.stop()
         if not interrupted:
-            _summary(stats_files, elapsed, out)
+            _summary([f for w in history for f in w.stats], time.monotonic() - started, out)
+            for r in rescales:
+                print(f"splitfeed local: {r}", file=out, flush=True)
         _rmtree(work)
     if interrupted:
         return 130
@@ -172,6 +278,66 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
         print(f"splitfeed local: failed: {failure}", file=out)
         return 1
     return 0
+
+
+def _wanted_replicas(plan: list[tuple[int, int]], control: Path, step: int, current: int,
+                     out: IO[str]) -> int | None:
+    """A replica count other than `current` that --scale-at or the control file asks for now."""
+    wanted: int | None = None
+    if plan and plan[0][0] <= step:  # one at a time: each rescale gets a world of its own
+        wanted = plan.pop(0)[1]
+    try:
+        text = control.read_text().strip()
+        control.unlink()
+    except OSError:
+        text = ""
+    if text:
+        if text.isdigit() and int(text) > 0:
+            wanted = int(text)
+        else:
+            print(f"splitfeed local: {control}: {text!r} is not a replica count; ignored", file=out)
+    return wanted if wanted is not None and wanted != current else None
+
+
+def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Path, resume: str,
+             storage_options_dir: Path | None, display: Progress) -> tuple[World, Rescale]:
+    """Drain `world` at one agreed step, as the operator does, and start the next one there."""
+    job = dataclasses.replace(world.job, replicas=replicas)
+    try:
+        job.check_topology()
+    except ValueError as exc:
+        raise errors.UserError(f"cannot rescale to {replicas} replicas: {exc}") from exc
+    display.note(f"rescaling {world.job.replicas} -> {replicas} replicas: asking world {world.epoch} to drain")
+    asked = time.monotonic()
+    token = f"rescale-w{world.epoch}"
+    while not world.finished():
+        failure = world.failure()
+        if failure:
+            raise errors.UserError(f"world {world.epoch} failed while draining: {failure}")
+        if worlds.request_drain(world.coordinator, token, "rescale", timeout_s=1.0) is None:
+            time.sleep(0.2)  # the coordinator is still starting: ask again
+            continue
+        time.sleep(0.1)
+        display.update(world, [])
+    agreed = {_read_report(r).get("agreedStep") for r in world.reports}
+    if len(agreed) != 1 or None in agreed:
+        raise errors.UserError(f"world {world.epoch} ended without one agreed step (reports: {agreed})")
+    step = int(agreed.pop())  # type: ignore[arg-type]
+    rescale = Rescale(world.job.replicas, replicas, step, asked, time.monotonic() - asked,
+                      redone=max(world.steps()) - step)
+    display.note(f"world {world.epoch} drained at global step {step}; world {world.epoch + 1} "
+                 f"starts there with {replicas} replicas")
+    nxt = start_world(job, world.epoch + 1, argv, work, logs, resume=resume, resume_step=step,
+                      storage_options_dir=storage_options_dir)
+    return nxt, rescale
+
+
+def _read_report(path: Path) -> dict[str, Any]:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
 
 
 def _rmtree(path: Path) -> None:
@@ -183,30 +349,61 @@ def _rmtree(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _supervise(sidecars: list[Process], trainers: list[Process], stats_files: list[Path],
-               job: specs.JobSpec, progress: bool, out: IO[str]) -> str | None:
-    """Wait for the trainers; the first failure (trainer or sidecar) ends the run."""
-    next_report = time.monotonic() + 2.0
-    while True:
-        for p in trainers:
-            code = p.popen.poll()
-            if code not in (None, 0):
-                return f"{p.name} exited with code {code}:\n{p.tail()}"
-        for p in sidecars:
-            code = p.popen.poll()
-            if code not in (None, 0):
-                return f"{p.name} exited with code {code}:\n{p.tail()}"
-        if all(p.popen.poll() == 0 for p in trainers):
-            return None
-        if progress and time.monotonic() >= next_report:
-            next_report = time.monotonic() + 2.0
-            steps = [_read_stats(f).get("last_step", -1) for f in stats_files]
-            streaming = sum(s >= 0 for s in steps)
-            if streaming < len(steps):
-                print(f"  ... starting: {streaming}/{len(steps)} ranks streaming", file=out, flush=True)
-            else:
-                print(f"  ... global step {min(steps) + 1}", file=out, flush=True)
-        time.sleep(0.1)
+class Progress:
+    """A tqdm bar on a terminal; a plain line every PLAIN_EVERY_S otherwise (CI logs)."""
+
+    PLAIN_EVERY_S = 5.0
+
+    def __init__(self, out: IO[str], *, enabled: bool) -> None:
+        self.out = out
+        self.enabled = enabled
+        self.tty = enabled and out.isatty()
+        self._bar: Any = None
+        self._next_line = time.monotonic() + self.PLAIN_EVERY_S
+
+    def note(self, text: str) -> None:
+        """A line above the bar (a rescale event)."""
+        if self._bar is not None:
+            self._bar.write(f"splitfeed local: {text}", file=self.out)
+        else:
+            print(f"splitfeed local: {text}", file=self.out, flush=True)
+
+    def update(self, world: World, rescales: Sequence[Rescale]) -> None:
+        if not self.enabled:
+            return
+        stats = [_read_stats(f) for f in world.stats]
+        total = max((int(s.get("total_steps", 0)) for s in stats), default=0)
+        rows = sum(s.get("rows", 0) for s in stats)
+        busy = sum(s.get("elapsed_s", 0.0) for s in stats)
+        streaming = max((s.get("elapsed_s", 0.0) for s in stats), default=0.0)
+        rate = rows / streaming if streaming >= 1.0 else 0.0  # a rate over a blink says nothing
+        stall = sum(s.get("wait_s", 0.0) for s in stats) / busy if busy else 0.0
+        # Steps every rank has taken; before a rank's first batch, where the world resumed.
+        start = world.resume_step or 0
+        done = min((int(s.get("last_step", start - 1)) + 1 for s in stats), default=start)
+        label = f"world {world.epoch} ({world.job.world_size} ranks)"
+        if self.tty:
+            from tqdm import tqdm
+
+            if self._bar is None and total:
+                self._bar = tqdm(total=total, file=self.out, unit="step", dynamic_ncols=True)
+            if self._bar is not None:
+                self._bar.n = done
+                self._bar.set_description(label, refresh=False)
+                self._bar.set_postfix_str(f"{rate:,.0f} rows/s, stall {stall:.0%}", refresh=False)
+                self._bar.refresh()
+            return
+        now = time.monotonic()
+        if now >= self._next_line:
+            self._next_line = now + self.PLAIN_EVERY_S
+            of = f"/{total}" if total else ""
+            print(f"splitfeed local: {label}: global step {done}{of}, {rate:,.0f} rows/s, "
+                  f"data stall {stall:.0%}", file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _read_stats(path: Path) -> dict[str, float]:
@@ -220,13 +417,12 @@ def _read_stats(path: Path) -> dict[str, float]:
 def _summary(stats_files: list[Path], elapsed: float, out: IO[str]) -> None:
     stats = [_read_stats(f) for f in stats_files]
     rows = sum(s.get("rows", 0) for s in stats)
-    steps = max((s.get("batches", 0) for s in stats), default=0)
+    steps = max((s.get("last_step", -1) + 1 for s in stats), default=0)
     busy = sum(s.get("elapsed_s", 0.0) for s in stats)
     streaming = max((s.get("elapsed_s", 0.0) for s in stats), default=0.0)
     stall = sum(s.get("wait_s", 0.0) for s in stats) / busy if busy else 0.0
     # rows/s over the time data flowed (first batch to last), not process start-up.
     rate = rows / streaming if streaming else 0.0
-    print(f"splitfeed local: {steps} steps per rank, {rows} rows in {elapsed:.1f} s; "
+    print(f"splitfeed local: {int(steps)} global steps, {rows} rows in {elapsed:.1f} s; "
           f"{rate:.0f} rows/s while streaming, data stall {stall:.1%}",
           file=out, flush=True)
-

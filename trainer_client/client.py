@@ -125,6 +125,10 @@ def _to_tensor(value: Any) -> Any:
     return value
 
 
+STATS_EVERY_S = 0.2
+"""How often the stats file is rewritten: `splitfeed local` triggers rescales from it."""
+
+
 class _Stats:
     """Rows, steps and time spent waiting for data; `splitfeed local` reads the file."""
 
@@ -135,6 +139,7 @@ class _Stats:
         self.wait_s = 0.0
         self.first: float | None = None
         self.last_step = -1
+        self.total_steps = 0
         self._written = 0.0
 
     def record(self, batch: Batch, wait_s: float) -> None:
@@ -146,7 +151,7 @@ class _Stats:
         self.batches += 1
         self.rows += batch.rows
         self.last_step = batch.global_step
-        if now - self._written > 1.0:
+        if now - self._written > STATS_EVERY_S:
             self.write()
 
     def write(self, final: bool = False) -> None:
@@ -156,7 +161,8 @@ class _Stats:
         self._written = now
         elapsed = now - self.first if self.first is not None else 0.0
         blob = json.dumps({"batches": self.batches, "rows": self.rows, "wait_s": self.wait_s,
-                           "elapsed_s": elapsed, "last_step": self.last_step, "final": final})
+                           "elapsed_s": elapsed, "last_step": self.last_step, "total_steps": self.total_steps,
+                           "final": final})
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             f.write(blob)
@@ -456,7 +462,7 @@ class StreamClient:
         self.world_size = message["world_size"]
         self.resume_step = message["resume_step"]
         self.steps_per_epoch = message["steps_per_epoch"]
-        self.total_steps = message["total_steps"]
+        self.total_steps = self.stats.total_steps = message["total_steps"]
         if self._next_step is None or message["instance"] != previous:
             # Only the first welcome decides where a fresh process starts; later
             # ones answer our own hello (heartbeats may be answered late).

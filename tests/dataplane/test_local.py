@@ -40,7 +40,7 @@ def test_local_runs_every_rank_with_the_pod_environment(table_uri, tmp_path):
             f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')", str(logs)]}]}}}
     done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--quiet")
     assert done.returncode == 0, done.stderr
-    assert "steps per rank" in done.stderr and "rows/s" in done.stderr and "data stall" in done.stderr
+    assert "global steps" in done.stderr and "rows/s" in done.stderr and "data stall" in done.stderr
     for rank in range(2):
         got = [json.loads(line)["ids"] for line in (logs / f"rank{rank}.jsonl").read_text().splitlines()]
         assert got == reference_batches(table_uri, {}, 2, rank)
