@@ -1,7 +1,10 @@
 """Whether a StreamingJob (or a new replica count for one) may be admitted.
 
 Pure. Called by the validating webhooks (create/update and the scale subresource)
-and again by `rescaling` before every reshape, so both say the same thing.
+and again by `rescaling` before every reshape, so both say the same thing. On
+UPDATE it also refuses what the CRD's transition rules refuse (order-defining
+fields changed; a scale or suspend with nowhere to checkpoint), for clusters
+where those rules do not run.
 The divisibility rules live in trainer_client.topology and the field rules in
 trainer_client.specs; this module adds what only a pod-building operator cares
 about (names that fit DNS, a "trainer" container, reserved volume names) and
@@ -10,6 +13,7 @@ phrases a rejection: the rule that failed and the replica counts that would pass
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -120,6 +124,55 @@ def review_scale(manifest: Mapping[str, Any], replicas: int) -> None:
     """A scale request: the job as stored, with `replicas` instead of its own count."""
     job = parse(manifest)
     check_replicas(job, replicas)
+    check_stop_has_store(job, dataclasses.replace(job, replicas=replicas))
+
+
+STORE_RULE = "spec.checkpoint.uri is set before replicas or suspend change"
+_STORE_DETAIL = (
+    "changing replicas or setting suspend to true stops the running world, which needs "
+    "somewhere to save its data position: set spec.checkpoint.uri (a local path or s3://) in "
+    "an update of its own first, then scale or suspend; or create a new StreamingJob with the "
+    "replica count you want"
+)
+
+
+def check_unchanged_order(old: specs.JobSpec, new: specs.JobSpec) -> None:
+    """The fields that fix which row comes at which step cannot change (the CRD's rules say
+    the same; this is the only guard where CEL is absent)."""
+    before, after = specs.order_fields(old.data), specs.order_fields(new.data)
+    changed = [key for key in specs.ORDER_FIELDS if before[key] != after[key]]
+    if changed:
+        details = "; ".join(f"data.{key}: {before[key]!r} -> {after[key]!r}" for key in changed)
+        raise Rejected(
+            ", ".join(f"data.{key} is immutable" for key in changed),
+            f"{details}. They decide which rows make each global step, and a job resumes its "
+            f"checkpoints only in the order that wrote them: create a new StreamingJob to change "
+            f"{', '.join(changed)}",
+        )
+
+
+def check_stop_has_store(old: specs.JobSpec, new: specs.JobSpec) -> None:
+    """A scale or suspend drains the world into a checkpoint; without a store it would lose
+    the job's data position."""
+    stops = new.replicas != old.replicas or (new.suspend and not old.suspend)
+    if stops and not (old.checkpoint.uri and new.checkpoint.uri):
+        raise Rejected(STORE_RULE, _STORE_DETAIL)
+
+
+def review_update(old: Mapping[str, Any], new: Mapping[str, Any],
+                  sidecar_defaults: Mapping[str, Any] | None = None) -> specs.JobSpec:
+    """An UPDATE of a whole StreamingJob: every rule of a new job, plus what may not change.
+
+    An old object that no longer parses (admitted before a rule existed) is judged as new.
+    """
+    job = review_job(new, sidecar_defaults)
+    try:
+        before = parse(old, sidecar_defaults)
+    except Rejected:
+        return job
+    check_unchanged_order(before, job)
+    check_stop_has_store(before, job)
+    return job
 
 
 def allowed_replicas(job: specs.JobSpec) -> list[int]:

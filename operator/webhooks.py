@@ -3,7 +3,9 @@
 `register` adds them to a Kopf registry; `commands` does so only when a webhook
 server is configured (Kopf refuses to start with admission handlers but no
 server). The rules are `admission`'s, the same ones the reconciler re-checks
-before every reshape.
+before every reshape. An UPDATE is also judged against the old object
+(immutable order-defining fields; a scale or suspend needs spec.checkpoint.uri),
+and so is a scale: the guard where the CRD's CEL rules are absent.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operation: s
     # Kopf's own metadata/status patches must pass even for a job admitted before the rules.
     if operation == "UPDATE" and old and old.get("spec") == body.get("spec"):
         return
+    defaults = memo["ctx"].settings.sidecar_defaults
     try:
-        admission.review_job(body, memo["ctx"].settings.sidecar_defaults)
+        if operation == "UPDATE" and old:
+            admission.review_update(old, body, defaults)
+        else:
+            admission.review_job(body, defaults)
     except admission.Rejected as exc:
         raise kopf.AdmissionError(str(exc), code=422) from exc
 

@@ -57,6 +57,31 @@ class DataSpec:
     """Loader worker processes per rank."""
     read_batch_size: int = 64
     """Rows fetched from one split per read."""
+    version: int | str | None = None
+    """The table version to read from start to end (lancedb time travel): a version
+    number or a tag. None: the version current when the job first starts, which the
+    sidecar then fixes here (as a number) so that every reader opens the same one."""
+
+
+ORDER_FIELDS = (
+    "uri", "table", "version", "columns", "filter", "numSplits", "shuffle", "shuffleSeed",
+    "shuffleClumpSize", "globalBatchSize",
+)
+"""spec.data fields that decide which row is delivered at which global step: fixed
+for the life of a job (CRD rules, the admission webhook) and checked against a
+checkpoint's provenance before it is resumed. epochs may change (the order of
+epoch e does not depend on how many follow); numWorkers and readBatchSize do not
+touch the order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeFrom:
+    """Another job's checkpoints to start from (same namespace and checkpoint.uri)."""
+
+    uid: str
+    """metadata.uid of the job that wrote them; checkpoints are kept per job UID."""
+    name: str | None = None
+    """That job's name; None: this job's own name (a deleted and re-created job)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +90,9 @@ class CheckpointSpec:
     """Where data checkpoints go (local path or s3://); None disables them."""
     timeout_seconds: int = 300
     """How long a rescale waits for a complete checkpoint before giving up on it."""
+    resume_from: ResumeFrom | None = None
+    """Start from another job's checkpoints when this one has none of its own; a job
+    otherwise never sees checkpoints it did not write (they are keyed by its UID)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +153,7 @@ class JobSpec:
             "namespace": self.namespace,
             "gpusPerReplica": self.gpus_per_replica,
             "data": _data_to_wire(self.data),
-            "checkpoint": {
-                "uri": self.checkpoint.uri,
-                "timeoutSeconds": self.checkpoint.timeout_seconds,
-            },
+            "checkpoint": _checkpoint_to_wire(self.checkpoint),
             "sidecar": {"prefetchBatches": self.sidecar.prefetch_batches},
         }
 
@@ -159,10 +184,16 @@ _DATA_FIELDS: dict[str, _Field] = {
     "epochs": ("epochs", "int", False, 1),
     "numWorkers": ("num_workers", "int", False, 1),
     "readBatchSize": ("read_batch_size", "int", False, 1),
+    "version": ("version", "version", False, 1),
 }
 _CHECKPOINT_FIELDS: dict[str, _Field] = {
     "uri": ("uri", "str", False, None),
     "timeoutSeconds": ("timeout_seconds", "int", False, 1),
+    "resumeFrom": ("resume_from", "resumeFrom", False, None),
+}
+_RESUME_FROM_FIELDS: dict[str, _Field] = {
+    "uid": ("uid", "str", True, None),
+    "name": ("name", "str", False, None),
 }
 _SIDECAR_FIELDS: dict[str, _Field] = {
     "image": ("image", "str", False, None),
@@ -226,6 +257,16 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
         if not isinstance(value, Mapping):
             raise SpecError(path, f"must be a mapping, got {value!r}")
         return dict(value)
+    if kind == "version":
+        if isinstance(value, str):
+            return _convert(path, "str", value, None)
+        return _convert(path, "int", value, minimum)
+    if kind == "resumeFrom":
+        source = ResumeFrom(**_section(path, value, _RESUME_FROM_FIELDS))
+        for key, part in (("uid", source.uid), ("name", source.name)):
+            if part is not None and ("/" in part or part in (".", "..")):
+                raise SpecError(f"{path}.{key}", f"names a checkpoint directory and cannot be {part!r}")
+        return source
     if kind == "quantity":
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise SpecError(path, f"must be a Kubernetes quantity such as 2Gi, got {value!r}")
@@ -319,6 +360,23 @@ def _data_to_wire(data: DataSpec) -> dict[str, Any]:
         if value is None or (key == "storageOptions" and not value):
             continue
         out[key] = value
+    return out
+
+
+def _checkpoint_to_wire(checkpoint: CheckpointSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"uri": checkpoint.uri, "timeoutSeconds": checkpoint.timeout_seconds}
+    source = checkpoint.resume_from
+    if source is not None:
+        out["resumeFrom"] = {"uid": source.uid, **({"name": source.name} if source.name else {})}
+    return out
+
+
+def order_fields(data: DataSpec) -> dict[str, Any]:
+    """The ORDER_FIELDS of `data` by wire name (columns as a list, absent ones None)."""
+    out: dict[str, Any] = {}
+    for key in ORDER_FIELDS:
+        value = getattr(data, _DATA_FIELDS[key][0])
+        out[key] = list(value) if isinstance(value, tuple) else value
     return out
 
 

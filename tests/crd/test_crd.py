@@ -41,6 +41,14 @@ FULL = yaml.safe_load((ROOT / "examples" / "streamingjob.yaml").read_text())
 # tests/chart pins to the config model's.
 OPERATOR_DEFAULTED = {("sidecar", "image"), ("sidecar", "shmSize"), ("sidecar", "prefetchBatches")}
 
+# Optional fields the complete example leaves out because setting them changes
+# what it does: a pinned table version or tag must exist in the user's table, and
+# resumeFrom names another job's UID.
+NOT_IN_THE_EXAMPLE = {("spec", "data", "version"), ("spec", "checkpoint", "resumeFrom")}
+
+# The spec-level transition rule that is not about immutability.
+STORE_RULE_PATH = ".checkpoint.uri"
+
 
 # --- helpers: the apiserver's view of the schema -------------------------------
 
@@ -297,7 +305,7 @@ def at_schema(path: Path) -> Mapping[str, Any]:
 
 class TestDivisibilityRules:
     def test_there_are_exactly_the_three_topology_rules_on_spec(self):
-        on_spec = [rule["rule"] for path, rule in cel_rules() if path == ("spec",)]
+        on_spec = [rule["rule"] for path, rule in cel_rules() if path == ("spec",) and not is_transition(rule)]
         assert len(on_spec) == 3
 
     @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
@@ -339,7 +347,7 @@ class TestDivisibilityRules:
             "globalBatchSize % numSplits == 0": "self.data.globalBatchSize % self.data.numSplits == 0",
             "globalBatchSize % worldSize == 0": "self.data.globalBatchSize % (self.replicas * self.gpusPerReplica) == 0",
         }
-        on_spec = {rule["rule"] for path, rule in cel_rules() if path == ("spec",)}
+        on_spec = {rule["rule"] for path, rule in cel_rules() if path == ("spec",) and not is_transition(rule)}
         assert set(names.values()) == on_spec
         checked = 0
         for replicas, gpus, workers, splits, batch in itertools.product(
@@ -382,11 +390,19 @@ class TestImmutability:
             pytest.param("uri", "s3://elsewhere/lancedb", id="uri"),
             pytest.param("filter", "label >= 1", id="filter-changed"),
             pytest.param("filter", _DELETE, id="filter-removed"),
+            pytest.param("shuffle", False, id="shuffle"),
+            pytest.param("shuffleClumpSize", 8, id="shuffleClumpSize"),
+            pytest.param("globalBatchSize", 1920, id="globalBatchSize"),
+            pytest.param("columns", ["id", "label"], id="columns-changed"),
+            pytest.param("columns", _DELETE, id="columns-removed"),
+            pytest.param("version", 8, id="version-changed"),
+            pytest.param("version", "snapshot", id="version-number-to-tag"),
+            pytest.param("version", _DELETE, id="version-removed"),
         ],
     )
     def test_changing_a_field_that_fixes_the_data_order_is_refused(self, field, new_value):
-        old = job()
-        new = job(**{f"data__{field}": new_value})
+        old = job(data__version=7)
+        new = job(**{"data__version": 7, f"data__{field}": new_value})
         failed = [
             rule for path, rule in cel_rules()
             if is_transition(rule) and has(new, path) and not evaluate(path, rule, new, old)
@@ -406,6 +422,18 @@ class TestImmutability:
         old = job(data__filter=_DELETE)
         assert failing_rules(old, old) == []
 
+    @pytest.mark.parametrize("field,value", [("columns", ["id"]), ("version", 3), ("version", "snap")])
+    def test_adding_an_order_field_is_refused(self, field, value):
+        old = job(**{f"data__{field}": _DELETE})
+        new = job(**{f"data__{field}": value})
+        failed = failing_rules(new, old)
+        assert len(failed) == 1 and f"has(self.{field}) == has(oldSelf.{field})" in failed[0]
+
+    def test_the_order_fields_of_the_config_model_are_exactly_the_immutable_ones(self):
+        # specs.ORDER_FIELDS drives the webhook's UPDATE check and the checkpoint
+        # provenance check; the CRD must refuse changing the same fields.
+        assert set(specs.ORDER_FIELDS) == immutable_fields()
+
     @pytest.mark.parametrize(
         "changes",
         [
@@ -414,18 +442,106 @@ class TestImmutability:
             pytest.param({"data__epochs": 100}, id="epochs"),
             pytest.param({"data__readBatchSize": 128}, id="readBatchSize"),
             pytest.param({"sidecar__prefetchBatches": 8}, id="prefetch"),
+            pytest.param({"data__numWorkers": 2}, id="numWorkers"),
+            pytest.param({"checkpoint__timeoutSeconds": 60}, id="checkpoint-timeout"),
+            pytest.param({"checkpoint__resumeFrom": {"uid": "0b1c"}}, id="resumeFrom"),
         ],
     )
     def test_fields_that_keep_the_data_order_may_change(self, changes):
         assert failing_rules(job(**changes), old=job()) == []
 
     def test_exactly_the_documented_fields_are_immutable(self):
-        immutable = set()
-        for path, rule in cel_rules():
-            if is_transition(rule):
-                field = path[-1] if rule["rule"] == "self == oldSelf" else rule["fieldPath"].lstrip(".")
-                immutable.add(field)
-        assert immutable == {"numSplits", "shuffleSeed", "table", "uri", "filter"}
+        assert immutable_fields() == {
+            "numSplits", "shuffleSeed", "table", "uri", "filter",
+            "shuffle", "shuffleClumpSize", "globalBatchSize", "columns", "version",
+        }
+
+
+def immutable_fields() -> set[str]:
+    immutable = set()
+    for path, rule in cel_rules():
+        if is_transition(rule) and rule.get("fieldPath") != STORE_RULE_PATH:
+            field = path[-1] if rule["rule"] == "self == oldSelf" else rule["fieldPath"].lstrip(".")
+            immutable.add(field)
+    return immutable
+
+
+def store_rule() -> dict[str, Any]:
+    (rule,) = [r for p, r in cel_rules() if p == ("spec",) and r.get("fieldPath") == STORE_RULE_PATH]
+    return rule
+
+
+class TestNoScaleOrSuspendWithoutACheckpointStore:
+    @pytest.mark.parametrize(
+        "old_changes,new_changes,refused",
+        [
+            pytest.param({"checkpoint__uri": _DELETE}, {"checkpoint__uri": _DELETE, "replicas": 6}, True, id="scale"),
+            pytest.param({"checkpoint__uri": _DELETE}, {"checkpoint__uri": _DELETE, "replicas": 2}, True, id="scale-down"),
+            pytest.param({"checkpoint__uri": _DELETE}, {"checkpoint__uri": _DELETE, "suspend": True}, True, id="suspend"),
+            pytest.param({"checkpoint__uri": _DELETE}, {"replicas": 6}, True, id="scale-while-adding-the-uri"),
+            pytest.param({}, {"checkpoint__uri": _DELETE, "replicas": 6}, True, id="scale-while-removing-the-uri"),
+            pytest.param({"checkpoint__uri": _DELETE, "suspend": True}, {"checkpoint__uri": _DELETE}, False, id="resume"),
+            pytest.param({"checkpoint__uri": _DELETE}, {"checkpoint__uri": _DELETE, "data__epochs": 3}, False, id="other-change"),
+            pytest.param({"checkpoint__uri": _DELETE}, {}, False, id="adding-the-uri-alone"),
+            pytest.param({}, {"replicas": 6}, False, id="scale-with-a-store"),
+            pytest.param({}, {"suspend": True}, False, id="suspend-with-a-store"),
+        ],
+    )
+    def test_a_stop_needs_a_store(self, old_changes, new_changes, refused):
+        failed = failing_rules(job(**new_changes), old=job(**old_changes))
+        assert failed == ([store_rule()["rule"]] if refused else [])
+
+    def test_the_message_says_to_set_the_checkpoint_uri(self):
+        message = store_rule()["message"]
+        assert "set spec.checkpoint.uri" in message and "create a new StreamingJob" in message
+
+    def test_a_new_job_may_start_suspended_without_a_store(self):
+        assert failing_rules(job(checkpoint__uri=_DELETE, suspend=True)) == []
+
+
+class TestTableVersion:
+    @pytest.mark.parametrize("value,ok", [(1, True), (42, True), ("nightly-2026-01", True), (0, False), ("", False)])
+    def test_a_version_is_a_positive_number_or_a_tag(self, value, ok):
+        assert (failing_rules(job(data__version=value)) == []) is ok
+
+    @pytest.mark.parametrize("value", [3, "snap"])
+    def test_the_schema_takes_a_number_or_a_string(self, value):
+        manifest = copy.deepcopy(FULL)
+        manifest["spec"]["data"]["version"] = value
+        assert schema_errors(manifest) == []
+        assert specs.parse_job(manifest).data.version == value
+
+    def test_the_schema_refuses_other_types(self):
+        manifest = copy.deepcopy(FULL)
+        manifest["spec"]["data"]["version"] = 1.5
+        assert schema_errors(manifest)
+
+
+class TestResumeFrom:
+    def test_uid_is_required_and_name_optional(self):
+        node = at_schema(("spec", "checkpoint", "resumeFrom"))
+        assert node["required"] == ["uid"]
+        assert {f.name for f in dataclasses.fields(specs.ResumeFrom)} == set(node["properties"])
+        manifest = copy.deepcopy(FULL)
+        manifest["spec"]["checkpoint"]["resumeFrom"] = {"name": "resnet"}
+        assert any("'uid' is a required property" in e for e in schema_errors(manifest))
+        with pytest.raises(specs.SpecError, match="spec.checkpoint.resumeFrom.uid"):
+            specs.parse_job(manifest)
+
+    @pytest.mark.parametrize("uid", ["../other", "a/b"])
+    def test_a_uid_cannot_leave_the_checkpoint_directory(self, uid):
+        manifest = copy.deepcopy(FULL)
+        manifest["spec"]["checkpoint"]["resumeFrom"] = {"uid": uid}
+        assert any("does not match" in e for e in schema_errors(manifest))
+        with pytest.raises(specs.SpecError):
+            specs.parse_job(manifest)
+
+    def test_a_valid_one_parses(self):
+        manifest = copy.deepcopy(FULL)
+        manifest["spec"]["checkpoint"]["resumeFrom"] = {"uid": "6f1e2d3c-0000-4000-8000-000000000001"}
+        assert schema_errors(manifest) == []
+        source = specs.parse_job(manifest).checkpoint.resume_from
+        assert source == specs.ResumeFrom(uid="6f1e2d3c-0000-4000-8000-000000000001")
 
 
 # --- the schema against examples -----------------------------------------------------
@@ -444,6 +560,8 @@ class TestSchema:
         for path, node in walk(SPEC_SCHEMA, ("spec",)):
             if "*" in path or "[]" in path or path[:2] == ("spec", "sidecar") and len(path) > 3:
                 continue  # map values, list items, resource names
+            if path[:3] in NOT_IN_THE_EXAMPLE:
+                continue
             assert has(FULL, path), f"examples/streamingjob.yaml does not set {'.'.join(path)}"
 
     @pytest.mark.parametrize(

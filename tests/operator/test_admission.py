@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitfeed.operator import admission
+from splitfeed.trainer_client import specs
 from tests.operator.builders import manifest
 
 ALLOWED_48_960 = [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
@@ -121,3 +122,175 @@ def test_operator_sidecar_defaults_fill_only_what_the_job_omits():
     del m["spec"]["sidecar"]
     assert admission.parse(m, settings.sidecar_defaults).sidecar.shm_size == "8Gi"
     assert admission.parse(m).sidecar.image == "splitfeed:0.1.0"
+
+
+# --- UPDATE: order-defining fields are fixed; a stop needs a checkpoint store ---------
+
+ORDER_CHANGES = [
+    pytest.param("uri", "s3://other/db", id="uri"),
+    pytest.param("table", "other", id="table"),
+    pytest.param("version", 9, id="version"),
+    pytest.param("columns", ["id"], id="columns"),
+    pytest.param("filter", "label > 2", id="filter"),
+    pytest.param("numSplits", 96, id="numSplits"),
+    pytest.param("shuffle", False, id="shuffle"),
+    pytest.param("shuffleSeed", 5, id="shuffleSeed"),
+    pytest.param("shuffleClumpSize", 16, id="shuffleClumpSize"),
+    pytest.param("globalBatchSize", 1920, id="globalBatchSize"),
+]
+
+
+def with_data(m, **data):
+    out = manifest(**{k: v for k, v in m["spec"].items() if k != "data"})
+    out["spec"]["data"] = {**m["spec"]["data"], **data}
+    return out
+
+
+@pytest.mark.parametrize("field, value", ORDER_CHANGES)
+def test_an_update_of_an_order_defining_field_is_refused_naming_it(field, value):
+    old = with_data(manifest(), version=7)
+    new = with_data(old, **{field: value})
+    admission.review_job(new)  # a fine job to create...
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_update(old, new)  # ...but not to turn this job into
+    assert info.value.rule == f"data.{field} is immutable"
+    assert "create a new StreamingJob" in str(info.value)
+
+
+def test_every_changed_order_field_is_named():
+    old = manifest()
+    new = with_data(old, shuffle=False, globalBatchSize=1920)
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_update(old, new)
+    assert info.value.rule == "data.shuffle is immutable, data.globalBatchSize is immutable"
+
+
+def test_the_order_fields_are_the_config_models():
+    assert [p.values[0] for p in ORDER_CHANGES] == list(specs.ORDER_FIELDS)
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param({"replicas": 6}, id="scale"),
+    pytest.param({"epochs": 3}, id="epochs"),
+    pytest.param({"numWorkers": 2}, id="numWorkers"),
+    pytest.param({"readBatchSize": 7}, id="readBatchSize"),
+    pytest.param({"suspend": True}, id="suspend"),
+])
+def test_an_update_that_keeps_the_order_is_admitted(change):
+    old = manifest()
+    new = manifest(**{k: v for k, v in change.items() if k in ("replicas", "suspend")})
+    new["spec"]["data"].update({k: v for k, v in change.items() if k not in ("replicas", "suspend")})
+    assert admission.review_update(old, new).data.num_splits == 48
+
+
+def no_store(**spec):
+    m = manifest(**spec)
+    del m["spec"]["checkpoint"]["uri"]
+    return m
+
+
+@pytest.mark.parametrize("old, new", [
+    pytest.param(no_store(), no_store(replicas=6), id="scale-up"),
+    pytest.param(no_store(), no_store(replicas=2), id="scale-down"),
+    pytest.param(no_store(), no_store(suspend=True), id="suspend"),
+    pytest.param(no_store(), manifest(replicas=6), id="scale-while-adding-the-uri"),
+    pytest.param(manifest(), no_store(replicas=6), id="scale-while-removing-the-uri"),
+])
+def test_a_scale_or_suspend_without_a_checkpoint_store_is_refused(old, new):
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_update(old, new)
+    assert info.value.rule == admission.STORE_RULE
+    assert "set spec.checkpoint.uri" in str(info.value)
+
+
+@pytest.mark.parametrize("old, new", [
+    pytest.param(no_store(suspend=True), no_store(), id="resume"),
+    pytest.param(no_store(), manifest(), id="adding-the-uri-alone"),
+    pytest.param(manifest(), manifest(replicas=6), id="scale-with-a-store"),
+    pytest.param(manifest(), manifest(suspend=True), id="suspend-with-a-store"),
+])
+def test_a_stop_with_a_store_or_a_resume_is_admitted(old, new):
+    admission.review_update(old, new)
+
+
+def test_a_new_job_may_be_created_suspended_without_a_store():
+    admission.review_job(no_store(suspend=True))
+
+
+def test_a_scale_subresource_request_needs_a_store_too():
+    with pytest.raises(admission.Rejected, match="set spec.checkpoint.uri"):
+        admission.review_scale(no_store(), 6)
+    admission.review_scale(no_store(), 4)  # the same count stops nothing
+    admission.review_scale(manifest(), 6)
+
+
+def test_an_old_object_that_no_longer_parses_is_judged_as_new():
+    old = manifest()
+    old["spec"]["data"]["numSplit"] = 3  # admitted before the rule
+    new = with_data(manifest(), globalBatchSize=1920)
+    assert admission.review_update(old, new).data.global_batch_size == 1920
+
+
+# --- the same through Kopf's webhook server (AdmissionReviews, as the apiserver posts them) ---
+
+from tests.operator.test_kopf_emulated import (  # noqa: E402  (fixtures and helpers)
+    add_job,
+    cluster,  # noqa: F401
+    free_port,
+    review,
+    running_operator,
+)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_the_webhooks_refuse_order_changes_and_stops_without_a_store(cluster):  # noqa: F811
+    import asyncio
+    import time
+    from typing import Any
+
+    import aiohttp
+    import kopf
+
+    from splitfeed.operator import webhooks
+
+    port = free_port()
+    settings = kopf.OperatorSettings()
+    settings.admission.server = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
+    registry = kopf.OperatorRegistry()
+    webhooks.register(registry)
+    add_job(cluster, no_store())
+
+    async with running_operator(cluster, settings, registry), aiohttp.ClientSession() as http:
+        async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    async with http.post(f"http://127.0.0.1:{port}/{path}", json=body) as resp:
+                        if resp.status != 404 or time.monotonic() > deadline:  # 404 until the CRD is found
+                            assert resp.status == 200, await resp.text()
+                            answer: dict[str, Any] = (await resp.json())["response"]
+                            return answer
+                except aiohttp.ClientConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                await asyncio.sleep(0.2)
+
+        def update(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+            return review(new, operation="UPDATE", old=old)
+
+        denied = await post("streamingjob", update(manifest(), with_data(manifest(), globalBatchSize=1920)))
+        assert not denied["allowed"] and denied["status"]["code"] == 422
+        assert "data.globalBatchSize is immutable" in denied["status"]["message"]
+        for new in (no_store(replicas=6), no_store(suspend=True)):
+            denied = await post("streamingjob", update(no_store(), new))
+            assert not denied["allowed"] and "set spec.checkpoint.uri" in denied["status"]["message"]
+        assert (await post("streamingjob", update(manifest(), manifest(replicas=6))))["allowed"]
+        assert (await post("streamingjob", update(no_store(suspend=True), no_store())))["allowed"]
+
+        def scale(replicas: int) -> dict[str, Any]:
+            return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                    "metadata": {"name": "resnet", "namespace": "ns"}, "spec": {"replicas": replicas}}
+
+        denied = await post("scale", review(scale(6), operation="UPDATE", old=scale(4), sub_resource="scale"))
+        assert not denied["allowed"] and "set spec.checkpoint.uri" in denied["status"]["message"]

@@ -81,3 +81,47 @@ def test_data_config_round_trips_and_its_checksum_changes_with_any_field():
 @pytest.mark.parametrize("text,expected", [("2Gi", 2 * 2**30), ("512Mi", 512 * 2**20), ("1000", 1000), ("1G", 10**9)])
 def test_quantities_parse_to_bytes(text, expected):
     assert specs.parse_quantity_bytes(text) == expected
+
+
+@pytest.mark.parametrize("value", [1, 12, "nightly", "v-2026.01"])
+def test_a_table_version_is_a_number_or_a_tag(value):
+    job = specs.parse_job(with_("spec.data.version", value))
+    assert job.data.version == value
+    assert specs.parse_data_config(job.data_config()).data.version == value
+
+
+@pytest.mark.parametrize("value,words", [(0, "at least 1"), ("", "non-empty"), (1.5, "integer"), (True, "integer")])
+def test_a_bad_table_version_names_the_field(value, words):
+    with pytest.raises(specs.SpecError) as info:
+        specs.parse_job(with_("spec.data.version", value))
+    assert info.value.field == "spec.data.version" and words in str(info.value)
+
+
+def test_resume_from_round_trips_through_the_data_config():
+    job = specs.parse_job(with_("spec.checkpoint", {"uri": "/ckpt", "resumeFrom": {"uid": "u-1", "name": "old"}}))
+    assert job.checkpoint.resume_from == specs.ResumeFrom(uid="u-1", name="old")
+    config = job.data_config()
+    assert config["checkpoint"]["resumeFrom"] == {"uid": "u-1", "name": "old"}
+    assert specs.parse_data_config(config).checkpoint == job.checkpoint
+    plain = specs.parse_job(with_("spec.checkpoint", {"uri": "/ckpt"})).data_config()
+    assert "resumeFrom" not in plain["checkpoint"]  # unchanged checksum for jobs without it
+
+
+@pytest.mark.parametrize("value,field", [
+    ({"name": "old"}, "spec.checkpoint.resumeFrom.uid"),
+    ({"uid": "u", "nmae": "old"}, "spec.checkpoint.resumeFrom.nmae"),
+    ({"uid": "../x"}, "spec.checkpoint.resumeFrom.uid"),
+    ({"uid": "u", "name": "a/b"}, "spec.checkpoint.resumeFrom.name"),
+])
+def test_a_bad_resume_from_names_the_field(value, field):
+    with pytest.raises(specs.SpecError) as info:
+        specs.parse_job(with_("spec.checkpoint.resumeFrom", value))
+    assert info.value.field == field
+
+
+def test_order_fields_are_the_wire_values_of_the_order_defining_fields():
+    job = specs.parse_job(with_("spec.data.columns", ["id", "label"]))
+    order = specs.order_fields(job.data)
+    assert list(order) == list(specs.ORDER_FIELDS)
+    assert order["columns"] == ["id", "label"] and order["globalBatchSize"] == 960
+    assert order["version"] is None and order["shuffle"] is True
