@@ -54,11 +54,16 @@ def plan(add_parser: AddParser, name: str) -> None:
     p = add_parser(name, help="show valid replica counts, splits per rank and steps per epoch")
     p.add_argument("-f", "--file", required=True, help="StreamingJob manifest (YAML/JSON)")
     p.add_argument("--replicas", type=int, help="plan for this many replicas instead")
-    p.add_argument("--offline", action="store_true", help="do not open the table")
+    p.add_argument("--read-table", action="store_true",
+                   help="also open the table to count rows and steps per epoch (needs storage access)")
+    p.add_argument("--storage-options-dir", type=Path,
+                   help="with --read-table: one storage option per file (the credentials the job names)")
+    p.add_argument("--offline", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.set_defaults(func=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
+    """Everything the manifest alone decides; the table only when asked (--read-table)."""
     job = parse_job_file(args.file, args.replicas)
     w = job.world_size
     data = job.data
@@ -73,16 +78,31 @@ def _plan(args: argparse.Namespace) -> int:
     for rank in range(w):
         splits = topology.rank_splits(rank, w, data.num_splits)
         print(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}")
-    if not args.offline:
-        from . import main, reading
+    if not args.read_table:
+        print(f"table {data.table} at {data.uri}: not read (add --read-table for rows and steps per epoch)")
+        return 0
+    from . import main, reading
 
-        table = reading.open_table(data, main.read_storage_options(None))
-        layout = reading.layout_epoch(table, data, 0)
-        rows = layout.permutation_table.count_rows()
-        print(f"table {data.table}: {rows} rows{' after filter' if data.filter else ''}, "
-              f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
-              f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
+    options = plan_storage_options(data.uri, main.read_storage_options(args.storage_options_dir))
+    table = reading.open_table(data, options)
+    layout = reading.layout_epoch(table, data, 0)
+    rows = layout.permutation_table.count_rows()
+    print(f"table {data.table}: {rows} rows{' after filter' if data.filter else ''}, "
+          f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
+          f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
     return 0
+
+
+def plan_storage_options(uri: str, named: dict[str, str]) -> dict[str, str]:
+    """Only the credentials the job names: with none, S3 requests go unsigned.
+
+    Without this the object store's default credential chain goes looking on
+    its own (environment, profile files, the cloud's metadata service), which a
+    planning command on a laptop has no business doing.
+    """
+    if uri.startswith("s3://") and not any("key" in k.lower() or "token" in k.lower() for k in named):
+        return {**named, "aws_skip_signature": "true"}
+    return named
 
 
 # -- sidecar -------------------------------------------------------------------

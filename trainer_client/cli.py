@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
@@ -54,7 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except errors.UserError as exc:
-        # Bad input is the user's to fix: say what and how, no traceback.
+        # Bad input is the user's to fix: say what and how in one line, no traceback;
+        # the underlying chain (a storage library's, say) only when asked for.
+        if args.verbose and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"splitfeed {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

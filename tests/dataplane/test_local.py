@@ -129,7 +129,7 @@ def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
 
 def test_plan_shows_valid_counts_splits_per_rank_and_steps_per_epoch(table_uri, tmp_path):
     done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, filter="label >= 2")),
-                     "--replicas", "3")
+                     "--replicas", "3", "--read-table")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "world size 3" in out
@@ -142,6 +142,6 @@ def test_plan_shows_valid_counts_splits_per_rank_and_steps_per_epoch(table_uri, 
 
 
 def test_plan_rejects_an_invalid_replica_count_with_the_valid_ones(table_uri, tmp_path):
-    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "7", "--offline")
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "7")
     assert done.returncode == 2
     assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 24]" in done.stderr
