@@ -216,11 +216,17 @@ class Store:
     def _step_dir(self, global_step: int) -> str:
         return f"{self.root}/step-{global_step:012d}"
 
+    def record_path(self, global_step: int, rank: int, world_size: int, *, commit: bool = False,
+                    world_epoch: int | None = None) -> str:
+        """Where a rank's record (or commit marker) lives; default: this store's world."""
+        epoch = self.world_epoch if world_epoch is None else world_epoch
+        name = _rank_name(epoch, rank, world_size, "commit" if commit else "json")
+        return f"{self._step_dir(global_step)}/{name}"
+
     def write(self, *, global_step: int, rank: int, world_size: int, state: Mapping[str, Any]) -> str:
         """Phase one: the rank's data position for `global_step` (not resumable until committed)."""
-        directory = self._step_dir(global_step)
-        self.fs.create_dir(directory, recursive=True)
-        path = f"{directory}/{_rank_name(self.world_epoch, rank, world_size, 'json')}"
+        self.fs.create_dir(self._step_dir(global_step), recursive=True)
+        path = self.record_path(global_step, rank, world_size)
         record = {"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
                   "worldSize": world_size, "worldEpoch": self.world_epoch,
                   "provenance": self.provenance, "state": dict(state)}
@@ -229,7 +235,7 @@ class Store:
 
     def commit(self, *, global_step: int, rank: int, world_size: int) -> None:
         """Phase two: the rank's trainer saved its model for `global_step` (docs/agreement.md)."""
-        path = f"{self._step_dir(global_step)}/{_rank_name(self.world_epoch, rank, world_size, 'commit')}"
+        path = self.record_path(global_step, rank, world_size, commit=True)
         self._put(path, _sealed({"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
                                  "worldSize": world_size, "worldEpoch": self.world_epoch}))
 

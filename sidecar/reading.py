@@ -13,9 +13,10 @@ the pinned lancedb.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import lancedb
@@ -25,14 +26,20 @@ from lancedb.streaming import StreamingDataset
 
 from splitfeed.trainer_client import errors, specs, topology
 
-from . import batching, positions
+from . import batching, positions, storage_errors
 
 log = logging.getLogger(__name__)
 
 
-def open_table(data: specs.DataSpec, storage_options: Mapping[str, str] | None = None) -> Any:
-    """Open `data.table` at `data.uri`; a missing table or column is a DataError.
+def open_table(
+    data: specs.DataSpec,
+    storage_options: Mapping[str, str] | None = None,
+    version: int | str | None = None,
+) -> Any:
+    """Open `data.table` at `data.uri`, checked out at `version` (default `data.version`).
 
+    Both None: the latest version, not checked out. A missing table, column,
+    version or tag is a DataError: the job never falls back to another version.
     A uri that cannot be opened stays a plain UserError: credentials or the
     network may come back, so the operator's restart budget applies.
     """
@@ -41,13 +48,24 @@ def open_table(data: specs.DataSpec, storage_options: Mapping[str, str] | None =
         db = lancedb.connect(data.uri, storage_options=options or None)
         names = list(db.table_names())
     except Exception as exc:  # lancedb raises many kinds for a bad uri / credentials
-        raise errors.UserError(f"cannot open LanceDB at spec.data.uri={data.uri!r}: {exc}") from exc
+        raise errors.UserError(
+            f"cannot open LanceDB at spec.data.uri={data.uri!r}: {storage_errors.explain(exc, uri=data.uri)}"
+        ) from exc
     if data.table not in names:
         raise errors.DataError(
             f"table spec.data.table={data.table!r} does not exist at {data.uri!r} "
             f"(tables there: {names or 'none'})"
         )
-    table = db.open_table(data.table)
+    try:
+        table = db.open_table(data.table)
+    except Exception as exc:  # listing may pass where reading does not (unsigned, say)
+        raise errors.UserError(
+            f"cannot open table {data.table!r} at spec.data.uri={data.uri!r}: "
+            f"{storage_errors.explain(exc, uri=data.uri)}"
+        ) from exc
+    wanted = data.version if version is None else version
+    if wanted is not None:
+        _checkout(table, data, wanted)
     if data.columns:
         missing = sorted(set(data.columns) - set(table.schema.names))
         if missing:
@@ -56,6 +74,72 @@ def open_table(data: specs.DataSpec, storage_options: Mapping[str, str] | None =
                 f"(its columns: {table.schema.names})"
             )
     return table
+
+
+def table_version(table: Any) -> int:
+    """The version number a table (checked out or not) reads."""
+    return int(table.version)
+
+
+def pin(
+    data: specs.DataSpec,
+    storage_options: Mapping[str, str] | None = None,
+    *,
+    pinned: int | None = None,
+) -> tuple[Any, specs.DataSpec]:
+    """The job's table, checked out at the version it reads start to end, and `data`
+    with `version` set to that number (what workers and checkpoints then use).
+
+    The version is `pinned` when the job already fixed one (status, checkpoints),
+    else `data.version` (a tag resolves to its number), else the latest.
+    """
+    table = open_table(data, storage_options, version=pinned)
+    number = table_version(table)
+    if pinned is None and data.version is None:
+        _checkout(table, data, number)  # stop tracking the latest version
+    return table, dataclasses.replace(data, version=number)
+
+
+def _versions(table: Any) -> list[int]:
+    try:
+        return sorted(int(v["version"]) for v in table.list_versions())
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+
+
+def version_gone(data: specs.DataSpec, version: int | str, versions: list[int]) -> errors.DataError:
+    """The error a job gets when the table version it reads no longer exists."""
+    what = f"tag {version!r}" if isinstance(version, str) else f"version {version}"
+    held = f"versions {versions[0]}..{versions[-1]}" if versions else "no readable versions"
+    return errors.DataError(
+        f"table {data.table!r} at {data.uri!r}: {what}, which this job reads from start to "
+        f"end, does not exist (the table now holds {held}); it was removed by "
+        "cleanup_old_versions / optimize(cleanup_older_than=...) or compaction, or never "
+        "existed. splitfeed never falls back to the latest version. To keep a version for a "
+        "job, tag it (table.tags.create(name, version): tagged versions are never cleaned up) "
+        "and set spec.data.version to the tag, or keep versions longer than jobs run; to "
+        "train on the current data, create a new StreamingJob"
+    )
+
+
+def _checkout(table: Any, data: specs.DataSpec, version: int | str) -> None:
+    try:
+        table.checkout(version)
+    except (ValueError, RuntimeError) as exc:  # lancedb: "Version ... no longer exists", tag not found
+        raise version_gone(data, version, _versions(table)) from exc
+
+
+@contextlib.contextmanager
+def _version_guard(table: Any, data: specs.DataSpec) -> Iterator[None]:
+    """Turn a read failure caused by the checked-out version vanishing into a DataError."""
+    try:
+        yield
+    except (RuntimeError, OSError, ValueError) as exc:
+        versions = _versions(table)
+        current = table_version(table)
+        if versions and current not in versions:
+            raise version_gone(data, current, versions) from exc
+        raise
 
 
 def reference_dataset(
@@ -90,8 +174,14 @@ class EpochLayout:
 def layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
     """Build the epoch's permutation exactly as StreamingDataset does, and size it.
 
-    Raises DataError when the (filtered) table cannot fill one global step.
+    Raises DataError when the (filtered) table cannot fill one global step, or
+    when the version it reads has been cleaned up.
     """
+    with _version_guard(table, data):
+        return _layout_epoch(table, data, epoch)
+
+
+def _layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
     where = f" after spec.data.filter={data.filter!r}" if data.filter else ""
     try:
         dataset = reference_dataset(table, data, epoch=epoch, rank=0, world_size=1)
@@ -180,6 +270,14 @@ def iter_blocks(
     sub-block; blocks of a rank's workers are merged with batching.interleave.
     Runs through every epoch of the job unless `stop_global_step` comes first.
     """
+    with _version_guard(table, data):
+        yield from _iter_blocks(table, data, splits, start_global_step, stop_global_step)
+
+
+def _iter_blocks(
+    table: Any, data: specs.DataSpec, splits: Sequence[int], start_global_step: int,
+    stop_global_step: int | None,
+) -> Generator[tuple[int, pa.RecordBatch], None, None]:
     per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     chunk = max(per_step, -(-data.read_batch_size // per_step) * per_step)
     layout = layout_epoch(table, data, 0)

@@ -26,6 +26,15 @@ NUM_ROWS = 1000
 multiple of the rows a step takes per split: both truncations are exercised."""
 DIM = 4
 
+BUCKET = "splitfeed-test"
+CREDENTIALS = {"aws_access_key_id": "splitfeed", "aws_secret_access_key": "not-a-secret"}
+"""moto's: credentials reach lancedb and pyarrow only as storage options."""
+
+
+def endpoint_options(endpoint: str) -> dict[str, str]:
+    """The non-secret storage options of the moto endpoint (spec.data.storageOptions)."""
+    return {"aws_endpoint": endpoint, "aws_region": "us-east-1", "allow_http": "true"}
+
 
 def frames(num_rows: int = NUM_ROWS) -> pa.Table:
     """int64 `id` (= row number), int32 `label` (id % 10), float32[DIM] `vec` (id*DIM ..)."""
