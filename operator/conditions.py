@@ -3,11 +3,13 @@
 Pure helpers for `rescaling`: setting a condition keeps its lastTransitionTime when
 its status does not change (so an unchanged world produces an unchanged status
 and no patch), and sidecar termination messages (docs/pod-contract.md, "What the
-sidecar reports") become status.progress / status.lastCheckpoint.
+sidecar reports") become status.progress / status.lastCheckpoint, and after a
+drain the step the whole world agreed on (status.resumeStep).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from collections.abc import Mapping, Sequence
@@ -90,6 +92,72 @@ def sidecar_reports(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
                     report["_finishedAt"] = term.get("finishedAt")
                     found.append(report)
     return found
+
+
+def final_report(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The report of the sidecar's current, terminated run; None while it runs or without one.
+
+    Only `state`, never `lastState`: an earlier run's report says nothing about
+    what the sidecar that last served the pod's ranks committed.
+    """
+    status = pod.get("status") or {}
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(key) or []:
+            if cs.get("name") == planning.SIDECAR_NAME and (cs.get("state") or {}).get("terminated"):
+                reports = sidecar_reports({"status": {key: [{**cs, "lastState": {}}]}})
+                return reports[0] if reports else None
+    return None
+
+
+def drained(pod: Mapping[str, Any]) -> bool:
+    """The pod's sidecar exited saying every local rank committed the world's agreed drain step."""
+    report = final_report(pod)
+    return report is not None and report.get("drained") is True
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What a world's reports say about where the next world may start."""
+
+    step: int | None
+    """The agreed step every pod of the world drained at; None: the next world resumes from latest."""
+    reason: str | None
+    """The drainReason of the first report that has one (every member got it from one commit)."""
+    why: str
+    """Why `step` is None, or which pods agreed; for events."""
+
+
+def agreement(pods: Sequence[Mapping[str, Any]], expected: Sequence[str]) -> Agreement:
+    """The step the world of `expected` pods drained at, if every one of them says the same.
+
+    One pod without a report, not drained, or with another step, and nothing is
+    known for sure about its ranks: the next world must not be told an exact
+    step that may be incomplete (its sidecars would fail on it), so it resumes
+    from the newest complete checkpoint instead.
+    """
+    by_name = {str((p.get("metadata") or {}).get("name")): p for p in pods}
+    steps: dict[int, list[str]] = {}
+    reasons: list[str] = []
+    for name in expected:
+        pod = by_name.get(name)
+        report = final_report(pod) if pod is not None else None
+        if pod is None:
+            return Agreement(None, None, f"pod {name} is gone, its ranks' checkpoint is unknown")
+        if report is None:
+            return Agreement(None, None, f"pod {name} left no sidecar report")
+        step = report.get("agreedStep")
+        if report.get("drained") is not True or not isinstance(step, int) or isinstance(step, bool):
+            return Agreement(None, None, f"pod {name} did not drain at an agreed step")
+        steps.setdefault(step, []).append(name)
+        if isinstance(report.get("drainReason"), str):
+            reasons.append(report["drainReason"])
+    if not steps:
+        return Agreement(None, None, "the world had no pods")
+    if len(steps) > 1:
+        detail = "; ".join(f"step {s}: {', '.join(names)}" for s, names in sorted(steps.items()))
+        return Agreement(None, None, f"the pods disagree on the agreed step ({detail})")
+    (step,) = steps
+    return Agreement(step, reasons[0] if reasons else None, f"all {len(expected)} pods drained at step {step}")
 
 
 def sidecar_error(pod: Mapping[str, Any], *, permanent_only: bool = False) -> str | None:

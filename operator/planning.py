@@ -34,6 +34,8 @@ PODINFO_DIR = "/etc/splitfeed/podinfo"
 STORAGE_DIR = "/etc/splitfeed/storage"
 TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
+COORDINATOR_PORT = 29501
+"""Replica 0's sidecar binds the world's agreement coordinator here (docs/agreement.md)."""
 VOLUME_SHM = "splitfeed-shm"
 VOLUME_CONFIG = "splitfeed-config"
 VOLUME_PODINFO = "splitfeed-podinfo"
@@ -141,7 +143,8 @@ def service(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": job_selector(job.name),
             "publishNotReadyAddresses": True,
-            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}],
+            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT},
+                      {"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": COORDINATOR_PORT}],
         },
     }
 
@@ -210,10 +213,23 @@ def shared_mounts(job: specs.JobSpec, trainer_mounts: list[dict[str, Any]]) -> l
     return out
 
 
+def coordinator_address(job: str, world_epoch: int) -> str:
+    """SPLITFEED_COORDINATOR: replica 0's sidecar, by its stable name under the headless Service."""
+    return f"tcp://{pod_name(job, world_epoch, 0)}.{job}:{COORDINATOR_PORT}"
+
+
+def coordinator_at(pod_ip: str) -> str:
+    """The coordinator by replica 0's pod IP: what the operator dials (it may not resolve pod DNS)."""
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"tcp://{host}:{COORDINATOR_PORT}"
+
+
 def sidecar_container(
     job: specs.JobSpec, world_epoch: int, replica: int, settings: Settings,
-    extra_mounts: list[dict[str, Any]] | None = None,
+    extra_mounts: list[dict[str, Any]] | None = None, resume_step: int | None = None,
 ) -> dict[str, Any]:
+    """The loader. `resume_step`: the step the previous world agreed on (status.resumeStep);
+    None lets the new world's coordinator pick the newest complete checkpoint."""
     args = ["sidecar", "--config", f"{CONFIG_DIR}/config.json", "--podinfo-dir", PODINFO_DIR]
     mounts = [
         {"name": VOLUME_SHM, "mountPath": SOCKET_DIR},
@@ -225,9 +241,12 @@ def sidecar_container(
         mounts.append({"name": VOLUME_STORAGE, "mountPath": STORAGE_DIR, "readOnly": True})
     mounts += [copy.deepcopy(m) for m in extra_mounts or []]
     args += ["--termination-log", TERMINATION_LOG]
+    resume: dict[str, str | int] = (
+        {"SPLITFEED_RESUME": "latest"} if resume_step is None else {"SPLITFEED_RESUME_STEP": resume_step})
     env = {
         **pod_env(job, world_epoch, replica),
-        "SPLITFEED_RESUME": "latest",
+        **resume,
+        "SPLITFEED_COORDINATOR": coordinator_address(job.name, world_epoch),
         "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
     }
     container: dict[str, Any] = {
@@ -270,7 +289,8 @@ def volumes(job: specs.JobSpec) -> list[dict[str, Any]]:
 
 
 def pod(
-    job: specs.JobSpec, world_epoch: int, replica: int, owner: Owner, settings: Settings
+    job: specs.JobSpec, world_epoch: int, replica: int, owner: Owner, settings: Settings,
+    resume_step: int | None = None,
 ) -> dict[str, Any]:
     """Replica `replica` of world `world_epoch`: the user's template plus the sidecar.
 
@@ -298,7 +318,7 @@ def pod(
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
                 {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
             ]
-    sidecar = sidecar_container(job, world_epoch, replica, settings, shared)
+    sidecar = sidecar_container(job, world_epoch, replica, settings, shared, resume_step)
     if settings.sidecar_mode == "native":
         spec["initContainers"] = (spec.get("initContainers") or []) + [sidecar]
     else:
@@ -317,8 +337,10 @@ def pod(
     }
 
 
-def world(job: specs.JobSpec, world_epoch: int, owner: Owner, settings: Settings) -> list[dict[str, Any]]:
+def world(
+    job: specs.JobSpec, world_epoch: int, owner: Owner, settings: Settings, resume_step: int | None = None,
+) -> list[dict[str, Any]]:
     """Every object world `world_epoch` needs, in creation order (ConfigMap and Service first)."""
     return [config_map(job, owner), service(job, owner)] + [
-        pod(job, world_epoch, r, owner, settings) for r in range(job.replicas)
+        pod(job, world_epoch, r, owner, settings, resume_step) for r in range(job.replicas)
     ]

@@ -15,7 +15,7 @@ import datetime
 import logging
 from typing import Any
 
-from . import admission, kube, planning, rescaling
+from . import admission, kube, planning, rescaling, worlds
 
 MAX_STEPS = 5
 """Steps taken at once while each one changes something and none waits on pods."""
@@ -89,13 +89,18 @@ async def _decide(ctx: Context, body: dict[str, Any]) -> rescaling.Decision:
 
 
 async def _apply(ctx: Context, namespace: str, name: str, d: rescaling.Decision) -> None:
-    """Status first, then objects; each call is idempotent."""
+    """Status first, then objects, then the coordinator; each call is idempotent."""
     if d.status:
         await ctx.kube.patch_job_status(namespace, name, d.status)
     for obj in d.create:
         await ctx.kube.create(obj)
     for pod, annotations in d.annotate.items():
         await ctx.kube.annotate_pod(namespace, pod, annotations)
+    if d.notify is not None:
+        # Blocks up to a second on a socket: a worker thread, so Kopf's loop runs on.
+        state = await asyncio.to_thread(worlds.request_drain, *d.notify)
+        log.log(logging.INFO if state else logging.DEBUG, "%s/%s: drain request to %s: %s", namespace, name,
+                d.notify[0], f"acknowledged ({state})" if state else "no answer (the annotation still asks)")
     for pod in d.delete:
         await ctx.kube.delete_pod(namespace, pod)
     if _changes(d):

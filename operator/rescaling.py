@@ -12,6 +12,13 @@ token derived from the world epoch).
 Phases: Pending -> Running -> (Rescaling -> Running)* -> Succeeded | Failed, and
 Suspended. While Rescaling, the `Rescaling` condition's reason is the step:
 CheckpointRequested -> WaitingForCheckpoint -> RemovingOldWorld -> StartingNewWorld.
+
+Where the next world starts (docs/agreement.md): when a drained world is removed,
+its sidecars' reports are read once, and status.resumeStep is the step they all
+drained at, or absent (the next world's coordinator then picks the newest
+complete checkpoint). It is written in the same patch that moves to
+RemovingOldWorld, before any pod is deleted, because deleting the pods deletes
+the reports; every pod of the next world gets it as SPLITFEED_RESUME_STEP.
 """
 
 from __future__ import annotations
@@ -67,6 +74,9 @@ class Decision:
     """Look again after this long (the step waits on pods or a deadline); None: nothing pending."""
     permanent_error: str | None = None
     """The spec can never run as it is; the handler raises kopf.PermanentError."""
+    notify: tuple[str, str, str] | None = None
+    """(coordinator address, token, reason): also send the drain straight to the world's
+    coordinator (worlds.request_drain), after the annotations; best effort, it may be lost."""
 
 
 def _phase(p: Mapping[str, Any]) -> str:
@@ -149,6 +159,12 @@ class _Ctx:
         self.patch: dict[str, Any] = {}
         self.events: list[Event] = []
 
+    @property
+    def resume_step(self) -> int | None:
+        """status.resumeStep as this decision leaves it (the patch's None clears it)."""
+        value = self.patch["resumeStep"] if "resumeStep" in self.patch else self.status.get("resumeStep")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     def cond(self, type_: str, ok: bool, reason: str, message: str) -> None:
         self.conds = conditions.set_condition(self.conds, type_, ok, reason, message, self.now,
                                               self.generation)
@@ -217,9 +233,10 @@ def _start_world(c: _Ctx, epoch: int, replicas: int, reason: str) -> Decision:
     job = dataclasses.replace(c.job, replicas=replicas)
     c.patch.update(worldEpoch=epoch, replicas=replicas, worldSize=job.world_size)
     c.cond(conditions.READY, False, "PodsStarting", f"world {epoch}: creating {replicas} pods")
+    start = "the newest complete checkpoint" if c.resume_step is None else f"step {c.resume_step}"
     c.events.append(Event("Normal", STARTING_NEW_WORLD,
-                          f"starting world {epoch} with {replicas} replicas ({reason})"))
-    return c.decision(STARTING_NEW_WORLD, create=planning.world(job, epoch, c.owner, c.settings),
+                          f"starting world {epoch} with {replicas} replicas ({reason}), resuming at {start}"))
+    return c.decision(STARTING_NEW_WORLD, create=planning.world(job, epoch, c.owner, c.settings, c.resume_step),
                       requeue_s=POLL_S)
 
 
@@ -246,11 +263,15 @@ def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
     job, epoch, replicas = c.job, int(c.epoch or 0), int(c.status.get("replicas") or 0)
     expected = {planning.pod_name(job.name, epoch, r) for r in range(replicas)}
     present = {_name(p) for p in c.world}
-    failed = [p for p in c.world if _failed(p)]
+    drained = [p for p in c.world if conditions.drained(p)]
+    failed = [p for p in c.world if _failed(p) and p not in drained]
     started = any(_phase(p) != PENDING for p in c.world)
-    lost = sorted(expected - present) if started else []
+    # A world that drains itself loses pods on purpose: an evicted pod is removed once it stops.
+    lost = sorted(expected - present) if started and not drained else []
     if failed or lost:
         return _world_failed(c, failed, lost)
+    if drained:
+        return _world_drained(c, drained, sorted(expected))
     if c.world and len(c.world) >= replicas and all(_phase(p) == SUCCEEDED for p in c.world):
         c.patch["phase"] = SUCCEEDED
         c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", f"every pod of world {epoch} succeeded")
@@ -270,7 +291,8 @@ def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
         c.cond(conditions.READY, False, "PodsPending", f"{running}/{replicas} pods of world {epoch} running")
     create: list[dict[str, Any]] = []
     if not started and expected - present:
-        world = planning.world(dataclasses.replace(job, replicas=replicas), epoch, c.owner, c.settings)
+        world = planning.world(dataclasses.replace(job, replicas=replicas), epoch, c.owner, c.settings,
+                               c.resume_step)
         create = [o for o in world if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     return c.decision(RUNNING, create=create)
 
@@ -283,6 +305,7 @@ def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> 
          for p in failed] + [f"pod {n} disappeared" for n in lost]
     )
     live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
+    c.patch["resumeStep"] = None  # no agreed step: the next world's coordinator picks the newest complete one
     data_error = next(((_name(p), err) for p in failed
                        if (err := conditions.sidecar_error(p, permanent_only=True))), None)
     if data_error is not None:
@@ -297,6 +320,10 @@ def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> 
         c.cond(conditions.READY, False, "AwaitingSidecarReport",
                f"{why}; waiting up to {REPORT_GRACE_S:g}s for the sidecar's report before restarting")
         return c.decision("AwaitingSidecarReport", requeue_s=1.0)
+    if failed and not lost and all(_disrupted(p) for p in failed):
+        # Preempted or evicted by the cluster (condition DisruptionTarget): not the job's fault.
+        return _replace_world(c, "Disrupted", f"{why}, disrupted by the cluster; restarting the world "
+                              f"without counting it ({restarts}/{c.job.max_restarts} restarts)", "Warning")
     if restarts >= c.job.max_restarts:
         msg = f"{why}; restart budget spent ({restarts}/{c.job.max_restarts} restarts, spec.maxRestarts)"
         c.patch["phase"] = FAILED
@@ -304,16 +331,75 @@ def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> 
         c.cond(conditions.READY, False, "Failed", msg)
         c.events.append(Event("Warning", "Failed", msg))
         return c.decision(FAILED, delete=live)
+    c.patch["restarts"] = restarts + 1
     msg = f"{why}; restarting the world (restart {restarts + 1} of {c.job.max_restarts})"
-    c.patch.update(phase=RESCALING, restarts=restarts + 1, drain={
-        "reason": "Restart", "step": REMOVING_OLD_WORLD, "token": _token("Restart", epoch),
+    return _replace_world(c, "Restart", msg, "Warning")
+
+
+def _disrupted(p: Mapping[str, Any]) -> bool:
+    """The pod carries condition DisruptionTarget=True: preemption, eviction, node shutdown."""
+    return any(x.get("type") == "DisruptionTarget" and x.get("status") == "True"
+               for x in (p.get("status") or {}).get("conditions") or [])
+
+
+def _replace_world(c: _Ctx, reason: str, msg: str, type_: Literal["Normal", "Warning"]) -> Decision:
+    """Record a drain already past its checkpoint (status first), then delete the whole world."""
+    epoch = int(c.epoch or 0)
+    c.patch.update(phase=RESCALING, drain={
+        "reason": reason, "step": REMOVING_OLD_WORLD, "token": _token(reason, epoch),
         "requestedAt": conditions.timestamp(c.now), "targetReplicas": int(c.status.get("replicas") or 0),
     })
+    event = {"Restart": "WorldFailed", "Disrupted": "WorldDisrupted"}.get(reason, "WorldDrained")
     c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, msg)
-    c.cond(conditions.READY, False, "WorldFailed", msg)
-    c.events.append(Event("Warning", "WorldFailed", msg))
+    c.cond(conditions.READY, False, event, msg)
+    c.events.append(Event(type_, event, msg))
     every = [_name(p) for p in c.world if not _deleting(p)]
     return c.decision(REMOVING_OLD_WORLD, delete=every, requeue_s=POLL_S)
+
+
+def _world_drained(c: _Ctx, drained: list[Mapping[str, Any]], expected: list[str]) -> Decision:
+    """Pods drained without a drain of ours: the world stopped itself (a pod got SIGTERM).
+
+    Once every pod has stopped (or checkpoint.timeoutSeconds after the first
+    one did), the next world starts at the agreed step; no restart is counted.
+    """
+    epoch = int(c.epoch or 0)
+    why = next((str(r["drainReason"]) for p in drained
+                if (r := conditions.final_report(p)) and r.get("drainReason")), "unknown")
+    pending = [p for p in c.world if not _terminated(p)]
+    if pending:
+        finished = [conditions.parse_timestamp(r["_finishedAt"]) for p in drained
+                    if (r := conditions.final_report(p)) and r.get("_finishedAt")]
+        deadline = min(finished) + datetime.timedelta(seconds=c.job.checkpoint.timeout_seconds) \
+            if finished else None
+        if deadline is None or c.now < deadline:
+            c.patch["phase"] = RUNNING
+            c.cond(conditions.READY, False, "WorldDraining",
+                   f"{len(drained)}/{len(expected)} pods of world {epoch} drained on their own ({why}); "
+                   "waiting for the others" + (f" until {conditions.timestamp(deadline)}" if deadline else ""))
+            left = (deadline - c.now).total_seconds() if deadline else POLL_S
+            return c.decision("WorldDraining", requeue_s=max(0.5, min(POLL_S, left)))
+    agreed = conditions.agreement(c.world, expected) if not pending else conditions.Agreement(
+        None, None, f"{len(pending)} pods of world {epoch} had not stopped "
+                    f"checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds} after the first")
+    _choose_resume_step(c, agreed)
+    return _replace_world(c, "WorldDrained",
+                          f"world {epoch} drained itself (reason {why}); replacing it without counting a "
+                          f"restart", "Normal")
+
+
+def _choose_resume_step(c: _Ctx, agreed: conditions.Agreement) -> None:
+    """status.resumeStep for the next world, and the event that says where it starts."""
+    old, new = int(c.epoch or 0), int(c.epoch or 0) + 1
+    c.patch["resumeStep"] = agreed.step
+    if agreed.step is not None:
+        c.events.append(Event("Normal", "ResumeStepChosen",
+                              f"world {old} drained at step {agreed.step} ({agreed.why}); world {new} "
+                              f"resumes exactly there (status.resumeStep={agreed.step})"))
+    else:
+        c.events.append(Event("Warning", "ResumeFromLatest",
+                              f"world {old} has no agreed drain step ({agreed.why}); world {new}'s "
+                              "coordinator resumes from the newest complete checkpoint"))
 
 
 def _request_drain(c: _Ctx, reason: str, target: int, why: str) -> Decision:
@@ -326,7 +412,16 @@ def _request_drain(c: _Ctx, reason: str, target: int, why: str) -> Decision:
     c.cond(conditions.RESCALING, True, CHECKPOINT_REQUESTED, msg)
     c.cond(conditions.READY, False, "Draining", msg)
     c.events.append(Event("Normal", CHECKPOINT_REQUESTED, msg))
-    return c.decision(CHECKPOINT_REQUESTED, annotate=_annotations(c, token), requeue_s=POLL_S)
+    return c.decision(CHECKPOINT_REQUESTED, annotate=_annotations(c, token), requeue_s=POLL_S,
+                      notify=_notify(c, token, reason))
+
+
+def _notify(c: _Ctx, token: str, reason: str) -> tuple[str, str, str] | None:
+    """The fast path to the world's coordinator, once replica 0's pod has an IP and still runs."""
+    first = planning.pod_name(c.job.name, int(c.epoch or 0), 0)
+    pod = next((p for p in c.world if _name(p) == first and not _terminated(p)), None)
+    ip = (pod.get("status") or {}).get("podIP") if pod is not None else None
+    return (planning.coordinator_at(str(ip)), token, reason.lower()) if ip else None
 
 
 def _annotations(c: _Ctx, token: str) -> dict[str, dict[str, str]]:
@@ -370,11 +465,15 @@ def _drain_step(c: _Ctx, drain: dict[str, Any], problem: admission.Rejected | No
         if step != REMOVING_OLD_WORLD:
             if done == len(c.world):
                 c.events.append(Event("Normal", "Drained", f"all {done} pods of world {epoch} finished"))
+                replicas = int(c.status.get("replicas") or 0)
+                expected = [planning.pod_name(c.job.name, epoch, r) for r in range(replicas)]
+                _choose_resume_step(c, conditions.agreement(c.world, expected))
             else:
+                c.patch["resumeStep"] = None
                 c.events.append(Event("Warning", "CheckpointTimeout",
                     f"{done}/{len(c.world)} pods of world {epoch} finished within "
                     f"checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds}; removing the world, "
-                    "the next one resumes from the newest complete checkpoint"))
+                    "the next one resumes from the newest complete checkpoint (no status.resumeStep)"))
         drain["step"] = REMOVING_OLD_WORLD
         c.patch["drain"] = drain
         c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, f"deleting the pods of world {epoch}")
@@ -387,12 +486,15 @@ def _drain_step(c: _Ctx, drain: dict[str, Any], problem: admission.Rejected | No
            f"giving up at {conditions.timestamp(deadline)}")
     left = (deadline - c.now).total_seconds()
     return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain["token"]),
-                      requeue_s=max(0.5, min(POLL_S, left)))
+                      requeue_s=max(0.5, min(POLL_S, left)),
+                      notify=_notify(c, drain["token"], str(drain.get("reason") or "rescale")))
 
 
 def _after_removal(c: _Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
     """The old world is gone: stop (suspend) or start the next world."""
     epoch = int(c.epoch or 0)
+    if drain.get("step") != REMOVING_OLD_WORLD:
+        c.patch["resumeStep"] = None  # the pods vanished before their reports were read
     if c.job.suspend:
         c.patch.update(phase=SUSPENDED, replicas=0, worldSize=0, drain=None)
         c.cond(conditions.RESCALING, False, "Suspended", f"world {epoch} drained and removed")
@@ -416,9 +518,10 @@ def _finish_start(c: _Ctx, drain: dict[str, Any]) -> Decision:
     epoch, replicas = int(c.epoch or 0), int(c.status.get("replicas") or 0)
     present = {_name(p) for p in c.world}
     job = dataclasses.replace(c.job, replicas=replicas)
-    create = [o for o in planning.world(job, epoch, c.owner, c.settings)
+    create = [o for o in planning.world(job, epoch, c.owner, c.settings, c.resume_step)
               if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
-    reason = {"Restart": "WorldRestarted", "Suspend": "Resumed"}.get(drain.get("reason", ""), "RescaleComplete")
+    reason = {"Restart": "WorldRestarted", "Disrupted": "WorldRestarted", "Suspend": "Resumed",
+              "WorldDrained": "WorldReplaced"}.get(drain.get("reason", ""), "RescaleComplete")
     msg = f"world {epoch} runs {replicas} replicas (worldSize {job.world_size})"
     c.patch.update(phase=RUNNING, drain=None)
     c.cond(conditions.RESCALING, False, reason, msg)

@@ -163,13 +163,25 @@ def test_operator_env_wins_over_the_users_and_other_user_env_is_kept():
     assert env_of({"env": env})["KEEP"] == "1"
 
 
-def test_sidecar_only_env_resume_and_checksum():
+def test_sidecar_only_env_resume_coordinator_and_checksum():
     j = job()
-    c = containers(planning.pod(j, 0, 0, OWNER, NATIVE))
+    c = containers(planning.pod(j, 3, 2, OWNER, NATIVE))
     side, trainer = env_of(c["splitfeed-sidecar"]), env_of(c["trainer"])
-    assert side["SPLITFEED_RESUME"] == "latest"
+    assert side["SPLITFEED_RESUME"] == "latest" and "SPLITFEED_RESUME_STEP" not in side
+    assert side["SPLITFEED_COORDINATOR"] == "tcp://resnet-w3-0.resnet:29501"
     assert side["SPLITFEED_CONFIG_CHECKSUM"] == specs.data_config_checksum(j.data_config())
-    assert "SPLITFEED_RESUME" not in trainer and "SPLITFEED_CONFIG_CHECKSUM" not in trainer
+    for name in ("SPLITFEED_RESUME", "SPLITFEED_RESUME_STEP", "SPLITFEED_COORDINATOR", "SPLITFEED_CONFIG_CHECKSUM"):
+        assert name not in trainer
+
+
+@pytest.mark.parametrize("step", [0, 7])
+def test_a_resume_step_replaces_latest_in_every_sidecar_of_the_world(step):
+    pods = [o for o in planning.world(job(), 1, OWNER, NATIVE, resume_step=step) if o["kind"] == "Pod"]
+    for p in pods:
+        side = env_of(containers(p)["splitfeed-sidecar"])
+        assert side["SPLITFEED_RESUME_STEP"] == str(step) and "SPLITFEED_RESUME" not in side
+        assert "SPLITFEED_RESUME_STEP" not in env_of(containers(p)["trainer"])
+        kubernetes_validate.validate(p, "1.30.0", strict=True)
 
 
 def test_config_map_carries_the_data_config_and_its_checksum_matches_the_sidecar_env():
@@ -201,6 +213,7 @@ def test_headless_service_selects_the_jobs_pods():
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"] == {"splitfeed.io/job": "resnet"}
     assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"rendezvous": 29500, "coordinator": 29501}
 
 
 def test_pod_restart_policy_defaults_to_never_but_keeps_on_failure():

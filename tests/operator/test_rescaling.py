@@ -168,7 +168,8 @@ def test_rescale_walks_every_phase_to_a_new_world():
     assert c.epochs() == {1} and len(c.pods) == 8
     assert "drain" not in c.status and c.reason() == "RescaleComplete"
     reasons = [e.reason for d in c.log for e in d.events]
-    assert reasons[-4:] == ["CheckpointRequested", "Drained", "StartingNewWorld", "RescaleComplete"]
+    assert reasons[-5:] == ["CheckpointRequested", "Drained", "ResumeFromLatest", "StartingNewWorld",
+                            "RescaleComplete"]  # these pods report nothing, so no step was agreed
 
 
 def test_the_status_shows_each_step_as_the_rescaling_reason():
@@ -491,3 +492,253 @@ def test_without_status_drain_in_the_schema_the_conditions_carry_the_drain(suspe
         assert c.status["phase"] == "Suspended" and not c.pods
     else:
         assert (c.status["phase"], c.status["worldEpoch"], len(c.pods)) == ("Running", 1, 8)
+
+
+# --- the agreed step: where the next world resumes (docs/agreement.md) ----------------------
+
+def drained_report(c: Cluster, pod: str, *, agreed: int | None = 7, drained: bool = True,
+                   reason: str = "rescale", phase: str = "Succeeded") -> None:
+    """The pod stopped; its sidecar's termination report says where its ranks committed."""
+    report = {"globalStep": agreed or 0, "epoch": 0, "step": agreed or 0, "stepsPerEpoch": 100,
+              "lastCheckpoint": None, "drained": drained, "agreedStep": agreed, "drainReason": reason,
+              "resumeStep": 0, "error": None, "permanent": False}
+    done = {"terminated": {"exitCode": 0, "finishedAt": ts(c.now)}}
+    c.pods[pod]["status"] = {"phase": phase, "containerStatuses": [{"name": "trainer", "state": done}],
+                             "initContainerStatuses": [{"name": "splitfeed-sidecar", "state": {"terminated": {
+                                 "exitCode": 0, "message": json.dumps(report), "finishedAt": ts(c.now)}}}]}
+
+
+def sidecar_env(pod: dict) -> dict[str, str]:
+    (side,) = [x for x in pod["spec"]["initContainers"] if x["name"] == "splitfeed-sidecar"]
+    return {e["name"]: e["value"] for e in side["env"]}
+
+
+def events(d: rescaling.Decision, reason: str) -> list[rescaling.Event]:
+    return [e for e in d.events if e.reason == reason]
+
+
+def draining(target: int = 8) -> Cluster:
+    """World 0 (4 pods) asked to drain for a rescale to `target`; waiting for its pods."""
+    c = Cluster().running()
+    c.scale(target)
+    c.step()
+    assert c.step().step == "WaitingForCheckpoint"
+    return c
+
+
+def test_every_pod_drained_at_one_step_is_recorded_before_the_next_world_starts_there():
+    c = draining()
+    for name in list(c.pods):
+        drained_report(c, name, agreed=7)
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and len(d.delete) == 4
+    assert d.status["resumeStep"] == 7  # in the patch written before the pods (and reports) go
+    (chosen,) = events(d, "ResumeStepChosen")
+    assert chosen.type == "Normal"
+    assert "world 0" in chosen.message and "world 1" in chosen.message and "step 7" in chosen.message
+    d = c.step()
+    assert d.step == "StartingNewWorld" and c.status["resumeStep"] == 7
+    new = [o for o in d.create if o["kind"] == "Pod"]
+    assert len(new) == 8
+    for pod in new:
+        env = sidecar_env(pod)
+        assert env["SPLITFEED_RESUME_STEP"] == "7" and "SPLITFEED_RESUME" not in env
+        assert env["SPLITFEED_COORDINATOR"] == "tcp://resnet-w1-0.resnet:29501"
+    assert "resuming at step 7" in events(d, "StartingNewWorld")[0].message
+    c.step()
+    assert (c.status["phase"], c.status["worldEpoch"], c.status["resumeStep"]) == ("Running", 1, 7)
+
+
+def test_the_resume_step_is_read_once_a_crash_before_the_deletes_does_not_reread_it():
+    c = draining()
+    for name in list(c.pods):
+        drained_report(c, name, agreed=7)
+    c.step(act=False)  # status written, pods not deleted
+    drained_report(c, "resnet-w0-3", agreed=9)  # whatever the pods say now was not what was decided on
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and "resumeStep" not in d.status and not d.events
+    c.step(), c.step()
+    assert c.status["resumeStep"] == 7
+    assert {sidecar_env(p)["SPLITFEED_RESUME_STEP"] for p in c.pods.values()} == {"7"}
+
+
+@pytest.mark.parametrize("odd", ["disagrees", "not-drained", "no-report", "gone"])
+def test_one_pod_that_does_not_confirm_the_step_means_resume_from_latest(odd):
+    c = draining()
+    c.status["resumeStep"] = 3  # from an earlier rescale: must not survive into the next world
+    for name in list(c.pods):
+        drained_report(c, name, agreed=7)
+    if odd == "disagrees":
+        drained_report(c, "resnet-w0-2", agreed=8)
+    elif odd == "not-drained":
+        drained_report(c, "resnet-w0-2", agreed=None, drained=False, phase="Failed")
+    elif odd == "no-report":
+        c.pods["resnet-w0-2"]["status"] = {"phase": "Succeeded"}
+    else:
+        del c.pods["resnet-w0-2"]
+    d = c.step()
+    assert d.step == "RemovingOldWorld"
+    assert "resumeStep" in d.status and d.status["resumeStep"] is None  # the merge patch deletes it
+    (latest,) = events(d, "ResumeFromLatest")
+    assert latest.type == "Warning" and "newest complete checkpoint" in latest.message
+    assert {"disagrees": "disagree", "not-drained": "resnet-w0-2 did not drain",
+            "no-report": "resnet-w0-2 left no sidecar report", "gone": "resnet-w0-2 is gone"}[odd] \
+        in latest.message
+    assert not events(d, "ResumeStepChosen")
+    c.step()
+    assert "resumeStep" not in c.status
+    for pod in c.pods.values():
+        env = sidecar_env(pod)
+        assert env["SPLITFEED_RESUME"] == "latest" and "SPLITFEED_RESUME_STEP" not in env
+
+
+def test_a_drain_that_times_out_clears_the_resume_step():
+    c = draining()
+    c.status["resumeStep"] = 3
+    for name in ["resnet-w0-0", "resnet-w0-1", "resnet-w0-2"]:
+        drained_report(c, name, agreed=7)
+    c.now += datetime.timedelta(seconds=60)
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and [e.reason for e in d.events] == ["CheckpointTimeout"]
+    assert d.status["resumeStep"] is None and "no status.resumeStep" in d.events[0].message
+    c.step()
+    assert {sidecar_env(p)["SPLITFEED_RESUME"] for p in c.pods.values()} == {"latest"}
+
+
+def test_a_suspend_keeps_the_agreed_step_for_the_world_that_resumes():
+    c = Cluster().running()
+    c.manifest["spec"]["suspend"] = True
+    c.step()
+    for name in list(c.pods):
+        drained_report(c, name, agreed=11, reason="suspend")
+    c.step(), c.step()
+    assert c.status["phase"] == "Suspended" and c.status["resumeStep"] == 11
+    c.manifest["spec"]["suspend"] = False
+    c.step()
+    assert c.status["worldEpoch"] == 1
+    assert {sidecar_env(p)["SPLITFEED_RESUME_STEP"] for p in c.pods.values()} == {"11"}
+
+
+def test_a_world_failure_clears_the_resume_step():
+    c = draining()
+    for name in list(c.pods):
+        drained_report(c, name, agreed=7)
+    for _ in range(3):
+        c.step()
+    assert c.status["resumeStep"] == 7 and c.status["worldEpoch"] == 1
+    c.set_phase("Running")
+    c.set_phase("Failed", "resnet-w1-5")
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and c.status["restarts"] == 1
+    assert d.status["resumeStep"] is None and "resumeStep" not in c.status
+    c.step()
+    assert c.status["worldEpoch"] == 2
+    assert {sidecar_env(p)["SPLITFEED_RESUME"] for p in c.pods.values()} == {"latest"}
+    assert not any("SPLITFEED_RESUME_STEP" in sidecar_env(p) for p in c.pods.values())
+
+
+# --- a world that drained itself (SIGTERM: preemption, eviction) ---------------------------
+
+def test_a_world_that_drained_itself_resumes_at_its_step_without_counting_a_restart():
+    c = Cluster(maxRestarts=0).running()
+    for name in list(c.pods):
+        drained_report(c, name, agreed=12, reason="preempt")
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and d.delete == [f"resnet-w0-{i}" for i in range(4)]
+    assert d.status["resumeStep"] == 12 and "restarts" not in c.status
+    (drained,) = events(d, "WorldDrained")
+    assert drained.type == "Normal" and "preempt" in drained.message and "world 0" in drained.message
+    assert len(events(d, "ResumeStepChosen")) == 1 and not events(d, "WorldFailed")
+    assert c.status["phase"] == "Rescaling" and not c.pods
+    c.step(), c.step()
+    assert (c.status["phase"], c.status["worldEpoch"], len(c.pods)) == ("Running", 1, 4)
+    assert c.reason() == "WorldReplaced" and "restarts" not in c.status
+    assert {sidecar_env(p)["SPLITFEED_RESUME_STEP"] for p in c.pods.values()} == {"12"}
+
+
+def test_a_self_drain_waits_for_every_pod_and_an_evicted_pod_that_vanished_is_no_failure():
+    c = Cluster().running()
+    c.status["resumeStep"] = 3  # where this world started: must not be reused
+    drained_report(c, "resnet-w0-0", agreed=12, reason="preempt")
+    d = c.step()
+    assert d.step == "WorldDraining" and not d.delete and c.status["phase"] == "Running"
+    assert c.reason("Ready") == "WorldDraining" and 0 < d.requeue_s <= 2
+    del c.pods["resnet-w0-3"]  # the evicted pod: removed from the API once it stopped
+    assert c.step().step == "WorldDraining"
+    for name in ["resnet-w0-1", "resnet-w0-2"]:
+        drained_report(c, name, agreed=12, reason="preempt")
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and "restarts" not in c.status
+    assert d.status["resumeStep"] is None  # resnet-w0-3's ranks are unconfirmed
+    assert "resnet-w0-3 is gone" in events(d, "ResumeFromLatest")[0].message
+    c.step(), c.step()
+    assert c.status["worldEpoch"] == 1 and len(c.pods) == 4
+
+
+def test_a_self_drain_whose_other_pods_never_stop_is_replaced_after_the_timeout():
+    c = Cluster().running()
+    c.status["resumeStep"] = 3
+    drained_report(c, "resnet-w0-0", agreed=12, reason="preempt")
+    c.now += datetime.timedelta(seconds=59)
+    assert c.step().step == "WorldDraining"
+    c.now += datetime.timedelta(seconds=1)
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and len(d.delete) == 4
+    assert d.status["resumeStep"] is None and "restarts" not in c.status
+
+
+def test_a_real_failure_during_a_self_drain_is_still_a_failure():
+    c = Cluster().running()
+    drained_report(c, "resnet-w0-0", agreed=12, reason="preempt")
+    c.set_phase("Failed", "resnet-w0-1")
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and c.status["restarts"] == 1
+    assert "resnet-w0-1 failed" in events(d, "WorldFailed")[0].message
+
+
+def test_a_pod_failed_by_a_cluster_disruption_restarts_the_world_without_counting():
+    c = Cluster(maxRestarts=0).running()
+    c.status["resumeStep"] = 3
+    c.set_phase("Failed", "resnet-w0-1")
+    c.pods["resnet-w0-1"]["status"]["conditions"] = [
+        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and "restarts" not in c.status
+    assert [e.reason for e in d.events] == ["WorldDisrupted"] and d.status["resumeStep"] is None
+    c.step(), c.step()
+    assert (c.status["phase"], c.status["worldEpoch"]) == ("Running", 1) and "resumeStep" not in c.status
+
+
+# --- the fast path: the drain sent straight to the coordinator ------------------------------
+
+def with_ip(c: Cluster, pod: str, ip: str) -> None:
+    c.pods[pod]["status"]["podIP"] = ip
+
+
+def test_notify_names_replica_zeros_coordinator_only_while_a_drain_waits():
+    c = Cluster().running()
+    with_ip(c, "resnet-w0-0", "10.1.2.3")
+    with_ip(c, "resnet-w0-1", "10.1.2.4")
+    assert c.step().notify is None  # nothing to drain
+    c.scale(8)
+    d = c.step()
+    assert d.step == "CheckpointRequested" and d.notify == ("tcp://10.1.2.3:29501", "rescale-w0", "rescale")
+    d = c.step()
+    assert d.step == "WaitingForCheckpoint" and d.notify == ("tcp://10.1.2.3:29501", "rescale-w0", "rescale")
+    drained_report(c, "resnet-w0-0", agreed=7)  # replica 0 stopped: its coordinator is gone
+    with_ip(c, "resnet-w0-0", "10.1.2.3")  # a terminated pod may still show its IP
+    d = c.step()
+    assert d.step == "WaitingForCheckpoint" and d.notify is None
+    for name in list(c.pods):
+        drained_report(c, name, agreed=7)
+    assert c.step().notify is None  # RemovingOldWorld
+    assert all(x.notify is None for x in [c.step(), c.step()])
+
+
+def test_notify_waits_for_replica_zeros_ip_and_brackets_ipv6():
+    c = Cluster().running()
+    with_ip(c, "resnet-w0-1", "10.1.2.4")
+    c.manifest["spec"]["suspend"] = True
+    assert c.step().notify is None  # replica 0 has no IP yet: the annotation alone
+    with_ip(c, "resnet-w0-0", "fd00::5")
+    assert c.step().notify == ("tcp://[fd00::5]:29501", "suspend-w0", "suspend")

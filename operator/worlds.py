@@ -1,0 +1,52 @@
+"""The operator's one message to a running world: "drain now", sent to its coordinator.
+
+The `splitfeed.io/drain` annotation reaches the sidecars through the kubelet's
+downward-API refresh, which can take a minute; a `drain_request` frame sent
+straight to replica 0's coordinator (docs/agreement.md) starts the drain within
+one round trip. Best effort only: the annotation stays the sure path, so any
+failure here is a None, never an exception the reconciler has to handle.
+
+Blocking (a ZeroMQ socket and a wait): call it from a worker thread
+(`asyncio.to_thread`), never on Kopf's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+
+from splitfeed.trainer_client import errors, protocol
+
+log = logging.getLogger(__name__)
+
+
+def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
+                  context: zmq.Context[Any] | None = None) -> str | None:
+    """Ask the coordinator at `address` (planning.coordinator_at) to drain; its `drain_ack` state, or None without an answer.
+
+    A fresh DEALER per call with LINGER 0: nothing is left queued for a
+    coordinator that is gone, and no socket outlives the call. The coordinator
+    deduplicates by `token`, so sending again (every poll) is harmless.
+    """
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(address)
+        sock.send(protocol.encode("drain_request", token=token, reason=reason), zmq.NOBLOCK)
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        answer = protocol.decode(sock.recv(zmq.NOBLOCK))
+    except (zmq.ZMQError, errors.ProtocolError) as exc:
+        log.debug("drain request to %s failed: %s", address, exc)
+        return None
+    finally:
+        sock.close(linger=0)
+    if answer["type"] != "drain_ack" or answer["token"] != token:
+        log.debug("drain request to %s: unexpected answer %s", address, answer)
+        return None
+    return str(answer["state"])

@@ -1,0 +1,134 @@
+"""The operator's fast drain path: a drain_request straight to a world's coordinator, over real ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from splitfeed.operator import reconciling, rescaling, worlds
+from splitfeed.trainer_client import protocol
+
+
+class Router:
+    """A stand-in coordinator: a ROUTER that records requests and answers drain_ack (or nothing)."""
+
+    def __init__(self, answer: str | None = "freezing", reply: bytes | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.answer, self.reply = answer, reply
+        self.received: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            peer, frame = self.sock.recv_multipart()
+            message = protocol.decode(frame)
+            self.received.append(message)
+            if self.reply is not None:
+                self.sock.send_multipart([peer, self.reply])
+            elif self.answer is not None:
+                self.sock.send_multipart([peer, protocol.encode(
+                    "drain_ack", token=message["token"], state=self.answer)])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture()
+def router() -> Iterator[Router]:
+    r = Router()
+    yield r
+    r.close()
+
+
+def test_a_coordinator_that_answers_gets_the_request_and_its_state_comes_back(router):
+    assert worlds.request_drain(router.address, "rescale-w3", "rescale") == "freezing"
+    assert router.received == [{"v": protocol.PROTOCOL_VERSION, "type": "drain_request",
+                                "token": "rescale-w3", "reason": "rescale"}]
+
+
+def test_asking_again_uses_a_fresh_socket_each_time(router):
+    for _ in range(3):
+        assert worlds.request_drain(router.address, "rescale-w3", "rescale") == "freezing"
+    assert len(router.received) == 3
+
+
+def test_nothing_listening_is_none_within_the_timeout():
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as probe:
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.unbind(f"tcp://127.0.0.1:{port}")  # a port nobody holds now
+    start = time.monotonic()
+    assert worlds.request_drain(f"tcp://127.0.0.1:{port}", "rescale-w0", "rescale", timeout_s=0.3) is None
+    assert 0.25 <= time.monotonic() - start < 1.0
+
+
+def test_a_coordinator_that_never_answers_is_none_within_the_timeout():
+    silent = Router(answer=None)
+    try:
+        start = time.monotonic()
+        assert worlds.request_drain(silent.address, "suspend-w1", "suspend", timeout_s=0.3) is None
+        assert time.monotonic() - start < 1.0
+        assert [m["type"] for m in silent.received] == ["drain_request"]
+    finally:
+        silent.close()
+
+
+@pytest.mark.parametrize("reply", [b"not json", protocol.encode("drain_ack", token="other", state="idle")],
+                         ids=["garbage", "other-token"])
+def test_a_wrong_answer_is_none_not_an_exception(reply):
+    odd = Router(reply=reply)
+    try:
+        assert worlds.request_drain(odd.address, "rescale-w0", "rescale", timeout_s=1.0) is None
+    finally:
+        odd.close()
+
+
+class RecordingKube:
+    """Only the calls `reconciling._apply` makes, in the order it makes them."""
+
+    def __init__(self, router: Router) -> None:
+        self.calls: list[str] = []
+        self.router = router
+
+    async def patch_job_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.calls.append("status")
+
+    async def create(self, obj: dict[str, Any]) -> bool:
+        self.calls.append("create")
+        return True
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        assert not self.router.received  # the annotation (the sure path) goes first
+        self.calls.append(f"annotate {name}")
+
+    async def delete_pod(self, namespace: str, name: str) -> bool:
+        self.calls.append(f"delete {name}")
+        return True
+
+
+def test_the_reconciler_sends_a_decisions_notify_after_its_status_and_annotations(router):
+    kube = RecordingKube(router)
+    ctx = reconciling.Context(kube=kube, settings=None)  # type: ignore[arg-type]
+    d = rescaling.Decision(step="CheckpointRequested", status={"phase": "Rescaling"},
+                           annotate={"resnet-w0-0": {"splitfeed.io/drain": "rescale-w0"}},
+                           notify=(router.address, "rescale-w0", "rescale"))
+    asyncio.run(reconciling._apply(ctx, "ns", "resnet", d))
+    assert kube.calls == ["status", "annotate resnet-w0-0"]
+    assert [(m["type"], m["token"], m["reason"]) for m in router.received] == [
+        ("drain_request", "rescale-w0", "rescale")]
