@@ -145,3 +145,50 @@ def test_plan_rejects_an_invalid_replica_count_with_the_valid_ones(table_uri, tm
     done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "7")
     assert done.returncode == 2
     assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 24]" in done.stderr
+
+
+E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
+
+
+def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_step(table_uri, tmp_path):
+    """`--scale-at` drains each world at one agreed step and starts the next one there.
+
+    The trainers are real DDP trainers (gloo, a backward pass every step) that follow
+    the README's loop; output goes to a pipe, so progress comes as plain lines.
+    """
+    from tests.e2e import exactness
+
+    logs = tmp_path / "logs"
+    store = tmp_path / "ckpt"
+    job = manifest(table_uri, str(store))
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--resume", "none",
+                     "--scale-at", "4:4", "--scale-at", "10:3",
+                     "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.25", timeout=400)
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "\r" not in err  # no bar when the output is not a terminal
+    assert "splitfeed local: world 0 (2 ranks): global step" in err
+    assert "rescale 2 -> 4 replicas at global step" in err and "rescale 4 -> 3 replicas" in err
+    assert err.count("; 0 steps redone") == 2, err
+    summary = exactness.check(
+        logs, exactness.complete_checkpoints(store / "test" / "job"),
+        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
+        lambda world, rank: reference_batches(table_uri, {}, world, rank))
+    assert [w.size for w in summary.worlds] == [2, 4, 3], summary
+    assert [w.ended for w in summary.worlds] == [exactness.DRAINED, exactness.DRAINED, exactness.END], summary
+    assert summary.replayed == 0, summary
+
+
+def test_the_demo_check_fails_on_a_single_wrong_batch(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", Path(__file__).parents[2] / "examples" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    one = {s: [s * 10 + i for i in range(4)] for s in range(8)}
+    assert demo.compare(one, {s: list(v) for s, v in one.items()}, [3, 6]) == 0
+    wrong = {s: list(v) for s, v in one.items()}
+    wrong[5][0] += 1  # one row of one global step
+    assert demo.compare(one, wrong, [3, 6]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT" in out and "7/8 global steps identical" in out
