@@ -717,3 +717,18 @@ class TestAgreementWithTheConfigModel:
         assert at_schema(("spec", *path))["minLength"] == 1
         with pytest.raises(specs.SpecError):
             specs.parse_job(with_value(path, ""), check_replicas=False)
+
+
+def test_the_readme_reference_lists_exactly_the_crds_spec_fields():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## StreamingJob reference", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(spec\.[A-Za-z.]+)` \|", section, flags=re.M))
+    fields = set()
+    for name, node in SPEC_SCHEMA["properties"].items():
+        if (name,) in SECTIONS:
+            fields |= {f"spec.{name}.{child}" for child in node["properties"]}
+        else:
+            fields.add(f"spec.{name}")
+    assert documented == fields
+    for field in specs.ORDER_FIELDS:
+        assert f"`{field}`" in section.split("**Fixed order.**", 1)[1].split("- **", 1)[0], field
