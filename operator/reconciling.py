@@ -15,7 +15,9 @@ import datetime
 import logging
 from typing import Any
 
-from . import admission, kube, planning, rescaling, worlds
+from splitfeed.trainer_client import worlds
+
+from . import admission, kube, planning, rescaling
 
 MAX_STEPS = 5
 """Steps taken at once while each one changes something and none waits on pods."""

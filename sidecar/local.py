@@ -360,6 +360,7 @@ class Progress:
         self.tty = enabled and out.isatty()
         self._bar: Any = None
         self._next_line = time.monotonic() + self.PLAIN_EVERY_S
+        self._last: tuple[int, float] | None = None
 
     def note(self, text: str) -> None:
         """A line above the bar (a rescale event)."""
@@ -394,11 +395,23 @@ class Progress:
                 self._bar.refresh()
             return
         now = time.monotonic()
-        if now >= self._next_line:
+        # A line when the step moved (or, while it waits, every few plain periods): no repeats.
+        if now >= self._next_line and (self._last is None or done != self._last[0]
+                                       or now - self._last[1] >= 6 * self.PLAIN_EVERY_S):
             self._next_line = now + self.PLAIN_EVERY_S
             of = f"/{total}" if total else ""
-            print(f"splitfeed local: {label}: global step {done}{of}, {rate:,.0f} rows/s, "
-                  f"data stall {stall:.0%}", file=self.out, flush=True)
+            spe = max((int(s.get("steps_per_epoch", 0)) for s in stats), default=0)
+            epoch = f" (epoch {done // spe}, step {done % spe}/{spe})" if spe else ""
+            print(f"splitfeed local: {label}: global step {done}{of}{epoch}, {rate:,.0f} rows/s, "
+                  f"data stall {stall:.0%}{self._eta(done, total, now)}", file=self.out, flush=True)
+
+    def _eta(self, done: int, total: int, now: float) -> str:
+        """Time left at the pace since the last line (steps, not rows: rescales change the rows per rank)."""
+        last, self._last = self._last, (done, now)
+        if last is None or not total or done <= last[0]:
+            return ""
+        left = (total - done) * (now - last[1]) / (done - last[0])
+        return f", ETA {int(left) // 60}:{int(left) % 60:02d}"
 
     def close(self) -> None:
         if self._bar is not None:

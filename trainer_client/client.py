@@ -140,6 +140,7 @@ class _Stats:
         self.first: float | None = None
         self.last_step = -1
         self.total_steps = 0
+        self.steps_per_epoch = 0
         self._written = 0.0
 
     def record(self, batch: Batch, wait_s: float) -> None:
@@ -162,6 +163,7 @@ class _Stats:
         elapsed = now - self.first if self.first is not None else 0.0
         blob = json.dumps({"batches": self.batches, "rows": self.rows, "wait_s": self.wait_s,
                            "elapsed_s": elapsed, "last_step": self.last_step, "total_steps": self.total_steps,
+                           "steps_per_epoch": self.steps_per_epoch,
                            "final": final})
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
@@ -461,7 +463,7 @@ class StreamClient:
         self.rank = message["rank"]
         self.world_size = message["world_size"]
         self.resume_step = message["resume_step"]
-        self.steps_per_epoch = message["steps_per_epoch"]
+        self.steps_per_epoch = self.stats.steps_per_epoch = message["steps_per_epoch"]
         self.total_steps = self.stats.total_steps = message["total_steps"]
         if self._next_step is None or message["instance"] != previous:
             # Only the first welcome decides where a fresh process starts; later

@@ -3,38 +3,50 @@
 The coordinator is replica 0's sidecar (docs/agreement.md). The operator and
 `splitfeed local` both ask through this one function; a sidecar or trainer
 asks through its own connection. Best effort by design: the caller has a
-slower sure path (the pod annotation) or retries on its next pass.
+slower sure path (the pod annotation) or retries on its next pass, so any
+failure is a None, never an exception.
+
+Blocking (a socket and a wait): the operator calls it from a worker thread
+(`asyncio.to_thread`), never on Kopf's event loop.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import zmq
 
-from . import protocol
-from .errors import ProtocolError
+from . import errors, protocol
+
+log = logging.getLogger(__name__)
 
 
-def request_drain(address: str, token: str, reason: str, *, timeout_s: float = 1.0,
+def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
                   context: zmq.Context[Any] | None = None) -> str | None:
-    """Send the request; the coordinator's state ("freezing", "committed", ...) or None if no answer.
+    """Ask the coordinator at `address` (planning.coordinator_at) to drain; its `drain_ack` state, or None without an answer.
 
-    The same token twice is one request: the coordinator deduplicates, so
-    asking again on every pass is safe.
+    A fresh DEALER per call with LINGER 0: nothing is left queued for a
+    coordinator that is gone, and no socket outlives the call. The coordinator
+    deduplicates by `token`, so sending again (every poll) is harmless.
     """
-    sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
     try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
-        sock.send(protocol.encode("drain_request", token=token, reason=reason))
+        sock.send(protocol.encode("drain_request", token=token, reason=reason), zmq.NOBLOCK)
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        try:
-            answer = protocol.decode(sock.recv())
-        except ProtocolError:
-            return None
-        return str(answer["state"]) if answer["type"] == "drain_ack" else None
+        answer = protocol.decode(sock.recv(zmq.NOBLOCK))
+    except (zmq.ZMQError, errors.ProtocolError) as exc:
+        log.debug("drain request to %s failed: %s", address, exc)
+        return None
     finally:
         sock.close(linger=0)
+    if answer["type"] != "drain_ack" or answer["token"] != token:
+        log.debug("drain request to %s: unexpected answer %s", address, answer)
+        return None
+    return str(answer["state"])

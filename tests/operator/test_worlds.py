@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import zmq
 
-from splitfeed.operator import reconciling, rescaling, worlds
+from splitfeed.operator import reconciling, rescaling
+from splitfeed.trainer_client import worlds
 from splitfeed.trainer_client import protocol
 
 
