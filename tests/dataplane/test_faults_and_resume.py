@@ -28,6 +28,27 @@ def trainer(pod, log: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def test_a_trainer_killed_between_checkpoint_and_model_save_is_resumed_at_its_last_committed_step(
+        pods, table_uri, tmp_path):
+    job = manifest(table_uri, str(tmp_path / "ckpt"))
+    pod = pods("pod", job, replicas=1, replica=0).start_thread()
+    log = tmp_path / "ids.jsonl"
+    first = trainer(pod, log, "--save-at", "2", "--die-after-checkpoint", "4")
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 1, err
+    # In place: the next process of the same world is rewound to step 2, not 4.
+    second = trainer(pod, log, "--pause-after", "1")
+    assert second.stdout.readline().strip() == "resume 2"
+    second.kill()
+    second.communicate()
+    pod.stop()
+    # A new world chooses the newest complete step: 2 as well (step 4 has no commit).
+    fresh = pods("fresh", job, replicas=1, replica=0).start_thread()
+    with StreamClient(fresh.socket_dir, 0) as client:
+        assert client.resume_step == 2
+        assert next(iter(client)).global_step == 2
+
+
 @pytest.mark.parametrize("save_at", [None, 3], ids=["no-checkpoint", "committed-at-3"])
 def test_a_trainer_restarted_in_place_resumes_where_its_model_was_saved(pods, table_uri, tmp_path, save_at):
     """resume_step and the data agree: a new process rewinds to the last committed step."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,3 +193,48 @@ def test_the_demo_check_fails_on_a_single_wrong_batch(capsys):
     assert demo.compare(one, wrong, [3, 6]) == 1
     out = capsys.readouterr().out
     assert "DIFFERENT" in out and "7/8 global steps identical" in out
+
+
+def test_sigterm_to_one_trainer_drains_the_world_at_one_step_and_the_next_run_resumes_there(
+        table_uri, tmp_path):
+    """Preemption: the pod's trainer gets SIGTERM; every rank checkpoints at one agreed step."""
+    from tests.e2e import exactness
+
+    store = tmp_path / "ckpt"
+    path = job_file(tmp_path, manifest(table_uri, str(store)))
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", path, "--replicas", "2",
+         "--resume", "none", "--quiet", "--", sys.executable, str(E2E_TRAINER), str(first), "--sleep-s", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (first / "w0-r1.jsonl").exists() or '"step": 3' not in (first / "w0-r1.jsonl").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the trainers never reached step 3"
+            time.sleep(0.1)
+        start = json.loads((first / "w0-r1.jsonl").read_text().splitlines()[0])
+        os.kill(start["pid"], signal.SIGTERM)  # rank 1's trainer, as the kubelet would
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    (world,) = exactness.read_worlds(first)
+    saved = {e["rank"]: e["step"] for e in world.events if e["event"] == "checkpoint"}
+    assert len(saved) == 2 and len(set(saved.values())) == 1, world.events
+    (step,) = set(saved.values())
+    assert 3 < step < 20
+    for rank in range(2):
+        assert sorted(world.batches[rank]) == list(range(step)), f"rank {rank} went past the agreed step"
+
+    shutil.copytree(first / "models", second / "models")  # the model store the job keeps
+    done = splitfeed("local", "-f", path, "--replicas", "3", "--quiet",
+                     "--", sys.executable, str(E2E_TRAINER), str(second), timeout=300)
+    assert done.returncode == 0, done.stderr
+    (resumed,) = exactness.read_worlds(second)
+    assert resumed.resume_step == step
+    for rank in range(3):
+        expected = reference_batches(table_uri, {}, 3, rank)
+        assert {s: ids[0] for s, ids in resumed.batches[rank].items()} == {
+            s: expected[s] for s in range(step, len(expected))}

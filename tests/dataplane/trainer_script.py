@@ -12,6 +12,7 @@ which batches it received.
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -25,6 +26,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-at", type=int, help="checkpoint when S global steps are done, then exit")
     parser.add_argument("--fail-at", type=int, help="raise at global step S")
     parser.add_argument("--save-at", type=int, help="checkpoint + commit when S global steps are done")
+    parser.add_argument("--die-after-checkpoint", type=int,
+                        help="checkpoint when S global steps are done, then die before saving a model")
     args = parser.parse_args()
     client = StreamClient(timeout_s=60)
     print(f"resume {client.resume_step}", flush=True)
@@ -38,6 +41,9 @@ def main() -> int:
             received += 1
             if args.save_at is not None and batch.global_step + 1 == args.save_at:
                 client.commit(client.checkpoint())
+            if args.die_after_checkpoint is not None and batch.global_step + 1 == args.die_after_checkpoint:
+                client.checkpoint()
+                os._exit(1)  # killed between checkpoint() and the model save
             if args.checkpoint_at is not None and batch.global_step + 1 == args.checkpoint_at:
                 client.checkpoint()
                 break
