@@ -83,7 +83,7 @@ def check_template(job: specs.JobSpec) -> None:
 
 
 def check_replicas(job: specs.JobSpec, replicas: int) -> None:
-    """The divisibility rules for `replicas` (ARCHITECTURE.md, "Validity rules")."""
+    """The divisibility rules for `replicas` (docs/architecture.md, "Validity rules")."""
     try:
         job.check_topology(replicas)
     except topology.TopologyError as exc:

@@ -6,7 +6,7 @@ thread); with K > 1,
 K spawned processes each read a contiguous sub-block of the rank's splits and
 the parent merges their blocks with `batching.interleave`, which yields the
 same rows in the same order as one reader would (the determinism contract in
-ARCHITECTURE.md does not depend on K).
+docs/architecture.md does not depend on K).
 
 Worker processes exist because decoding and copying Arrow data holds the GIL
 for part of each read; they are started with 'spawn' because lancedb's Rust

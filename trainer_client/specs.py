@@ -3,7 +3,7 @@
 Used by `splitfeed local`, the sidecar (which receives the job as a mounted
 ConfigMap) and the operator (which receives it from Kopf), so that all three
 agree on defaults and on what is an error. Field names on the wire are the
-contract in ARCHITECTURE.md; Python names are their snake_case twins.
+contract in docs/architecture.md; Python names are their snake_case twins.
 
 Parsing is table-driven rather than pydantic-based because this layer must stay
 importable with pyzmq, numpy and pyarrow alone.

@@ -2,7 +2,7 @@
 
 Pure functions, shared by every layer: the operator's admission checks, the
 sidecar's split assignment and `splitfeed plan` all call these, so a rule is
-written once. The rules are ARCHITECTURE.md's "Validity rules"; the split
+written once. The rules are docs/architecture.md's "Validity rules"; the split
 assignment mirrors `lancedb.streaming.StreamingDataset` (contiguous blocks of
 splits per rank, contiguous sub-blocks per worker), which tests pin against
 lancedb itself.

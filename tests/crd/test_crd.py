@@ -340,7 +340,7 @@ class TestDivisibilityRules:
 
     def test_the_rules_agree_with_the_topology_module_everywhere(self):
         # The CRD's arithmetic and trainer_client.topology are two spellings of
-        # the same three rules (ARCHITECTURE.md): on every topology in this grid
+        # the same three rules (docs/architecture.md): on every topology in this grid
         # they must accept and reject the same jobs, rule for rule.
         names = {
             "numSplits % (worldSize * numWorkers) == 0": "self.data.numSplits % (self.replicas * self.gpusPerReplica * self.data.numWorkers) == 0",

@@ -1,4 +1,4 @@
-"""The determinism contract (ARCHITECTURE.md) against StreamingDataset itself.
+"""The determinism contract (docs/architecture.md) against StreamingDataset itself.
 
 Rank r's batch k of epoch e must be rows [k*B, (k+1)*B) of
 `StreamingDataset(..., epoch=e, rank=r, world_size=W)` iterated in-process,

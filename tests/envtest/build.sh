@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Provide a real kube-apiserver, kube-controller-manager, etcd, kubectl and helm
-# for the "real API" test tiers (see shared design TESTING.md, "A real kube-apiserver").
+# for the "real API" test tiers (see docs/testing.md, "A real kube-apiserver").
 #
 # envtest convention: the LAST line on stdout is the absolute directory holding the
 # binaries; use it as KUBEBUILDER_ASSETS. Everything else goes to stderr.

@@ -2,7 +2,7 @@
 
 Fast tier: no apiserver. kmock cannot call webhooks, so the admission test posts
 AdmissionReviews to Kopf's own webhook server itself. Pod phases are set
-by the test, as a kubelet would. kmock notes (TESTING.md): Kopf only starts
+by the test, as a kubelet would. kmock notes (docs/testing.md): Kopf only starts
 watching once CRDs, namespaces, events and kopfpeerings are listable; objects
 need a resourceVersion; kmock replays every object as ADDED on each watch, so
 the create handler may run twice (a free idempotency check).

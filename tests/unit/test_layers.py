@@ -1,4 +1,4 @@
-"""The layering of ARCHITECTURE.md, kept by import-linter, and the stdlib's `operator`."""
+"""The layering of docs/architecture.md, kept by import-linter, and the stdlib's `operator`."""
 
 import os
 import subprocess
