@@ -244,7 +244,7 @@ class Cluster:
             "trainer": {"template": {"spec": {
                 "restartPolicy": restart_policy,
                 # docs/agreement.md: enough for prefetchBatches + 2 steps and a checkpoint on SIGTERM.
-                "terminationGracePeriodSeconds": 10,
+                "terminationGracePeriodSeconds": 5,
                 "containers": [{"name": "trainer", "image": "e2e-trainer:ignored", "command": command}],
             }}},
         }

@@ -85,6 +85,12 @@ def first_time(log_dir: Path, world: int, event: str, **fields: Any) -> float | 
     return min(times, default=None)
 
 
+AGREED_WITHIN_S = 15.0
+"""A drained world's agreed checkpoint comes this soon after the request at the latest. It takes
+the operator's reaction, one round trip to the coordinator and prefetchBatches + 1 steps: about
+1-2 s here. A world that reached the next only through checkpoint.timeoutSeconds fails this."""
+
+
 @dataclasses.dataclass
 class Rescale:
     """Seconds from a request (`kubectl scale`, a suspend, a SIGTERM) to the old world's agreed
@@ -103,8 +109,10 @@ def rescale_latency(cluster: Cluster, name: str, world: int, requested_at: float
     agreed = first_time(log_dir, world, "checkpoint", drained=True)
     assert agreed is not None, f"world {world} of {name} never logged a drained checkpoint"
     r = Rescale(agreed - requested_at, first - requested_at)
+    startup = [rec["startup"] for rec in records(log_dir, world + 1) if rec["event"] == "start"]
+    slowest = {k: max(s[k] for s in startup) for k in startup[0]} if startup else {}
     log(f"{name}: {what} latency: request -> world {world}'s agreed checkpoint {r.to_checkpoint:.1f} s, "
-        f"-> world {world + 1}'s first batch {r.to_first_batch:.1f} s")
+        f"-> world {world + 1}'s first batch {r.to_first_batch:.1f} s (its trainers' slowest start, s: {slowest})")
     return r
 
 

@@ -23,13 +23,14 @@ import pytest
 
 from tests.e2e.cluster import NS, SYSTEM_NS, Cluster, StatusWatch, alive, log, wait_for
 from tests.e2e.exactness import DRAINED, END
-from tests.e2e.jobs import assert_exact, event_reasons, reference_steps, rescale_latency, scale, wait_phase
+from tests.e2e.jobs import (AGREED_WITHIN_S, assert_exact, event_reasons, reference_steps, rescale_latency, scale,
+                            wait_phase)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_steps(cluster: Cluster) -> None:
-    name, epochs, timeout_s = "scenario", 2, 60
+    name, epochs, timeout_s = "scenario", 2, 120
     manifest = cluster.manifest(name, replicas=4, epochs=epochs, sleep_s=0.25, timeout_seconds=timeout_s)
     latencies = []
     with StatusWatch(cluster, name) as watch:
@@ -51,9 +52,12 @@ def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_step
     assert summary.replayed == 0, summary
     steps_per_epoch = len(reference_steps(cluster.table_uri, epochs)) // epochs
     assert 0 < summary.worlds[1].resume_step < steps_per_epoch, f"the first rescale was not mid-epoch: {summary}"
-    # A rescale is the agreement's work, not checkpoint.timeoutSeconds running out.
+    # A rescale is the agreement's work, not checkpoint.timeoutSeconds running out. The new world's
+    # first batch also waits for the old trainers' exit and the new pods' start (torch and lancedb
+    # imports: most of the time on a small machine).
     for r in latencies:
-        assert 0 < r.to_checkpoint < r.to_first_batch < timeout_s / 2, (latencies, timeout_s)
+        assert 0 < r.to_checkpoint < AGREED_WITHIN_S, (latencies, timeout_s)
+        assert r.to_checkpoint < r.to_first_batch < timeout_s / 2, (latencies, timeout_s)
 
     # The status walked through the rescale phases, and events say so.
     phases = [p for p, _ in watch.seen]

@@ -34,7 +34,8 @@ missing the trainer logs `model-missing` and exits 3: data and model disagree.
 Each rank appends JSON lines to LOG_DIR/w<worldEpoch>-r<rank>.jsonl, every line
 with "t" (time.time()), each flushed before the next batch is asked for:
 
-    {"event": "start", "pid", "world", "worldSize", "rank", "resumeStep", "model": <digest> | null}
+    {"event": "start", "pid", "world", "worldSize", "rank", "resumeStep", "model": <digest> | null,
+     "startup": {"imports": s, "client": s, "rendezvous": s}}
     {"event": "batch", "step": <global step>, "ids": [...], "requested": bool, "loss": float}
     {"event": "checkpoint", "step": <steps completed>, "drained": bool, "model": <digest>}
     {"event": "checkpoint-failed", "step": <steps completed>, "error": "..."}
@@ -48,22 +49,25 @@ steps so that a test can scale mid-epoch.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import hashlib
-import json
-import os
-import sys
 import time
-from pathlib import Path
-from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+STARTED = time.time()
 
-from splitfeed.trainer_client.client import StreamClient
-from splitfeed.trainer_client.errors import CheckpointError
+import argparse  # noqa: E402 - STARTED is taken before the imports, which take seconds
+import datetime  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from splitfeed.trainer_client.client import StreamClient  # noqa: E402
+from splitfeed.trainer_client.errors import CheckpointError  # noqa: E402
 
 CLASSES = 10  # the test table's labels are id % 10
 
@@ -98,8 +102,11 @@ def main() -> int:
         log.write(json.dumps({**fields, "t": time.time()}) + "\n")
         log.flush()
 
+    imported = time.time()
     client = StreamClient(timeout_s=args.timeout_s)
+    connected = time.time()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    startup = {"imports": imported - STARTED, "client": connected - imported, "rendezvous": time.time() - connected}
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES))
     path = model_path(models, client.resume_step) if client.resume_step else None
@@ -107,7 +114,7 @@ def main() -> int:
         module.load_state_dict(torch.load(path))
     loaded = digest(module) if path is not None and path.exists() else None
     record(event="start", pid=os.getpid(), world=world, worldSize=world_size, rank=rank,
-           resumeStep=client.resume_step, model=loaded)
+           resumeStep=client.resume_step, model=loaded, startup={k: round(v, 2) for k, v in startup.items()})
     if path is not None and loaded is None:
         record(event="model-missing", step=client.resume_step, path=str(path))
         return 3
