@@ -85,27 +85,40 @@ def violations(
     return found
 
 
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of `n` (n >= 1), ascending; O(sqrt(n)) steps."""
+    if n < 1:
+        raise ValueError(f"divisors of {n} are not defined")
+    small: list[int] = []
+    large: list[int] = []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
 def allowed_replicas(
     *, gpus_per_replica: int, num_splits: int, num_workers: int, global_batch_size: int
 ) -> list[int]:
     """Replica counts that satisfy every rule, ascending.
 
-    Bounded because worldSize * numWorkers must divide numSplits, so no valid
-    replica count exceeds numSplits.
+    worldSize * numWorkers = r * gpusPerReplica * numWorkers must divide numSplits,
+    so r divides numSplits / (gpusPerReplica * numWorkers): only the divisors of
+    that number are candidates, found in O(sqrt(numSplits)) steps (a numSplits of
+    2**31 takes milliseconds, not minutes). globalBatchSize % numSplits does not
+    depend on r, and globalBatchSize % (r * gpusPerReplica) filters the rest.
     """
     if min(gpus_per_replica, num_splits, num_workers, global_batch_size) < 1:
         return []
-    return [
-        r
-        for r in range(1, num_splits + 1)
-        if not violations(
-            replicas=r,
-            gpus_per_replica=gpus_per_replica,
-            num_splits=num_splits,
-            num_workers=num_workers,
-            global_batch_size=global_batch_size,
-        )
-    ]
+    per_replica = gpus_per_replica * num_workers
+    if num_splits % per_replica or global_batch_size % num_splits:
+        return []
+    return [r for r in divisors(num_splits // per_replica)
+            if global_batch_size % (r * gpus_per_replica) == 0]
 
 
 def check(

@@ -73,3 +73,36 @@ def test_steps_per_epoch_drops_rows_that_cannot_fill_a_global_step():
     assert topology.split_size(1000, 24) == 41
     assert topology.steps_per_epoch(1000, 24, 48) == 20
     assert topology.rank_batch_size(48, 6) == 8
+
+
+# --- bounded work: the valid counts come from divisors, not a walk up to numSplits ----------
+
+@pytest.mark.parametrize("n", [1, 2, 12, 36, 97, 720720, 1_000_000])
+def test_divisors_are_every_divisor_in_order(n):
+    assert topology.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+@pytest.mark.parametrize("gpus", [1, 3])
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("n,g", [(720, 1440), (360, 720 * 7), (100, 300), (49, 49 * 6)])
+def test_divisor_enumeration_agrees_with_the_rules_walked_longhand(gpus, workers, n, g):
+    expected = [r for r in range(1, n + 1) if rules_hold(r, gpus, n, workers, g)]
+    assert topology.allowed_replicas(
+        gpus_per_replica=gpus, num_splits=n, num_workers=workers, global_batch_size=g) == expected
+
+
+@pytest.mark.parametrize("n", [1_000_000, 2_147_483_646, 2_147_483_647])
+def test_huge_split_counts_are_answered_in_milliseconds(n):
+    """A complexity check, not a benchmark: walking every integer up to 2**31 takes minutes."""
+    import time
+
+    start = time.perf_counter()
+    allowed = topology.allowed_replicas(gpus_per_replica=1, num_splits=n, num_workers=1,
+                                        global_batch_size=n * 4)
+    with pytest.raises(topology.TopologyError) as info:
+        topology.check(replicas=n + 1, gpus_per_replica=1, num_splits=n, num_workers=1,
+                       global_batch_size=n * 4)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.5, f"{elapsed:.2f}s for numSplits={n}"
+    assert allowed[0] == 1 and allowed[-1] == n and all(n % r == 0 and (4 * n) % r == 0 for r in allowed)
+    assert info.value.allowed == allowed
