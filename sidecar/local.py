@@ -114,8 +114,26 @@ def rank_env(job: specs.JobSpec, replica: int, local_rank: int, socket_dir: Path
         "MASTER_PORT": str(master_port),
         "SPLITFEED_SOCKET_DIR": str(socket_dir),
         "SPLITFEED_WORLD_EPOCH": str(world_epoch),
+        "SPLITFEED_JOB_UID": LOCAL_JOB_UID,
     })
     return env
+
+
+LOCAL_JOB_UID = "local"
+"""The job UID of every `splitfeed local` run: a run resumes what earlier runs of the same
+manifest (name, namespace, checkpoint.uri) saved, as a re-applied StreamingJob would not."""
+
+
+def first_world_epoch(job: specs.JobSpec, storage_options_dir: Path | None) -> int:
+    """Number this run's worlds after every earlier run's, so checkpoint fencing holds."""
+    if not job.checkpoint.uri:
+        return 0
+    from . import checkpoints, main
+
+    store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name,
+                              main.read_storage_options(storage_options_dir), uid=LOCAL_JOB_UID)
+    newest = store.newest_world()
+    return 0 if newest is None else newest + 1
 
 
 @dataclasses.dataclass
@@ -239,8 +257,8 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     interrupted = False
     failure: str | None = None
     try:
-        world = start_world(job, 0, argv, work, logs, resume=resume, resume_step=None,
-                            storage_options_dir=storage_options_dir)
+        world = start_world(job, first_world_epoch(job, storage_options_dir), argv, work, logs,
+                            resume=resume, resume_step=None, storage_options_dir=storage_options_dir)
         history.append(world)
         while True:
             failure = world.failure()

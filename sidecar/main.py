@@ -19,7 +19,7 @@ from typing import Any
 
 from splitfeed.trainer_client import errors, specs
 
-from . import agreement, checkpoints, positions, reading, serving, workers
+from . import agreement, checkpoints, identity, positions, reading, serving, workers
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,12 @@ class SidecarSettings:
     """This pod's replica index (NODE_RANK); default rank // local_world_size."""
     coordinator: str | None = None
     """tcp://HOST:PORT of replica 0's coordinator (SPLITFEED_COORDINATOR); replica 0 binds its port."""
+    job_uid: str = ""
+    """The StreamingJob's metadata.uid (SPLITFEED_JOB_UID): its checkpoints are its own."""
+    world_epoch: int = 0
+    """The world this sidecar belongs to (SPLITFEED_WORLD_EPOCH): fences older worlds' checkpoints."""
+    table_version: int | None = None
+    """The table version the job pinned, once the operator recorded it (SPLITFEED_TABLE_VERSION)."""
     checksum: str | None = None
     podinfo_dir: Path | None = None
     storage_options_dir: Path | None = None
@@ -52,7 +58,9 @@ class SidecarSettings:
     @classmethod
     def from_env(cls, **overrides: Any) -> SidecarSettings:
         env = os.environ
+        who = identity.from_env(env, need_uid=False)
         values: dict[str, Any] = {
+            "job_uid": who.uid, "world_epoch": who.world_epoch, "table_version": who.table_version,
             "socket_dir": Path(env.get("SPLITFEED_SOCKET_DIR", "/var/run/splitfeed")),
             "rank": int(env.get("RANK", "0")),
             "world_size": int(env.get("WORLD_SIZE", "1")),
@@ -165,40 +173,55 @@ def coordinator_addresses(settings: SidecarSettings) -> tuple[str, str]:
     return f"tcp://*:{port}", settings.coordinator
 
 
-def job_store(job: specs.JobSpec, storage_options: Mapping[str, str]) -> checkpoints.Store | None:
+def job_stores(job: specs.JobSpec, settings: SidecarSettings, storage_options: Mapping[str, str],
+               provenance: Mapping[str, Any] | None = None) -> list[checkpoints.Store]:
+    """Where this job's checkpoints go (its UID's), then what spec.checkpoint.resumeFrom names."""
     if not job.checkpoint.uri:
-        return None
-    return checkpoints.Store(job.checkpoint.uri, job.namespace, job.name, storage_options)
+        return []
+    identity.required(identity.Identity(settings.job_uid, settings.world_epoch, settings.table_version))
+    return checkpoints.stores(job, uid=settings.job_uid, storage_options=storage_options,
+                              provenance=provenance)
 
 
-def choose_resume_step(job: specs.JobSpec, settings: SidecarSettings,
-                       store: checkpoints.Store | None) -> int:
+def choose_version(settings: SidecarSettings, stores: list[checkpoints.Store]) -> int | None:
+    """The table version the job reads start to end, if an earlier world already fixed it."""
+    if settings.table_version is not None:
+        return settings.table_version  # the operator recorded it (status.data.tableVersion)
+    for store in stores:
+        version = store.pinned_version()
+        if version is not None:
+            return version
+    return None
+
+
+def choose_resume_step(job: specs.JobSpec, data: specs.DataSpec, settings: SidecarSettings,
+                       stores: list[checkpoints.Store], expect: Mapping[str, Any]) -> int:
     """The world's resume step, decided once by its coordinator (docs/agreement.md)."""
     if settings.resume_step is not None:
         log.info("resuming at global step %d, as the operator recorded", settings.resume_step)
         return settings.resume_step
-    if settings.resume == "none" or store is None:
+    if settings.resume == "none" or not stores:
         return 0
-    found = store.latest_complete(reading.merge_states,
-                                  accept=lambda s: positions.position_from_state(job.data, s))
+    found = checkpoints.newest(stores, reading.merge_states, expect=expect,
+                               accept=lambda s: positions.position_from_state(data, s))
     if found is None:
         log.info("no complete checkpoint under %s: starting at step 0", job.checkpoint.uri)
         return 0
-    step, _, world = found
-    log.info("the world resumes at global step %d, the newest complete checkpoint (%d ranks)", step, world)
-    return step
+    log.info("the world resumes at global step %d, the newest complete checkpoint (%d ranks)",
+             found.step, found.world_size)
+    return found.step
 
 
-def check_resume_step(job: specs.JobSpec, store: checkpoints.Store | None, step: int,
-                      steps_per_epoch: int) -> None:
+def check_resume_step(data: specs.DataSpec, stores: list[checkpoints.Store], step: int,
+                      steps_per_epoch: int, expect: Mapping[str, Any]) -> None:
     """Load exactly the world's resume step; a store that disagrees is an error, never a guess."""
     if step == 0:
         return
-    if store is None:
+    if not stores:
         raise errors.UserError(
             f"the world resumes at global step {step} but the job has no spec.checkpoint.uri")
-    merged = store.load(step, reading.merge_states)
-    position = positions.position_from_state(job.data, merged)
+    merged = checkpoints.load(stores, step, reading.merge_states, expect=expect)
+    position = positions.position_from_state(data, merged)
     if position.epoch * steps_per_epoch + position.step != step:
         raise errors.UserError(
             f"checkpoint step {step} holds the position of epoch {position.epoch} step "
@@ -217,6 +240,15 @@ class Sidecar:
     """The failure is a DataError: the same data fails the same way in any world."""
     coordinator: agreement.CoordinatorThread | None = None
     """Replica 0's: the world's coordinator, alive as long as this sidecar."""
+    table_version: int | None = None
+    """The table version every worker of this world reads."""
+
+
+def provenance(data: specs.DataSpec, settings: SidecarSettings) -> dict[str, Any]:
+    """What this world's checkpoint records say they belong to (and what a resume must match)."""
+    assert data.version is not None
+    return checkpoints.provenance(data, table_version=int(data.version), job_uid=settings.job_uid,
+                                  world_epoch=settings.world_epoch)
 
 
 def prepare(settings: SidecarSettings) -> Sidecar:
@@ -226,45 +258,61 @@ def prepare(settings: SidecarSettings) -> Sidecar:
     failure: str | None = None
     permanent = False
     job: specs.JobSpec | None = None
-    store: checkpoints.Store | None = None
     coordinator: agreement.CoordinatorThread | None = None
+    expect: dict[str, Any] = {}
     member: agreement.Member | None = None
     storage_options = read_storage_options(settings.storage_options_dir)
     steps_per_epoch, total_steps, start_step = 1, 0, 0
+    data: specs.DataSpec | None = None
+    stores: list[checkpoints.Store] = []
     try:
         job = load_job(settings)
-        table = reading.open_table(job.data, storage_options)
-        steps_per_epoch = reading.layout_epoch(table, job.data, 0).steps_per_epoch
-        total_steps = steps_per_epoch * job.data.epochs
-        del table
-        store = job_store(job, storage_options)
         bind, address = coordinator_addresses(settings)
         replica = replica_of(settings)
         if replica == 0:
+            # The coordinator fixes, once for the world: the table version, and the resume step.
+            stores = job_stores(job, settings, storage_options)
+            table, data = reading.pin(job.data, storage_options, pinned=choose_version(settings, stores))
+            assert data.version is not None  # pin() sets the number
+            expect = provenance(data, settings)
+            stores = job_stores(job, settings, storage_options, expect)
+            steps_per_epoch = reading.layout_epoch(table, data, 0).steps_per_epoch
+            resume_step = choose_resume_step(job, data, settings, stores, expect)
+            if stores:
+                stores[0].start_world(resume_step=resume_step)  # fences every older world
             coordinator = agreement.CoordinatorThread(
-                agreement.Coordinator(replicas=replicas_of(settings), total_steps=total_steps,
-                                      resume_step=choose_resume_step(job, settings, store)),
+                agreement.Coordinator(replicas=replicas_of(settings), total_steps=steps_per_epoch * data.epochs,
+                                      resume_step=resume_step, table_version=int(data.version)),
                 bind)
             address = address or coordinator.address
         member = agreement.Member(address, replica, instance)
-        start_step = int(member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)["resume_step"])
-        check_resume_step(job, store, start_step, steps_per_epoch)
+        joined = member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)
+        start_step = int(joined["resume_step"])
+        if replica != 0:
+            table, data = reading.pin(job.data, storage_options, pinned=joined["table_version"])
+            expect = provenance(data, settings)
+            stores = job_stores(job, settings, storage_options, expect)
+            steps_per_epoch = reading.layout_epoch(table, data, 0).steps_per_epoch
+        assert data is not None
+        total_steps = steps_per_epoch * data.epochs
+        del table
+        check_resume_step(data, stores, start_step, steps_per_epoch, expect)
     except errors.UserError as exc:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
 
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]
-        assert job is not None
-        return workers.iter_rank_batches(job.data, storage_options, rank=rank,
+        assert data is not None  # every worker opens the pinned version
+        return workers.iter_rank_batches(data, storage_options, rank=rank,
                                          world_size=settings.world_size,
                                          start_global_step=first_step)
 
     checkpoint = commit = None
-    if job is not None and store is not None:
-        data, world, spe, st = job.data, settings.world_size, steps_per_epoch, store
+    if data is not None and stores:
+        pinned, world, spe, st = data, settings.world_size, steps_per_epoch, stores[0]
 
         def checkpoint(rank: int, step: int) -> str:
-            state = positions.state_dict(data, positions.position_of(step, spe))
+            state = positions.state_dict(pinned, positions.position_of(step, spe))
             return st.write(global_step=step, rank=rank, world_size=world, state=state)
 
         def commit(rank: int, step: int) -> None:
@@ -278,7 +326,8 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         member=member if failure is None else None, instance=instance)
     if failure is not None and member is not None:
         member.close()
-    return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator)
+    return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator,
+                   int(data.version) if data is not None and data.version is not None else None)
 
 
 def serve(sidecar: Sidecar) -> int:
@@ -305,6 +354,7 @@ def serve(sidecar: Sidecar) -> int:
             "agreedStep": server.drain_step if drained else None,
             "drainReason": server.drain_reason,
             "resumeStep": server.resume_step,
+            "tableVersion": sidecar.table_version,
             "error": failure,
             "permanent": bool(failure) and sidecar.permanent and failure == sidecar.failure,
         }

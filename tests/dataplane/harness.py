@@ -29,6 +29,8 @@ from splitfeed.sidecar import reading
 from splitfeed.trainer_client import specs, topology
 
 ROWS = 1000
+JOB_UID = "0b5e55ed-0000-4000-8000-000000000001"
+"""The test job's metadata.uid: its checkpoints live under <uri>/test/job/<uid>/."""
 DIM = 8
 
 
@@ -91,7 +93,7 @@ class Pod:
 
     def __init__(self, root: Path, name: str, job_manifest: dict, *, replicas: int, replica: int,
                  gpus: int = 1, resume: str = "latest", coordinator: str | None = None,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, world_epoch: int = 0, job_uid: str = JOB_UID) -> None:
         job = specs.parse_job(job_manifest, check_replicas=False)
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +105,8 @@ class Pod:
         self.termination_log = self.dir / "termination-log"
         self.env = {"RANK": str(replica * gpus), "WORLD_SIZE": str(replicas * gpus),
                     "LOCAL_WORLD_SIZE": str(gpus), "SPLITFEED_SOCKET_DIR": str(self.socket_dir),
-                    "SPLITFEED_RESUME": resume, "NODE_RANK": str(replica)}
+                    "SPLITFEED_RESUME": resume, "NODE_RANK": str(replica),
+                    "SPLITFEED_JOB_UID": job_uid, "SPLITFEED_WORLD_EPOCH": str(world_epoch)}
         if coordinator:
             self.env["SPLITFEED_COORDINATOR"] = coordinator
         if resume_step is not None:
@@ -111,7 +114,7 @@ class Pod:
         self.settings = sidecar_main.SidecarSettings(
             config=self.config, socket_dir=self.socket_dir, rank=replica * gpus,
             world_size=replicas * gpus, local_world_size=gpus, resume=resume, replica=replica,
-            coordinator=coordinator, resume_step=resume_step,
+            coordinator=coordinator, resume_step=resume_step, job_uid=job_uid, world_epoch=world_epoch,
             podinfo_dir=self.podinfo, termination_log=self.termination_log)
         self._thread: threading.Thread | None = None
         self._sidecar: sidecar_main.Sidecar | None = None

@@ -97,7 +97,8 @@ def test_every_rank_checkpoints_on_the_same_step_and_the_next_world_resumes_ther
 
     # The next world (another size) is told the step and resumes exactly there.
     coordinator = coordinator_address()
-    nxt = [pods(f"b{r}", job, replicas=2, replica=r, coordinator=coordinator, resume_step=step).start_thread()
+    nxt = [pods(f"b{r}", job, replicas=2, replica=r, coordinator=coordinator, resume_step=step,
+                world_epoch=1).start_thread()
            for r in range(2)]
     results = run_ranks(nxt, 1, request_at=-1)
     for rank, r in results.items():

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from splitfeed.sidecar import checkpoints
 from splitfeed.trainer_client import SidecarFailed
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.dataplane.harness import coordinator_address, manifest, reference_batches, reference_global_steps, wait_for
+from tests.dataplane.harness import JOB_UID, coordinator_address, manifest, reference_batches, reference_global_steps, wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 
@@ -43,7 +44,7 @@ def test_a_trainer_killed_between_checkpoint_and_model_save_is_resumed_at_its_la
     second.communicate()
     pod.stop()
     # A new world chooses the newest complete step: 2 as well (step 4 has no commit).
-    fresh = pods("fresh", job, replicas=1, replica=0).start_thread()
+    fresh = pods("fresh", job, replicas=1, replica=0, world_epoch=1).start_thread()
     with StreamClient(fresh.socket_dir, 0) as client:
         assert client.resume_step == 2
         assert next(iter(client)).global_step == 2
@@ -87,11 +88,11 @@ def test_a_killed_sidecar_is_replaced_and_the_trainer_continues_exactly(pods, ta
     assert got == expected
 
 
-def run_world(pods, job, world: int, name: str, until: int | None, resume: str = "latest"):
-    """Run `world` ranks in lockstep until `until` steps are done; checkpoint there."""
+def run_world(pods, job, world: int, name: str, until: int | None, resume: str = "latest", epoch: int = 0):
+    """Run `world` ranks (world epoch `epoch`) in lockstep until `until` steps are done; checkpoint there."""
     coordinator = coordinator_address()
     started = [pods(f"{name}-{r}", job, replicas=world, replica=r, resume=resume,
-                    coordinator=coordinator).start_thread()
+                    coordinator=coordinator, world_epoch=epoch).start_thread()
                for r in range(world)]
     clients = [StreamClient(p.socket_dir, 0) for p in started]
     steps: dict[int, set[int]] = {}
@@ -123,8 +124,8 @@ def test_checkpoint_on_4_resume_on_2_then_on_3_equals_an_uninterrupted_run(pods,
     job = manifest(table_uri, str(tmp_path / "ckpt"))
     reference = reference_global_steps(table_uri, {})
     r0, a = run_world(pods, job, 4, "w4", until=5, resume="none")
-    r1, b = run_world(pods, job, 2, "w2", until=12)
-    r2, c = run_world(pods, job, 3, "w3", until=None)
+    r1, b = run_world(pods, job, 2, "w2", until=12, epoch=1)
+    r2, c = run_world(pods, job, 3, "w3", until=None, epoch=2)
     assert (r0, r1, r2) == (0, 5, 12)
     delivered = {**a, **b, **c}
     assert sorted(delivered) == list(range(len(reference)))
@@ -151,14 +152,15 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_complete_one(
         pods, table_uri, tmp_path, damage, caplog):
     job = manifest(table_uri, str(tmp_path / "ckpt"))
     run_world(pods, job, 2, "first", until=3, resume="none")
-    run_world(pods, job, 2, "second", until=7)
-    newest = tmp_path / "ckpt" / "test" / "job" / f"step-{7:012d}" / "rank-00001-of-00002.json"
+    run_world(pods, job, 2, "second", until=7, epoch=1)
+    newest = Path(checkpoints.Store(str(tmp_path / "ckpt"), "test", "job", uid=JOB_UID)
+                  .record_path(7, 1, 2, world_epoch=1))
     damage(newest)
-    resume_step, steps = run_world(pods, job, 2, "third", until=None)
+    resume_step, steps = run_world(pods, job, 2, "third", until=None, epoch=2)
     assert resume_step == 3
     reference = reference_global_steps(table_uri, {})
     assert [steps[k] for k in range(3, len(reference))] == reference[3:]
-    assert any("step 7" in r.getMessage() or "corrupt" in r.getMessage() for r in caplog.records)
+    assert any("step 7" in r.getMessage() or "unusable" in r.getMessage() for r in caplog.records)
 
 
 def test_a_drain_request_is_cut_at_an_unpublished_step_and_ends_iteration_after_the_commit(
