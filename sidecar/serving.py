@@ -4,11 +4,14 @@ One thread owns the ZeroMQ ROUTER socket and answers the trainers; one
 publishing thread per rank reads that rank's batches and writes each into a
 free slot of its ring (RankFeed). They share only the control block, an outbox
 and a wake-up event. A malformed message gets an error reply and a log line;
-nothing a trainer sends can stop the loop.
+nothing a trainer sends can stop the loop: ZeroMQ drops a frame over
+MAX_MESSAGE_BYTES before buffering it, and replies never block (a peer that
+does not read loses them).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -42,8 +45,12 @@ _WRITE_OPTIONS = pa.ipc.IpcWriteOptions(use_threads=False)
 _schema_bytes: dict[int, tuple[pa.Schema, int]] = {}
 
 ROOM_RECHECK_S = 0.005
-"""A publisher waiting for room re-checks the ring this often even without a wake-up
-(bounds the cost of a wake-up lost to a race on the shared flags)."""
+"""A publisher waiting for room re-checks the ring this often even without a wake-up:
+a batch released by another thread of a trainer that sleeps on its socket sends none."""
+
+SEND_HWM = 64
+"""Replies queued per trainer before more are dropped: a trainer has a few outstanding
+at most (a welcome, a checkpoint's answer, `ready`s); one that does not read is not waited for."""
 
 
 def ipc_size(batch: pa.RecordBatch) -> int:
@@ -75,8 +82,9 @@ class RankFeed:
 
     def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
                  factory: SourceFactory, prefetch: int, start_step: int, total_steps: int,
-                 signal: tuple[zmq.Context[Any], str] | None = None) -> None:
+                 signal: tuple[zmq.Context[Any], str] | None = None, local_ranks: int = 1) -> None:
         self.local_rank = local_rank
+        self.local_ranks = local_ranks
         self.rank = rank
         self.prefetch = prefetch
         self.start_step = start_step
@@ -89,6 +97,7 @@ class RankFeed:
         self.control.end_step = total_steps
         self.control.prefetch = prefetch
         self.slots: list[ring.SlotFile] = []
+        self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
         self.peer: bytes | None = None
         self.trainer_pid: int | None = None
         self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -189,8 +198,7 @@ class RankFeed:
                 if not self._publish(global_step, batch, stop):
                     return
                 next_step = global_step + 1
-                if self.control.trainer_waiting:
-                    self.control.trainer_waiting = 0
+                if self.control.trainer_waiting:  # an RMW after the slot's: no wake-up is lost
                     tell("ready", global_step)
             if not stop.is_set():
                 tell("end", next_step)
@@ -210,12 +218,19 @@ class RankFeed:
         # The gate after the room: a step counts as published once only its write is left.
         if index is None or not self._through_gate(global_step, stop):
             return False
+        self._writes += 1
+        slot, seq = self.slots[index], self._writes
+        slot.mark_header(global_step, seq)
         nbytes = self.write(index, batch)
+        slot.mark_trailer(nbytes, global_step, seq)
         control = self.control
         control.step[index] = global_step
         control.nbytes[index] = nbytes
+        control.seq[index] = seq
         control.posted[global_step % ring.MAX_SLOTS] = index
-        control.state[index] = ring.SlotState.FILLED  # last: the trainer may take it now
+        # Last, with release order: the trainer may take it now, and sees all of the above.
+        if not control.transition(index, ring.SlotState.FREE, ring.SlotState.FILLED):
+            raise AssertionError(f"slot {index} changed state while the sidecar wrote it")
         return True
 
     def _room(self, size: int, stop: threading.Event) -> int | None:
@@ -225,18 +240,22 @@ class RankFeed:
         again: a trainer that made room before it saw the flag sent no wake-up.
         """
         control = self.control
-        while not stop.is_set() and not self.drained and not self.failure:
-            if self._woken.is_set():
-                self._woken.clear()
-            index, waiting_for = self._try_slot(size)
-            if index is None:
-                control.sidecar_waiting = waiting_for
-                index, _ = self._try_slot(size)
-            if index is not None:
+        waiting = ring.Waiting.NO
+        try:
+            while not stop.is_set() and not self.drained and not self.failure:
+                if self._woken.is_set():
+                    self._woken.clear()
+                index, waiting_for = self._try_slot(size)
+                if index is None and waiting != waiting_for:
+                    control.sidecar_waiting = waiting = waiting_for
+                    index, _ = self._try_slot(size)
+                if index is not None:
+                    return index
+                self._woken.wait(ROOM_RECHECK_S)
+            return None
+        finally:
+            if waiting != ring.Waiting.NO:
                 control.sidecar_waiting = ring.Waiting.NO
-                return index
-            self._woken.wait(ROOM_RECHECK_S)
-        return None
 
     def _try_slot(self, size: int) -> tuple[int | None, int]:
         states = self.control.states()
@@ -247,18 +266,21 @@ class RankFeed:
     # -- slots ---------------------------------------------------------------
 
     def free_slot(self, size: int, states: list[int]) -> int | None:
-        """A FREE slot that fits `size` bytes (grown if needed), or None; `states` as just read."""
+        """A FREE slot that fits a `size`-byte batch (grown if needed), or None; `states` as just read."""
         if ring.SlotState.FREE not in states:
             if len(self.slots) >= ring.MAX_SLOTS:
                 return None
             self.slots.append(self._slot_file(len(self.slots), 0, size))
             index = len(self.slots) - 1
             self.control.gen[index] = 0
-            self.control.state[index] = ring.SlotState.FREE
+            self.control.transition(index, ring.SlotState.INVALID, ring.SlotState.FREE)
             self.control.num_slots = len(self.slots)
             return index
         index = states.index(ring.SlotState.FREE)
-        if self.slots[index].size < size:
+        # Acquire order: the trainer's reads of this slot are done before we overwrite it.
+        if self.control.acquire(index) != ring.SlotState.FREE:
+            return None
+        if self.slots[index].size < ring.slot_bytes(size):
             # Too small: a new file (a trainer may still map the old one, which
             # stays valid until it unmaps it).
             gen = int(self.control.gen[index]) + 1
@@ -271,12 +293,35 @@ class RankFeed:
 
     def _slot_file(self, index: int, gen: int, size: int) -> ring.SlotFile:
         # Headroom so that slightly larger later batches reuse the file.
-        capacity = ring.round_up(size + size // 8)
+        capacity = ring.round_up(ring.slot_bytes(size) + size // 8)
+        if not self.slots:
+            free, _ = ring.free_bytes(self._dir)
+            if (self.prefetch + 2) * capacity > free:
+                raise errors.UserError(self._too_small(capacity, "the memory volume is too small for the ring"))
         path = ring.slot_path(self._dir, self._instance, self.local_rank, index, gen)
-        return ring.SlotFile(path, capacity, create=True)
+        try:
+            return ring.SlotFile(path, capacity, create=True)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise errors.UserError(self._too_small(
+                capacity, f"no space left for slot {index} ({_size(capacity)})")) from None
+
+    def _too_small(self, capacity: int, what: str) -> str:
+        """What the ring needs and where, and which setting to change."""
+        slots = self.prefetch + 2  # prefetch filled, one in the trainer's hand, one being released
+        need = slots * capacity
+        free, total = ring.free_bytes(self._dir)
+        pod = (f" (the pod's {self.local_ranks} local ranks: {_size(self.local_ranks * need)})"
+               if self.local_ranks > 1 else "")
+        return (f"{what}: the ring of local rank {self.local_rank} needs {slots} slots "
+                f"(spec.sidecar.prefetchBatches + 2) x {_size(capacity)} = {_size(need)}{pod}, and "
+                f"{self._dir} has {_size(free)} free of {_size(total)}. Raise spec.sidecar.shmSize "
+                "(the pod's memory emptyDir, counted against its memory limit), or lower "
+                "spec.sidecar.prefetchBatches or the batch size")
 
     def write(self, index: int, batch: pa.RecordBatch) -> int:
-        sink = pa.FixedSizeBufferWriter(pa.py_buffer(self.slots[index].view))
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(self.slots[index].payload))
         with pa.ipc.RecordBatchStreamWriter(sink, batch.schema, options=_WRITE_OPTIONS) as writer:
             writer.write_batch(batch)
         return int(sink.tell())
@@ -284,14 +329,16 @@ class RankFeed:
     def reset(self, next_step: int, *, trainer_gone: bool) -> None:
         """Discard what was published and continue at `next_step`."""
         self.stop()
-        states = self.control.state
+        control = self.control
         for i in range(len(self.slots)):
-            if states[i] == ring.SlotState.FILLED or (trainer_gone and states[i] == ring.SlotState.TAKEN):
-                states[i] = ring.SlotState.FREE
+            if not control.transition(i, ring.SlotState.FILLED, ring.SlotState.FREE) and trainer_gone:
+                control.transition(i, ring.SlotState.TAKEN, ring.SlotState.FREE)
         while not self.outbox.empty():
             self.outbox.get_nowait()  # news of the stopped publisher
         self.end_sent = False
-        self.control.sidecar_waiting = ring.Waiting.NO
+        control.sidecar_waiting = ring.Waiting.NO
+        if trainer_gone:
+            control.trainer_waiting = 0  # its writer is gone: nobody else may clear it
         self.start(next_step)
 
     def close(self) -> None:
@@ -334,7 +381,12 @@ class Server:
         self._ctx = context or zmq.Context.instance()
         sweep(self.directory)
         self.sock = self._ctx.socket(zmq.ROUTER)
+        # MANDATORY: a full or unknown peer is an error (EAGAIN, EHOSTUNREACH) on a
+        # NOBLOCK send, never a silent drop or a wait; MAXMSGSIZE: a larger frame
+        # disconnects its sender before it is buffered.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"ipc://{self.directory / protocol.SOCKET_NAME}")
         signal_address = f"inproc://sources-{self.instance}"
@@ -349,7 +401,7 @@ class Server:
         self.feeds = [
             RankFeed(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
                      factory=factory, signal=(self._ctx, signal_address), prefetch=prefetch,
-                     start_step=start_step, total_steps=total_steps)
+                     start_step=start_step, total_steps=total_steps, local_ranks=len(ranks))
             for i, rank in enumerate(ranks)
         ]
         self.stopping = threading.Event()
@@ -363,6 +415,8 @@ class Server:
         """The newest step every rank of the world has committed."""
         self.preempt_requested = False
         """Set by a SIGTERM handler; the loop asks the world to drain (sockets belong to the loop)."""
+        self._complained_at = -1.0
+        self._complaints = 0
 
     # -- the world's agreement ------------------------------------------------------
 
@@ -468,10 +522,23 @@ class Server:
             pass
 
     def _send(self, peer: bytes, kind: str, **fields: Any) -> None:
+        """Never blocks: a peer that does not read (SEND_HWM answers queued) loses the answer."""
         try:
-            self.sock.send_multipart([peer, protocol.encode(kind, **fields)])
+            self.sock.send_multipart([peer, protocol.encode(kind, **fields)], zmq.NOBLOCK)
+        except zmq.Again:
+            self._complain(peer, f"does not read its socket; its {kind} message is dropped")
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that trainer is gone
             log.debug("cannot reach trainer %r: %s", peer, exc)
+
+    def _complain(self, peer: bytes, what: str) -> None:
+        """A warning about a peer, at most one a second: a hostile peer must not flood the log."""
+        now = time.monotonic()
+        if now - self._complained_at < 1.0 and self._complained_at >= 0:
+            self._complaints += 1
+            return
+        more = f" ({self._complaints} more such warnings in the last second)" if self._complaints else ""
+        log.warning("trainer %r %s%s", peer[:32], what, more)
+        self._complained_at, self._complaints = now, 0
 
     def _deliver(self, feed: RankFeed) -> None:
         """Say what the rank's publisher has news of."""
@@ -513,7 +580,7 @@ class Server:
                 message = protocol.decode(body[0])
                 self._handle(peer, message)
             except errors.ProtocolError as exc:
-                log.warning("bad message from %r: %s", peer, exc)
+                self._complain(peer, f"sent a bad message: {exc}")
                 self._send(peer, "error", code="protocol", message=str(exc), fatal=False)
 
     def _feed_for(self, peer: bytes) -> RankFeed:
@@ -640,3 +707,7 @@ def sweep(directory: Path) -> None:
                 path.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"

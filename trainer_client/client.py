@@ -16,7 +16,10 @@ pipeline that keeps up sends none (the trainer polls the ring for SPIN_S
 before it sleeps).
 
 Holding every slot's batch (ring.MAX_SLOTS) while asking for another can never
-be served; after `timeout_s` that is an error that says so.
+be served; after `timeout_s` that is an error that says so. A slot whose
+(step, sequence) marks do not match the control block (a torn or stale write)
+is looked at again until they do, and never handed out; one that stays torn
+for `timeout_s` is a SidecarFailed.
 
 Either side may restart: the client says `hello` with the next global step it
 expects, so a new sidecar continues exactly there, and a new trainer process
@@ -32,6 +35,7 @@ import logging
 import mmap
 import os
 import signal
+import struct
 import threading
 import time
 import uuid
@@ -51,6 +55,9 @@ log = logging.getLogger(__name__)
 
 SPIN_S = 200e-6
 """How long the trainer polls the ring for its next batch before sleeping on the socket."""
+
+TORN_RETRY_S = 200e-6
+"""How long the trainer waits before looking again at a slot whose marks do not match."""
 
 _torch: Any = None
 
@@ -181,14 +188,20 @@ def _release(holds: dict[int, weakref.ref[np.ndarray]], control: ring.Control, s
     holds.pop(id(ref), None)
     try:
         if control.gen[slot] == gen:
-            control.state[slot] = ring.SlotState.FREE
+            # Release order: every read of the batch is done before the sidecar may reuse it.
+            control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FREE)
     except (ValueError, AttributeError, TypeError):
         pass  # the control block is already closed
 
 
-def _room_made(control: ring.Control) -> bool:
-    """The sidecar waits for room in the ring and at most half of `prefetch` is filled."""
-    return control.sidecar_waiting == ring.Waiting.ROOM and control.filled() <= control.prefetch // 2
+def _wake_due(control: ring.Control) -> bool:
+    """The sidecar waits and what it waits for has happened: at most half of `prefetch`
+    is filled (ROOM), or a slot is free (SLOT). An RMW read of its flag after our own
+    change of a state: one of the two sides always sees the other's (ring's module doc)."""
+    waiting = control.sidecar_waiting
+    if waiting == ring.Waiting.ROOM:
+        return control.filled() <= control.prefetch // 2
+    return waiting == ring.Waiting.SLOT and ring.SlotState.FREE in control.states()
 
 
 class StreamClient:
@@ -225,6 +238,9 @@ class StreamClient:
         self._layouts: dict[bytes, tuple[pa.Schema, int, list[tuple[str, _View | None]]]] = {}
         self._holds: dict[int, weakref.ref[np.ndarray]] = {}  # keeps the release callbacks alive
         self._control: ring.Control | None = None
+        self._waiting = False  # this process set the control block's trainer_waiting
+        self.torn_retries = 0
+        """Times a slot's marks did not match and the slot was looked at again (tests read it)."""
         self._instance = ""
         self._next_step: int | None = None  # None until the first welcome: "continue"
         self._ended = False
@@ -279,32 +295,47 @@ class StreamClient:
     def _next_batch(self) -> Batch | None:
         """The batch of `_next_step`, from the ring; the socket only when it must wait."""
         deadline: float | None = None
-        while True:
-            control = self._control
-            assert control is not None  # set by the first welcome
-            step = self._next_step
-            assert step is not None
-            if step >= control.end_step or 0 <= control.drain_at <= step:
-                self._ended = True
-                return None
-            index = control.find(step)
-            if index is None:
-                index = self._spin(control, step)
-            if index is None:
-                control.trainer_waiting = 1
-                index = control.find(step, scan=True)  # it may have landed meanwhile
-            if index is not None:
-                control.trainer_waiting = 0
-                return self._take(control, index, step)
-            if deadline is None:
-                deadline = time.monotonic() + self._timeout_s
-            elif time.monotonic() > deadline:  # answers to heartbeats are no batch
-                raise SidecarUnavailable(self._why_no_batch())
-            self._ask_drain_on_sigterm()
-            message = self._receive(deadline)
-            if message["type"] == "welcome":
-                self._welcome(message)
-            # ready / end are wake-ups: look at the ring again
+        torn_since: float | None = None
+        spun = False
+        try:
+            while True:
+                control = self._control
+                assert control is not None  # set by the first welcome
+                step = self._next_step
+                assert step is not None
+                if step >= control.end_step or 0 <= control.drain_at <= step:
+                    self._ended = True
+                    return None
+                index = control.find(step)
+                if index is None and not spun:
+                    index, spun = self._spin(control, step), True
+                if index is None:
+                    if not self._waiting:
+                        control.trainer_waiting, self._waiting = 1, True
+                    index = control.find(step, scan=True)  # it may have landed meanwhile
+                if index is not None:
+                    batch = self._take(control, index, step)
+                    if batch is not None:
+                        return batch
+                    # Torn or stale: the sidecar is still writing it, or wrote it wrong.
+                    self.torn_retries += 1
+                    torn_since = torn_since or time.monotonic()
+                    if time.monotonic() - torn_since > self._timeout_s:
+                        raise SidecarFailed(self._why_torn(control, index, step))
+                    time.sleep(TORN_RETRY_S)
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + self._timeout_s
+                elif time.monotonic() > deadline:  # answers to heartbeats are no batch
+                    raise SidecarUnavailable(self._why_no_batch())
+                self._ask_drain_on_sigterm()
+                message = self._receive(deadline)
+                if message["type"] == "welcome":
+                    self._welcome(message)
+                # ready / end are wake-ups: look at the ring again
+        finally:
+            if self._waiting and self._control is not None:
+                self._control.trainer_waiting, self._waiting = 0, False
 
     @staticmethod
     def _spin(control: ring.Control, step: int) -> int | None:
@@ -459,7 +490,10 @@ class StreamClient:
                 raise SidecarUnavailable(
                     f"the sidecar at {self._dir} went away during the handshake") from None
             self._instance = message["instance"]
-            self._control = control
+            self._control = control  # the old one is unmapped with its last batch (they reference it)
+            self._waiting = False
+            for key in [k for k in self._slot_files if k[0] != self._instance]:
+                self._slot_files.pop(key).close()  # unmapped now, or when its last batch is freed
         self.rank = message["rank"]
         self.world_size = message["world_size"]
         self.resume_step = message["resume_step"]
@@ -509,10 +543,27 @@ class StreamClient:
                     "viewing them) you no longer need, or copy what you keep (tensor.clone())")
         return f"no batch from the sidecar in {self._timeout_s} s"
 
+    def _why_torn(self, control: ring.Control, slot: int, step: int) -> str:
+        expected = (step, int(control.seq[slot]))
+        path = ring.slot_path(self._dir, self._instance, self.local_rank, slot, int(control.gen[slot]))
+        try:
+            found = ring.SlotFile(path, os.path.getsize(path), create=False)
+            marks = found.marks(int(control.nbytes[slot]))
+            found.close()
+        except (OSError, ValueError, struct.error) as exc:
+            marks = exc  # type: ignore[assignment]
+        return (f"the batch of global step {step} in slot {slot} stayed torn for {self._timeout_s} s: "
+                f"its (step, sequence) marks before and after it are {marks}, the control block says "
+                f"{expected}; the sidecar wrote it incompletely")
+
     # -- batches --------------------------------------------------------------------
 
-    def _take(self, control: ring.Control, slot: int, step: int) -> Batch:
-        gen, nbytes = int(control.gen[slot]), int(control.nbytes[slot])
+    def _take(self, control: ring.Control, slot: int, step: int) -> Batch | None:
+        """Hand out slot `slot`'s batch of `step`; None (the slot left FILLED) if it is torn or stale."""
+        # Acquire order: all the sidecar wrote before it marked the slot FILLED is visible from here.
+        if not control.transition(slot, ring.SlotState.FILLED, ring.SlotState.TAKEN):
+            return None
+        gen, nbytes, seq = int(control.gen[slot]), int(control.nbytes[slot]), int(control.seq[slot])
         slot_file = self._slot_files.get((self._instance, slot, gen))
         if slot_file is None:
             for key in [k for k in self._slot_files if k[:2] == (self._instance, slot)]:
@@ -520,18 +571,27 @@ class StreamClient:
             path = ring.slot_path(self._dir, self._instance, self.local_rank, slot, gen)
             slot_file = ring.SlotFile(path, os.path.getsize(path), create=False)
             self._slot_files[(self._instance, slot, gen)] = slot_file
-        control.state[slot] = ring.SlotState.TAKEN
-        root = np.frombuffer(slot_file._mm, dtype=np.uint8, count=nbytes)
+        root = np.frombuffer(slot_file._mm, dtype=np.uint8, count=nbytes, offset=ring.SLOT_HEADER)
+        try:
+            columns, rows = self._columns(slot_file._mm, root)
+            broken: Exception | None = None
+        except Exception as exc:  # a torn stream may not parse; the marks below decide
+            broken = exc
+        # After the views: the marks before and after the payload name this step and write.
+        if slot_file.marks(nbytes) != ((step, seq), (step, seq)) or int(control.step[slot]) != step:
+            control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
+            return None
+        if broken is not None:
+            raise broken
         # weakref.ref with a callback, not weakref.finalize: a third of the cost.
         ref = weakref.ref(root, functools.partial(_release, self._holds, control, slot, gen))
         self._holds[id(ref)] = ref
-        columns, rows = self._columns(slot_file._mm, root)
         if self._as_tensors:
             columns = {name: _to_tensor(value) for name, value in columns.items()}
         del root
         control.acked = step
         self._next_step = step + 1
-        if _room_made(control):
+        if _wake_due(control):
             self._wake()
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         return Batch(columns, epoch=epoch, step=in_epoch, global_step=step, rows=rows)
@@ -545,9 +605,10 @@ class StreamClient:
         distinct metadata (one per schema and batch length, in practice) and
         parsing the flatbuffers leaves the per-batch path (make bench).
         """
-        schema_end = 8 + int.from_bytes(mm[4:8], "little")  # continuation marker, metadata length
-        body = schema_end + 8 + int.from_bytes(mm[schema_end + 4:schema_end + 8], "little")
-        key = mm[:body]
+        at = ring.SLOT_HEADER  # where the stream starts; offsets below are the stream's
+        schema_end = 8 + int.from_bytes(mm[at + 4:at + 8], "little")  # continuation marker, metadata length
+        body = schema_end + 8 + int.from_bytes(mm[at + schema_end + 4:at + schema_end + 8], "little")
+        key = mm[at:at + body]
         known = self._layouts.get(key)
         record_batch: pa.RecordBatch | None = None
         if known is None:
@@ -581,10 +642,9 @@ class StreamClient:
         control = self._control
         if control is None:
             return
-        if control.sidecar_waiting == ring.Waiting.SLOT or _room_made(control):
+        if _wake_due(control):
             self._wake()
 
     def _wake(self) -> None:
-        assert self._control is not None
-        self._control.sidecar_waiting = 0
+        """The sidecar clears its own flag once it has room: until then takes may wake it again."""
         self._sock.send(protocol.encode("wake"))

@@ -4,7 +4,10 @@ Payload never travels here: batches live in ring slots (see `ring`), and these
 messages only say where. Each message is one frame of compact JSON carrying
 the protocol version and a type; decoding validates both, the size and every
 field's type, so garbage gets an error reply instead of crashing the sidecar.
-JSON rather than pickle: pickle would execute code on the receiver.
+Any failure of the JSON layer (deep nesting is a RecursionError, a 5,000-digit
+number a ValueError) is a ProtocolError like the rest, and integers must fit the
+int64 words they end up in. JSON rather than pickle: pickle would execute code
+on the receiver.
 
 Trainer -> sidecar: hello, checkpoint, commit, drain, wake, bye.
 Sidecar -> trainer: welcome, ready, end, checkpointed, committed, error.
@@ -25,6 +28,8 @@ from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
+"""Also ZeroMQ's MAXMSGSIZE on the sidecar's socket: a larger frame is dropped before it is buffered."""
+_INT64 = 1 << 63
 SOCKET_NAME = "sidecar.sock"
 
 # type -> {field: allowed python types}; None allowed where listed.
@@ -76,8 +81,8 @@ def decode(frame: bytes) -> dict[str, Any]:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         message = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"message is not JSON: {exc}") from None
+    except Exception as exc:  # JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError, ...
+        raise ProtocolError(f"message is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     _validate(message)
@@ -105,7 +110,17 @@ def _validate(message: Mapping[str, Any]) -> None:
         if isinstance(value, bool) and bool not in types:
             raise ProtocolError(f"{kind}.{field} must be {types[0].__name__}, got a bool")
         if not isinstance(value, types):
-            raise ProtocolError(f"{kind}.{field} must be {types[0].__name__}, got {value!r}")
+            raise ProtocolError(f"{kind}.{field} must be {types[0].__name__}, got {_short(value)}")
+        if isinstance(value, int) and not -_INT64 <= value < _INT64:
+            raise ProtocolError(f"{kind}.{field} is out of the int64 range")
+
+
+def _short(value: Any) -> str:
+    """A bounded description: repr of a deeply nested list would itself raise RecursionError."""
+    if not isinstance(value, (str, int, float, type(None))):
+        return f"a JSON {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 _MISSING = object()

@@ -7,18 +7,31 @@ holding batches of a crashed sidecar never sees their memory change, and a new
 sidecar sweeps the old files at start.
 
 A slot holds one batch as an Arrow IPC stream (self-describing, zero-copy to
-numpy/torch). Slot files grow when a batch does not fit, and the pool grows
-when the trainer holds more batches than there are slots, so holding batches
-never deadlocks; at most MAX_SLOTS per rank.
+numpy/torch) between two copies of its (global step, sequence number): one
+written before the stream, one after it. The trainer compares both with the
+control block after it has built its views, so a slot whose write is torn or
+stale is retried, never handed out. Slot files grow when a batch does not fit,
+and the pool grows when the trainer holds more batches than there are slots,
+so holding batches never deadlocks; at most MAX_SLOTS per rank. Files are
+reserved with posix_fallocate: a full volume is an ENOSPC when a slot is
+created, never a SIGBUS when a page of a sparse file is first written.
 
 The control block is a small numpy structured array over a mapped file:
 per-slot state and the global step each slot holds, plus counters each side
 writes and the other reads without any message (acknowledgements, releases,
 "I am waiting" flags). A side sends a ZeroMQ message only to wake a peer that
 said it is waiting, so a pipeline that keeps up costs no message per batch.
-Single-word stores, the state written last (x86's store order makes the slot's
-contents visible first); each side re-checks after a timeout, so a missed
-flag costs milliseconds, never correctness.
+
+Memory order, on ARM as on x86: a slot changes hands only through its state
+word, and state words and the two waiting flags change only by atomic
+read-modify-writes with acquire-release order (`_fetch_add`). What the sidecar
+wrote into a slot and its control fields before the RMW that made it FILLED is
+visible to the trainer whose RMW takes it; what the trainer read from a slot
+is done before the RMW that frees it. A waiting flag is read with an RMW too
+(adding 0): of a waiter that sets its flag and then looks at the ring, and a
+peer that changes the ring and then reads the flag, one always sees the other
+(the two RMWs on the flag are ordered, and the later one synchronises with the
+earlier), so no wake-up is lost.
 
 Slot state transitions (SlotState):
     INVALID -> FREE           sidecar creates the slot
@@ -30,16 +43,47 @@ Slot state transitions (SlotState):
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 MAGIC = 0x53465247  # "SFRG"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 MAX_SLOTS = 256
 PAGE = mmap.PAGESIZE
+SLOT_HEADER = 64
+"""(step, sequence) as two int64, then padding: the IPC stream starts 64-byte aligned."""
+SLOT_TRAILER = 16
+"""(step, sequence) again, right after the stream (8-byte aligned)."""
+_MARKS = struct.Struct("<qq")
+
+
+def _load_fetch_add() -> Callable[[int, int], int]:
+    """An atomic fetch-add with acquire-release order on a C int, from libstdc++.
+
+    `__gnu_cxx::__exchange_and_add` is libstdc++'s exported atomic add
+    (`__atomic_fetch_add(p, v, __ATOMIC_ACQ_REL)`; a `lock xadd` on x86). The
+    library is loaded wherever splitfeed runs: pyarrow and pyzmq link it. A
+    call costs ~0.6 us; the `atomics` package's store/load cost 13-21 us each
+    here, and it is GPL-3.0.
+    """
+    try:
+        library = ctypes.PyDLL("libstdc++.so.6")  # PyDLL: a 20 ns call need not release the GIL
+        function = library._ZN9__gnu_cxx18__exchange_and_addEPVii
+    except (OSError, AttributeError) as exc:
+        raise ImportError(f"splitfeed's shared-memory ring needs libstdc++.so.6 (GCC's C++ runtime): {exc}") from exc
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    return function
+
+
+_fetch_add = _load_fetch_add()
 
 
 class SlotState:
@@ -74,16 +118,37 @@ class _Word:
         control.words[self.index] = value
 
 
+class _Flag:
+    """One int32 "I am waiting" word, read and written only by atomic RMWs (see the module doc).
+
+    Each flag has one writer (its waiter); setting it takes two RMWs, which
+    only that writer may do. The peer only reads (adds 0).
+    """
+
+    def __init__(self, index: int) -> None:
+        self.offset = _HEADER_BYTES + 4 * index
+
+    def __get__(self, control: Control, owner: type | None = None) -> int:
+        return _fetch_add(control.address(self.offset), 0)
+
+    def __set__(self, control: Control, value: int) -> None:
+        address = control.address(self.offset)
+        _fetch_add(address, value - _fetch_add(address, 0))
+
+
 # Header words (int64 each), by index. Plain arrays rather than a structured
 # dtype: this is the per-batch hot path on both sides, and plain element access
 # costs a fraction of a structured field's.
 _NUM_WORDS = 16
 _HEADER_BYTES = _NUM_WORDS * 8
-# Per slot: state (u4), then step, gen, nbytes (i8), each an array of MAX_SLOTS;
-# then `posted`: posted[s % MAX_SLOTS] is the slot the sidecar last filled with
-# global step s, so the trainer finds a batch with two scalar reads instead of a
-# scan (at most MAX_SLOTS batches are in flight, so the index is unambiguous).
-CONTROL_BYTES = _HEADER_BYTES + MAX_SLOTS * (4 + 8 + 8 + 8 + 8)
+_FLAG_BYTES = 64  # the two int32 flags, alone on their cache line
+# Per slot: state (u4), then step, gen, nbytes, seq (i8), each an array of
+# MAX_SLOTS; then `posted`: posted[s % MAX_SLOTS] is the slot the sidecar last
+# filled with global step s, so the trainer finds a batch with two scalar reads
+# instead of a scan (at most MAX_SLOTS batches are in flight, so the index is
+# unambiguous).
+_STATE_OFFSET = _HEADER_BYTES + _FLAG_BYTES
+CONTROL_BYTES = _STATE_OFFSET + MAX_SLOTS * (4 + 8 + 8 + 8 + 8 + 8)
 
 
 def control_path(directory: Path, instance: str, local_rank: int) -> Path:
@@ -97,8 +162,10 @@ def slot_path(directory: Path, instance: str, local_rank: int, slot: int, gen: i
 class Control:
     """The control block of one rank, mapped by both sides.
 
-    `state[i]`, `step[i]` (global step held), `gen[i]` (file generation) and
-    `nbytes[i]` describe slot i; header words are attributes (`control.acked`).
+    `state[i]`, `step[i]` (global step held), `gen[i]` (file generation),
+    `nbytes[i]` and `seq[i]` (the sidecar's sequence number of the write)
+    describe slot i; header words are attributes (`control.acked`). Read
+    `state` freely to choose a slot; change it only with `transition`.
     """
 
     magic = _Word(0)
@@ -107,23 +174,26 @@ class Control:
     acked = _Word(3)                 # last global step the trainer received (consumer commit)
     end_step = _Word(4)              # no batch at or after this global step
     prefetch = _Word(5)              # a waiting sidecar is woken below half of it
-    sidecar_waiting = _Word(6)       # a Waiting value: the sidecar sleeps until woken
-    trainer_waiting = _Word(7)       # the trainer sleeps on the socket for a batch
     checkpoint_at = _Word(8)         # the world's agreed step: checkpoint once this many steps are taken (-1: none)
     drain_at = _Word(9)              # the same step when the world drains: no batch at or after it (-1: none)
+    trainer_waiting = _Flag(0)       # 1: the trainer sleeps on the socket for a batch (the trainer writes it)
+    sidecar_waiting = _Flag(1)       # a Waiting value: the sidecar sleeps until woken (the sidecar writes it)
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)
         self._mm = _map(self.path, CONTROL_BYTES, create=create)
         self.words = np.ndarray((_NUM_WORDS,), "<i8", buffer=self._mm, offset=0)
-        offset = _HEADER_BYTES
+        offset = _STATE_OFFSET
         self.state = np.ndarray((MAX_SLOTS,), "<u4", buffer=self._mm, offset=offset)
+        self._base = int(self.words.ctypes.data)
         offset += MAX_SLOTS * 4
         self.step = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         offset += MAX_SLOTS * 8
         self.gen = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         offset += MAX_SLOTS * 8
         self.nbytes = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
+        offset += MAX_SLOTS * 8
+        self.seq = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         offset += MAX_SLOTS * 8
         self.posted = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         if create:
@@ -132,6 +202,30 @@ class Control:
             self.checkpoint_at = self.drain_at = -1
         elif self.magic != MAGIC or self.version != LAYOUT_VERSION:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
+
+    def address(self, offset: int) -> int:
+        """The address of the byte at `offset`; ValueError once closed (never an access to unmapped memory)."""
+        if not self._base:
+            raise ValueError(f"{self.path} is closed")
+        return self._base + offset
+
+    def transition(self, slot: int, before: int, after: int) -> bool:
+        """Move slot `slot` from state `before` to `after` by one atomic RMW; False (and undone) if it was not `before`.
+
+        Acquire and release: the side that makes the change has seen all the
+        peer wrote before its own last transition of this slot, and the peer
+        will see all this side wrote before this one.
+        """
+        address = self.address(_STATE_OFFSET + 4 * slot)
+        found = _fetch_add(address, after - before)
+        if found != before:
+            _fetch_add(address, before - after)
+            return False
+        return True
+
+    def acquire(self, slot: int) -> int:
+        """Slot `slot`'s state, read with acquire order (an RMW adding 0)."""
+        return _fetch_add(self.address(_STATE_OFFSET + 4 * slot), 0)
 
     def states(self) -> list[int]:
         """Every slot's state (a list: counting in one costs a tenth of a numpy reduction here)."""
@@ -144,7 +238,8 @@ class Control:
         """The slot holding global step `step`, FILLED, or None.
 
         `posted` is exact for every FILLED slot; `scan` double-checks with a full
-        scan (microseconds) where a miss means going to sleep.
+        scan (microseconds) where a miss means going to sleep. Plain reads: the
+        caller takes the slot with `transition`, which orders everything after it.
         """
         index = int(self.posted[step % MAX_SLOTS])
         if self.state[index] == SlotState.FILLED and self.step[index] == step:
@@ -156,18 +251,49 @@ class Control:
 
     def close(self) -> None:
         # numpy views pin the mapping; drop them first.
-        del self.words, self.state, self.step, self.gen, self.nbytes, self.posted
+        self._base = 0
+        del self.words, self.state, self.step, self.gen, self.nbytes, self.seq, self.posted
         self._mm.close()
 
 
+def slot_bytes(payload: int) -> int:
+    """Bytes a slot needs for a `payload`-byte IPC stream and its two (step, sequence) marks."""
+    return _trailer_offset(payload) + SLOT_TRAILER
+
+
+def _trailer_offset(payload: int) -> int:
+    return SLOT_HEADER + -(-payload // 8) * 8
+
+
 class SlotFile:
-    """One slot's mapping. The sidecar writes into `view`; the trainer reads it."""
+    """One slot's mapping. The sidecar writes into `view`; the trainer reads it.
+
+    `payload` is the part the IPC stream goes into, after the header marks.
+    """
 
     def __init__(self, path: Path, size: int, *, create: bool) -> None:
         self.path = Path(path)
         self.size = size
         self._mm = _map(self.path, size, create=create)
         self.view = np.frombuffer(self._mm, dtype=np.uint8)
+
+    @property
+    def payload(self) -> np.ndarray:
+        return self.view[SLOT_HEADER:self.size - SLOT_TRAILER]
+
+    def mark_header(self, step: int, seq: int) -> None:
+        """Before the payload is written."""
+        _MARKS.pack_into(self._mm, 0, step, seq)
+
+    def mark_trailer(self, nbytes: int, step: int, seq: int) -> None:
+        """After the payload (`nbytes` long) is written."""
+        _MARKS.pack_into(self._mm, _trailer_offset(nbytes), step, seq)
+
+    def marks(self, nbytes: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(step, sequence) before and after an `nbytes` payload."""
+        header: Any = _MARKS.unpack_from(self._mm, 0)
+        trailer: Any = _MARKS.unpack_from(self._mm, _trailer_offset(nbytes))
+        return header, trailer
 
     def close(self) -> None:
         """Unmap once nothing references the view; a live batch keeps it mapped."""
@@ -178,12 +304,27 @@ class SlotFile:
             pass  # still exported to a batch the user holds; unmapped when it is freed
 
 
+def free_bytes(directory: Path) -> tuple[int, int]:
+    """(free, total) bytes of the file system holding `directory`, for unprivileged writers."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+
+
 def _map(path: Path, size: int, *, create: bool) -> mmap.mmap:
-    """Map a file shared with the peer; the creator sizes it (and must be first)."""
+    """Map a file shared with the peer; the creator reserves its blocks (and must be first).
+
+    Reserved rather than sized with ftruncate: a sparse file on a full tmpfs
+    maps fine and kills its writer with SIGBUS on the first page that has no
+    memory behind it; posix_fallocate fails with ENOSPC instead, up front.
+    """
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.unlink(path)
+                raise
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
