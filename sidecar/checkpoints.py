@@ -332,6 +332,11 @@ class Store:
                 out[int(m.group(1))] = marker
         return out
 
+    def newest_world(self) -> int | None:
+        """The newest world epoch that started; a fresh run of the same job (`splitfeed
+        local` again) must number its worlds after it, or start_world refuses it."""
+        return max(self.worlds(), default=None)
+
     def pinned_version(self) -> int | None:
         """The table version the job's newest started world read; None before any world."""
         worlds = self.worlds()
@@ -469,5 +474,5 @@ def load(stores: Sequence[Store], global_step: int, merge: Merge, *,
             return found.state
     where = " or ".join(s.where for s in stores) or "nowhere (no spec.checkpoint.uri)"
     raise errors.UserError(
-        f"checkpoint step {global_step} is not complete under {where} (a record and a commit "
+        f"checkpoint step {global_step} under {where} is not complete (a record and a commit "
         "marker from every rank of one world); the world was told to resume there")

@@ -17,6 +17,8 @@ from splitfeed.trainer_client import errors
 JOB_UID_ENV = "SPLITFEED_JOB_UID"
 WORLD_EPOCH_ENV = "SPLITFEED_WORLD_EPOCH"
 TABLE_VERSION_ENV = "SPLITFEED_TABLE_VERSION"
+LOCAL_UID = "local"
+"""The UID `splitfeed local` gives a job: runs of one job file resume each other."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,16 +30,26 @@ class Identity:
     """The version the job pinned when it first started; None until it is recorded."""
 
 
-def from_env(env: Mapping[str, str]) -> Identity:
-    """The identity in `env`; a missing or malformed variable is a UserError naming it."""
+def from_env(env: Mapping[str, str], *, need_uid: bool = True) -> Identity:
+    """The identity in `env`; a missing or malformed variable is a UserError naming it.
+
+    `need_uid=False` lets the UID be absent (""), for a caller that learns only later
+    whether the job has spec.checkpoint.uri; it then calls `required`.
+    """
     uid = env.get(JOB_UID_ENV, "").strip()
-    if not uid:
+    if "/" in uid or uid in (".", ".."):
+        raise errors.UserError(f"{JOB_UID_ENV}={uid!r} cannot name a checkpoint directory")
+    found = Identity(uid, _int(env, WORLD_EPOCH_ENV) or 0, _int(env, TABLE_VERSION_ENV))
+    return required(found) if need_uid else found
+
+
+def required(found: Identity) -> Identity:
+    """`found`, if it has a UID: a job with spec.checkpoint.uri cannot do without one."""
+    if not found.uid:
         raise errors.UserError(
             f"{JOB_UID_ENV} is not set: the operator sets it to the StreamingJob's metadata.uid "
             "(checkpoints are kept per job UID); `splitfeed local` sets a fixed one")
-    if "/" in uid or uid in (".", ".."):
-        raise errors.UserError(f"{JOB_UID_ENV}={uid!r} cannot name a checkpoint directory")
-    return Identity(uid, _int(env, WORLD_EPOCH_ENV) or 0, _int(env, TABLE_VERSION_ENV))
+    return found
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:

@@ -273,7 +273,8 @@ def test_a_world_marker_is_written_once_and_pins_the_table_version(target: Targe
     assert world3.worlds()[3]["resumeStep"] == 0
     assert world3.pinned_version() == 4
     target.store(world_epoch=4, table_version=4).start_world(resume_step=0)
-    assert sorted(world3.worlds()) == [3, 4]
+    assert sorted(world3.worlds()) == [3, 4] and world3.newest_world() == 4
+    assert target.store(uid=OTHER_UID).newest_world() is None
 
 
 # --- transient storage errors -------------------------------------------------------------
@@ -336,6 +337,7 @@ def test_the_identity_comes_from_the_environment() -> None:
                                "SPLITFEED_TABLE_VERSION": "12"})
     assert found == identity.Identity("u-1", 3, 12)
     assert identity.from_env({"SPLITFEED_JOB_UID": "u-1"}) == identity.Identity("u-1", 0, None)
+    assert identity.from_env({"SPLITFEED_WORLD_EPOCH": "2"}, need_uid=False) == identity.Identity("", 2, None)
 
 
 @pytest.mark.parametrize("env,words", [
