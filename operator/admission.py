@@ -20,7 +20,7 @@ from typing import Any
 
 from splitfeed.trainer_client import specs, topology
 
-from . import planning
+from . import planning, redaction
 
 MAX_NAME_LENGTH = 45
 """Pod names are `<job>-w<epoch>-<replica>` and double as hostnames (63 characters)."""
@@ -34,7 +34,7 @@ class Rejected(ValueError):
         self.rule = rule
         self.detail = detail
         self.allowed = allowed
-        text = f"rule {rule!r} failed: {detail}"
+        text = redaction.redact_text(f"rule {rule!r} failed: {detail}")
         if allowed is not None and "Valid replica counts" not in detail:
             text += f". Valid replica counts for this job: [{', '.join(map(str, allowed))}]"
         super().__init__(text)
@@ -55,18 +55,129 @@ def check_name(name: str) -> None:
         )
 
 
+MAXIMA: dict[str, int] = {
+    "spec.gpusPerReplica": 64,
+    "spec.data.numSplits": 1_000_000,
+    "spec.data.numWorkers": 64,
+    "spec.data.readBatchSize": 1_000_000,
+    "spec.sidecar.prefetchBatches": 64,
+}
+"""Upper bounds (the CRD's `maximum`s, which tests keep equal). They keep every piece of
+work an operator or a sidecar does per job small: status.allowedReplicas is at most a few
+hundred divisors, a rank reads at most numSplits/worldSize splits in numWorkers processes,
+a read is at most 10^6 rows, a ring at most 64 slots."""
+
+
+def _limited(job: specs.JobSpec) -> dict[str, int]:
+    return {
+        "spec.gpusPerReplica": job.gpus_per_replica,
+        "spec.data.numSplits": job.data.num_splits,
+        "spec.data.numWorkers": job.data.num_workers,
+        "spec.data.readBatchSize": job.data.read_batch_size,
+        "spec.sidecar.prefetchBatches": job.sidecar.prefetch_batches,
+    }
+
+
+def check_limits(job: specs.JobSpec) -> None:
+    over = {field: value for field, value in _limited(job).items() if value > MAXIMA[field]}
+    if over:
+        raise Rejected(", ".join(f"{field} <= {MAXIMA[field]}" for field in over),
+                       "; ".join(f"{field}={value} is over {MAXIMA[field]}" for field, value in over.items())
+                       + ": the operator bounds these so that every job's planning, status and loader stay small")
+
+
+_CREDENTIAL_KEY = re.compile(
+    r"secret|password|passwd|token|credential|private_key|account_key|access_key|master_key|sas_key|"
+    r"signature|api_key|apikey", re.IGNORECASE)
+
+
+def check_storage_options(job: specs.JobSpec) -> None:
+    """Credentials belong in the Secret named by data.storageOptionsSecret, never in the spec
+    (anyone who may read the job, or its ConfigMap, would see them)."""
+    found = sorted(k for k in job.data.storage_options if _CREDENTIAL_KEY.search(k))
+    if found:
+        secret = job.data.storage_options_secret or "<a Secret>"
+        raise Rejected(
+            "spec.data.storageOptions holds no credentials",
+            f"{', '.join(found)} look{'s' if len(found) == 1 else ''} like credentials: remove "
+            f"{'it' if len(found) == 1 else 'them'} from spec.data.storageOptions and put "
+            f"{'it' if len(found) == 1 else 'them'} in the Secret named by spec.data.storageOptionsSecret "
+            f"(kubectl create secret generic {secret} --from-literal={found[0]}=...): one key per option, "
+            "mounted only into the loader sidecar",
+        )
+
+
+_CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
+
+
+def _shape(path: str, value: Any, kind: type, problems: list[str]) -> Any:
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        problems.append(f"{path} must be a{'n' if kind is list else ''} {'list' if kind is list else 'mapping'}, "
+                        f"got {type(value).__name__}")
+        return kind()
+    return value
+
+
+def _string_map(path: str, value: Any, problems: list[str]) -> None:
+    for k, v in _shape(path, value, dict, problems).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            problems.append(f"{path} must map strings to strings, got {k!r}: {v!r}")
+
+
+def template_problems(template: Mapping[str, Any]) -> list[str]:
+    """What in the template's shape would stop the operator from building pods from it.
+
+    Only the parts `planning.pod` reads and extends (metadata labels and annotations,
+    containers, their env and mounts, volumes): a full PodSpec validation is the
+    apiserver's (a dry-run at admission, and a 422 at creation fails the job). This
+    keeps a malformed template a clear InvalidSpec condition instead of a crash.
+    """
+    problems: list[str] = []
+    base = "spec.trainer.template"
+    meta = _shape(f"{base}.metadata", template.get("metadata"), dict, problems)
+    for key in ("labels", "annotations"):
+        _string_map(f"{base}.metadata.{key}", meta.get(key), problems)
+    spec = _shape(f"{base}.spec", template.get("spec"), dict, problems)
+    for key in _CONTAINER_LISTS:
+        for i, c in enumerate(_shape(f"{base}.spec.{key}", spec.get(key), list, problems)):
+            at = f"{base}.spec.{key}[{i}]"
+            if not isinstance(c, dict):
+                problems.append(f"{at} must be a mapping, got {type(c).__name__}")
+                continue
+            if not isinstance(c.get("name"), str) or not c.get("name"):
+                problems.append(f"{at}.name must be a non-empty string")
+            for sub, required in (("env", ("name",)), ("volumeMounts", ("name", "mountPath")),
+                                  ("volumeDevices", ("name", "devicePath"))):
+                for j, item in enumerate(_shape(f"{at}.{sub}", c.get(sub), list, problems)):
+                    if not isinstance(item, dict) or not all(isinstance(item.get(r), str) and item.get(r)
+                                                             for r in required):
+                        problems.append(f"{at}.{sub}[{j}] must be a mapping with {' and '.join(required)}")
+    for i, v in enumerate(_shape(f"{base}.spec.volumes", spec.get("volumes"), list, problems)):
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str) or not v.get("name"):
+            problems.append(f"{base}.spec.volumes[{i}] must be a mapping with a name")
+    if not isinstance(spec.get("restartPolicy", "Never"), str):
+        problems.append(f"{base}.spec.restartPolicy must be a string")
+    return problems
+
+
 def check_template(job: specs.JobSpec) -> None:
     """The pod template must be something `planning.pod` can inject into."""
     template: Mapping[str, Any] = job.trainer.template
+    problems = template_problems(template)
+    if problems:
+        raise Rejected("spec.trainer.template is a pod template", "; ".join(problems[:5])
+                       + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     spec = template.get("spec") or {}
     containers = spec.get("containers") or []
-    names = [c.get("name") for c in containers if isinstance(c, Mapping)]
+    names = [c.get("name") for c in containers]
     if planning.TRAINER_NAME not in names:
         raise Rejected(
             "spec.trainer.template has a container named 'trainer'",
             f"containers are {names or 'missing'}",
         )
-    taken = {c.get("name") for c in (spec.get("initContainers") or []) if isinstance(c, Mapping)}
+    taken = {c.get("name") for c in (spec.get("initContainers") or [])}
     if planning.SIDECAR_NAME in set(names) | taken:
         raise Rejected(
             f"container name {planning.SIDECAR_NAME!r} is reserved",
@@ -75,11 +186,29 @@ def check_template(job: specs.JobSpec) -> None:
     clash = sorted({v.get("name") for v in spec.get("volumes") or []} & set(planning.RESERVED_VOLUMES))
     if clash:
         raise Rejected("volume names splitfeed-* are reserved", f"template uses {clash}")
+    mounts = sorted({f"{c.get('name')} mounts {m['name']}"
+                     for key in _CONTAINER_LISTS for c in spec.get(key) or []
+                     for m in (c.get("volumeMounts") or []) + (c.get("volumeDevices") or [])
+                     if m["name"] in planning.RESERVED_VOLUMES})
+    if mounts:
+        raise Rejected(
+            "the template's containers mount none of the sidecar's volumes",
+            f"{'; '.join(mounts)}: splitfeed-* volumes are the loader's (its storage credentials, "
+            "config, pod info and ring); the operator mounts the ring into the trainer itself",
+        )
     if spec.get("restartPolicy", "Never") not in ("Never", "OnFailure"):
         raise Rejected(
             "spec.trainer.template.spec.restartPolicy is Never or OnFailure",
             f"got {spec.get('restartPolicy')!r}: a pod that always restarts never finishes",
         )
+
+
+def check_job(job: specs.JobSpec) -> None:
+    """Every rule about a parsed job except its replica count (see check_replicas)."""
+    check_name(job.name)
+    check_limits(job)
+    check_storage_options(job)
+    check_template(job)
 
 
 def check_replicas(job: specs.JobSpec, replicas: int) -> None:
@@ -114,8 +243,7 @@ def parse(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | Non
 def review_job(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | None = None) -> specs.JobSpec:
     """Every admission rule for a whole StreamingJob; returns the parsed spec or raises Rejected."""
     job = parse(manifest, sidecar_defaults)
-    check_name(job.name)
-    check_template(job)
+    check_job(job)
     check_replicas(job, job.replicas)
     return job
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 from typing import Any
 
 from . import configs, planning
+
+log = logging.getLogger(__name__)
 
 
 def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
@@ -35,6 +38,21 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
     peer.add_argument("--peering", default="splitfeed", metavar="NAME",
                       help="Kopf peering object keeping a single active operator (default: splitfeed)")
     peer.add_argument("--standalone", action="store_true", help="no peering (one replica only!)")
+    le = p.add_argument_group("leader election (exactly one active operator)")
+    le.add_argument("--leader-elect", action="store_true",
+                    help="run only while holding a coordination.k8s.io Lease (the chart turns this on)")
+    le.add_argument("--leader-election-namespace", metavar="NS",
+                    help="namespace of the Lease (default: $SPLITFEED_OPERATOR_NAMESPACE)")
+    le.add_argument("--leader-election-lease", default="splitfeed-operator", metavar="NAME",
+                    help="name of the Lease (default: splitfeed-operator)")
+    f = p.add_argument_group("failure policy")
+    f.add_argument("--restart-backoff", type=float, default=planning.Settings.restart_backoff_s, metavar="S",
+                   help="seconds before a failed world's successor starts, doubled per restart "
+                        "(default 10; at most --restart-backoff-max)")
+    f.add_argument("--restart-backoff-max", type=float, default=planning.Settings.restart_backoff_max_s,
+                   metavar="S", help="cap of the back-off (default 360)")
+    f.add_argument("--stall-timeout", type=float, default=planning.Settings.stall_timeout_s, metavar="S",
+                   help="a world whose pods have not all run for this long is marked Stalled (default 900)")
     w = p.add_argument_group("admission webhook (off unless --webhook-port is given)")
     w.add_argument("--webhook-port", type=int, help="serve validating webhooks on this port")
     w.add_argument("--webhook-addr", default="0.0.0.0", help="listening address (default 0.0.0.0)")
@@ -44,6 +62,13 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
     w.add_argument("--webhook-ca", help="CA bundle for the webhook configuration's caBundle")
     w.add_argument("--webhook-managed", metavar="NAME",
                    help="let Kopf create and maintain a ValidatingWebhookConfiguration of this name")
+    w.add_argument("--webhook-cert-check", type=float, default=10.0, metavar="S",
+                   help="re-read the certificate files this often; new ones are served at once (default 10)")
+    w.add_argument("--no-webhook-dry-run", dest="webhook_dry_run", action="store_false",
+                   help="do not ask the apiserver to dry-run a pod of each job's template at admission")
+    w.add_argument("--webhook-check-pod-permission", action="store_true",
+                   help="admit a job only if its requester may create pods in its namespace "
+                        "(a SubjectAccessReview)")
     p.set_defaults(func=run)
     return p
 
@@ -54,15 +79,26 @@ def config_from_args(args: argparse.Namespace) -> configs.OperatorConfig:
         webhook = configs.Webhook(
             port=args.webhook_port, addr=args.webhook_addr, host=args.webhook_host,
             certfile=args.webhook_cert, pkeyfile=args.webhook_key, cafile=args.webhook_ca,
-            managed=args.webhook_managed)
+            managed=args.webhook_managed, cert_check_s=args.webhook_cert_check,
+            dry_run_pods=args.webhook_dry_run, check_pod_permission=args.webhook_check_pod_permission)
+    leader = None
+    if args.leader_elect:
+        namespace = args.leader_election_namespace or os.environ.get("SPLITFEED_OPERATOR_NAMESPACE")
+        if not namespace:
+            raise SystemExit("--leader-elect needs --leader-election-namespace or $SPLITFEED_OPERATOR_NAMESPACE")
+        leader = configs.LeaderElection(namespace=namespace, name=args.leader_election_lease)
     return configs.OperatorConfig(
         namespaces=() if args.all_namespaces else tuple(args.namespace),
         planning=planning.Settings.from_env(os.environ, sidecar_mode=args.sidecar_mode,
-                                            sidecar_image=args.sidecar_image),
+                                            sidecar_image=args.sidecar_image,
+                                            restart_backoff_s=args.restart_backoff,
+                                            restart_backoff_max_s=args.restart_backoff_max,
+                                            stall_timeout_s=args.stall_timeout),
         webhook=webhook,
         liveness=args.liveness,
         peering=None if args.standalone else args.peering,
         kubeconfig=args.kubeconfig,
+        leader=leader,
     )
 
 
@@ -77,13 +113,45 @@ def run(args: argparse.Namespace) -> int:
         from . import webhooks
 
         webhooks.register(kopf.get_default_registry())
+    return asyncio.run(_main(config))
 
-    asyncio.run(kopf.operator(
-        clusterwide=not config.namespaces,
-        namespaces=config.namespaces,
-        standalone=config.peering is None,
-        peering_name=config.peering,
-        liveness_endpoint=config.liveness,
-        memo=kopf.Memo(config=config),
-    ))
-    return 0
+
+async def _main(config: configs.OperatorConfig) -> int:
+    """Kopf, behind the leader Lease when one is configured; 1 when the lead was lost."""
+    import kopf
+
+    def operator(stop: asyncio.Event | None = None) -> Any:
+        return kopf.operator(
+            clusterwide=not config.namespaces,
+            namespaces=config.namespaces,
+            standalone=config.peering is None,
+            peering_name=config.peering,
+            liveness_endpoint=config.liveness,
+            memo=kopf.Memo(config=config),
+            stop_flag=stop,
+        )
+
+    if config.leader is None:
+        await operator()
+        return 0
+    from . import kube, leader
+
+    client = kube.Kube.connect(config.kubeconfig)
+    elector = leader.Elector(client, config.leader)
+    try:
+        await elector.acquire()
+        stop = asyncio.Event()
+        running = asyncio.create_task(operator(stop))
+        holding = asyncio.create_task(elector.hold())
+        await asyncio.wait({running, holding}, return_when=asyncio.FIRST_COMPLETED)
+        if holding.done():
+            log.error("leader election lost: stopping the operator (its pod restarts as a candidate)")
+            stop.set()
+            await asyncio.wait({running}, timeout=30)
+            return 1
+        holding.cancel()
+        await running  # re-raises what stopped Kopf
+        await elector.release()
+        return 0
+    finally:
+        client.close()

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import planning
+from . import planning, redaction
 
 # Condition types on a StreamingJob.
 VALIDATED = "Validated"
@@ -23,6 +23,10 @@ READY = "Ready"
 RESCALING = "Rescaling"
 COMPLETE = "Complete"
 FAILED = "Failed"
+POD_CREATION_FAILED = "PodCreationFailed"
+"""An object of the world (a pod, its ConfigMap, Service or budget) could not be created."""
+STALLED = "Stalled"
+"""The running world's pods have not all been running for the operator's stall timeout."""
 
 
 def timestamp(now: datetime.datetime) -> str:
@@ -60,7 +64,7 @@ def set_condition(
         "type": type_,
         "status": text,
         "reason": reason,
-        "message": message[:32768],
+        "message": redaction.redact_text(message)[:32768],
         "lastTransitionTime": since or timestamp(now),
     }
     if generation is not None:

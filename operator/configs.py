@@ -28,6 +28,29 @@ class Webhook:
     managed: str | None = None
     """Name of the ValidatingWebhookConfiguration that Kopf creates and keeps current; None:
     a configuration is installed by someone else (the Helm chart)."""
+    cert_check_s: float = 10.0
+    """How often the certificate files are re-read; the server restarts with new ones
+    (a renewed Secret, cert-manager's rotation) without restarting the operator."""
+    dry_run_pods: bool = True
+    """Admit a job only if the apiserver accepts a pod built from its template (a dry-run
+    create: the cluster's own PodSpec validation and admission)."""
+    check_pod_permission: bool = False
+    """Admit a job only if its requester may create pods in its namespace (a
+    SubjectAccessReview): the operator creates them on the requester's behalf."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderElection:
+    """One active operator: whoever holds the Lease runs; the others wait (operator.leader)."""
+
+    namespace: str
+    name: str = "splitfeed-operator"
+    duration_s: float = 15.0
+    """A holder that has not renewed for this long is presumed dead."""
+    renew_s: float = 2.0
+    """How often the holder renews (and a candidate retries)."""
+    renew_deadline_s: float = 10.0
+    """A holder that could not renew for this long stops, before anyone may take over."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +63,8 @@ class OperatorConfig:
     liveness: str | None = None
     """Kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz."""
     peering: str | None = "splitfeed"
-    """Kopf peering object (ClusterKopfPeering/KopfPeering) that keeps one operator active;
-    None runs standalone."""
+    """Kopf peering object (ClusterKopfPeering/KopfPeering): a higher-priority operator pauses
+    this one; None runs standalone. Peering is no lock: `leader` is."""
     kubeconfig: str | None = None
+    leader: LeaderElection | None = None
+    """None: no leader election (one replica, or a development run)."""

@@ -16,6 +16,14 @@ from . import configs, kube, planning, reconciling, rescaling
 G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 TIMER_INTERVAL_S = 3.0
 """Every live job is looked at this often: pod phase changes arrive through it."""
+WATCH_SERVER_TIMEOUT_S = 300
+"""The apiserver ends each watch after this long and Kopf starts a new one (no silent stall).
+An int: it goes into the watch URL as timeoutSeconds, which the apiserver parses as one."""
+WATCH_CLIENT_TIMEOUT_S = 330.0
+"""...and Kopf drops a watch connection that stays open longer than that (a dead one)."""
+CONNECT_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 60.0
+"""Kopf's own short API requests (patches, events, peering)."""
 
 
 @kopf.on.startup()
@@ -27,10 +35,17 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=prefix, key="last-handled-configuration")
     settings.posting.level = 20  # logging.INFO: our events, not Kopf's debug chatter
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
+    settings.watching.connect_timeout = CONNECT_TIMEOUT_S
+    settings.networking.connect_timeout = CONNECT_TIMEOUT_S
+    settings.networking.request_timeout = REQUEST_TIMEOUT_S
     if config.webhook is not None:
         w = config.webhook
+        # Kopf re-reads the files every file_check_interval and restarts its server with new ones.
         settings.admission.server = kopf.WebhookServer(
-            addr=w.addr, port=w.port, host=w.host, certfile=w.certfile, pkeyfile=w.pkeyfile, cafile=w.cafile)
+            addr=w.addr, port=w.port, host=w.host, certfile=w.certfile, pkeyfile=w.pkeyfile, cafile=w.cafile,
+            file_check_interval=w.cert_check_s)
         settings.admission.managed = w.managed
     if "ctx" not in memo:
         memo["ctx"] = reconciling.Context(kube=memo.get("kube") or kube.Kube.connect(config.kubeconfig),

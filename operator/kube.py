@@ -1,34 +1,59 @@
 """The only module that talks to the Kubernetes API (besides Kopf itself).
 
 Thin async wrappers over the synchronous `kubernetes` client, each call run in a
-worker thread (`asyncio.to_thread`) so that Kopf's event loop never blocks.
-Every write is idempotent the way the reconciler needs it: create treats
-AlreadyExists as done, delete treats NotFound as done. Objects go in and come
-out as plain JSON dicts (`_preload_content=False`), the same shape Kopf and
-`planning` use. Client errors become `KubeError` here, at one boundary.
+worker thread (`asyncio.to_thread`) so that Kopf's event loop never blocks, and
+each with a request timeout (connect, read): a hung apiserver is an error the
+next reconcile retries, never a stuck handler. Every write is idempotent the way
+the reconciler needs it: create treats an object of the same name that this job
+controls as done, delete treats NotFound as done. Objects another controller
+owns are never replaced or deleted: `create` raises NotOwned, and a pod is
+deleted only with its UID as a precondition. Status patches carry the
+resourceVersion they were decided on, so two writers cannot both apply one
+decision (Conflict). Objects go in and come out as plain JSON dicts
+(`_preload_content=False`), the same shape Kopf and `planning` use. Client
+errors become `KubeError` here, at one boundary.
+
+tests/chart derives the chart's RBAC from the client calls in this module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import kubernetes
+import urllib3
 
 from . import planning
 
 MERGE_PATCH = "application/merge-patch+json"
+REQUEST_TIMEOUT_S = (5.0, 30.0)
+"""(connect, read) seconds for every API call."""
+USER_AGENT = "splitfeed-operator/0.1.0"
+
+log = logging.getLogger(__name__)
 
 
 class KubeError(RuntimeError):
     """An API call failed for a reason the caller cannot treat as success."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
         self.status = status
-        super().__init__(f"HTTP {status}: {message}")
+        self.reason = reason
+        self.message = message
+        super().__init__(f"HTTP {status}{f' {reason}' if reason else ''}: {message}")
+
+
+class Conflict(KubeError):
+    """A precondition (resourceVersion, UID) no longer holds: re-read and decide again."""
+
+
+class NotOwned(KubeError):
+    """An object of that name exists and its controller is not the job's UID."""
 
 
 def _decode(resp: Any) -> dict[str, Any]:
@@ -36,13 +61,35 @@ def _decode(resp: Any) -> dict[str, Any]:
     return json.loads(data) if data else {}
 
 
-class Kube:
-    """Calls for StreamingJobs and the pods, Services and ConfigMaps of their worlds."""
+def _error(exc: BaseException) -> KubeError:
+    if isinstance(exc, kubernetes.client.ApiException):
+        message, reason = str(exc.body or exc.reason), str(exc.reason or "")
+        try:
+            body = json.loads(exc.body) if exc.body else {}
+            if isinstance(body, dict):
+                message, reason = str(body.get("message") or message), str(body.get("reason") or reason)
+        except (TypeError, ValueError):
+            pass
+        return (Conflict if exc.status == 409 else KubeError)(int(exc.status or 0), message, reason)
+    # urllib3: timeouts, refused connections, TLS failures.
+    return KubeError(0, f"{type(exc).__name__}: {exc}", "NoAnswer")
 
-    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+
+class Kube:
+    """Calls for StreamingJobs, the pods, Services, ConfigMaps and budgets of their worlds,
+    admission checks, and the operator's leader Lease."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient,
+                 timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> None:
         self.api_client = api_client
+        api_client.user_agent = USER_AGENT
+        self.timeout = timeout
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.policy = kubernetes.client.PolicyV1Api(api_client)
+        self.authorization = kubernetes.client.AuthorizationV1Api(api_client)
+        self.coordination = kubernetes.client.CoordinationV1Api(api_client)
+        self._warned: set[str] = set()
 
     @classmethod
     def connect(cls, kubeconfig: str | None = None) -> "Kube":
@@ -64,11 +111,13 @@ class Kube:
     async def _call(self, fn: Any, *args: Any, ok: tuple[int, ...] = (), **kwargs: Any) -> dict[str, Any] | None:
         """Run one client call in a thread; None for a status listed in `ok`."""
         try:
-            resp = await asyncio.to_thread(fn, *args, _preload_content=False, **kwargs)
-        except kubernetes.client.ApiException as exc:
-            if exc.status in ok:
+            resp = await asyncio.to_thread(fn, *args, _preload_content=False, _request_timeout=self.timeout,
+                                           **kwargs)
+        except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+            error = _error(exc)
+            if error.status and error.status in ok:
                 return None
-            raise KubeError(exc.status or 0, str(exc.body or exc.reason)) from exc
+            raise error from exc
         return _decode(resp)
 
     # --- StreamingJobs -----------------------------------------------------------------------
@@ -76,9 +125,14 @@ class Kube:
         return await self._call(self.custom.get_namespaced_custom_object, planning.GROUP,
                                 planning.VERSION, namespace, planning.PLURAL, name, ok=(404,))
 
-    async def patch_job_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+    async def patch_job_status(self, namespace: str, name: str, patch: Mapping[str, Any],
+                               resource_version: str | None = None) -> None:
+        """A merge patch of the status; with `resource_version`, only onto that version (else Conflict)."""
+        body: dict[str, Any] = {"status": dict(patch)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         await self._call(self.custom.patch_namespaced_custom_object_status, planning.GROUP,
-                         planning.VERSION, namespace, planning.PLURAL, name, {"status": dict(patch)},
+                         planning.VERSION, namespace, planning.PLURAL, name, body,
                          _content_type=MERGE_PATCH, ok=(404,))
 
     # --- world objects -----------------------------------------------------------------------
@@ -90,23 +144,91 @@ class Kube:
         return [p for p in items
                 if ((p.get("metadata") or {}).get("labels") or {}).get(planning.LABEL_JOB) == job]
 
-    async def create(self, obj: Mapping[str, Any]) -> bool:
-        """Create a Pod, Service or ConfigMap; False if it existed (a ConfigMap is then replaced)."""
-        kind, ns = obj["kind"], obj["metadata"]["namespace"]
-        create = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
-                  "ConfigMap": self.core.create_namespaced_config_map}[kind]
-        created = await self._call(create, ns, dict(obj), ok=(409,))
-        if created is None and kind == "ConfigMap":
+    async def create(self, obj: Mapping[str, Any]) -> bool | None:
+        """Create a Pod, Service, ConfigMap or PodDisruptionBudget.
+
+        True: created. False: an object of that name exists and the same job
+        (controller UID) controls it; a ConfigMap's data and a budget's spec are
+        then brought up to date (they must match the pods about to start). None:
+        the cluster serves no such kind (policy/v1 budgets before Kubernetes 1.21),
+        which is skipped. Raises NotOwned when another controller owns the name.
+        """
+        kind, meta = obj["kind"], obj["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        creators = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
+                    "ConfigMap": self.core.create_namespaced_config_map,
+                    "PodDisruptionBudget": self.policy.create_namespaced_pod_disruption_budget}
+        try:
+            created = await self._call(creators[kind], ns, dict(obj), ok=(409,))
+        except KubeError as exc:
+            if kind == "PodDisruptionBudget" and exc.status == 404:
+                if kind not in self._warned:
+                    self._warned.add(kind)
+                    log.warning("the cluster serves no policy/v1 PodDisruptionBudget: worlds run without one")
+                return None
+            raise
+        if created is not None:
+            return True
+        readers = {"Pod": self.core.read_namespaced_pod, "Service": self.core.read_namespaced_service,
+                   "ConfigMap": self.core.read_namespaced_config_map,
+                   "PodDisruptionBudget": self.policy.read_namespaced_pod_disruption_budget}
+        existing = await self._call(readers[kind], name, ns, ok=(404,))
+        if existing is None:  # deleted in between: the next reconcile creates it
+            return False
+        ours = planning.controller_uid(obj)
+        theirs = planning.controller_uid(existing)
+        if theirs != ours:
+            raise NotOwned(409, f"its controller is {theirs or 'none'}, not StreamingJob {ours}", "NotOwned")
+        if kind == "ConfigMap":
             # The data config must match the pods about to start (their checksum env).
-            await self._call(self.core.patch_namespaced_config_map, obj["metadata"]["name"], ns,
-                             {"data": obj["data"], "metadata": {"annotations": obj["metadata"].get("annotations")}},
+            await self._call(self.core.patch_namespaced_config_map, name, ns,
+                             {"data": obj["data"], "metadata": {"annotations": meta.get("annotations")}},
                              _content_type=MERGE_PATCH)
-        return created is not None
+        elif kind == "PodDisruptionBudget" and existing.get("spec") != obj["spec"]:
+            await self._call(self.policy.patch_namespaced_pod_disruption_budget, name, ns,
+                             {"spec": obj["spec"]}, _content_type=MERGE_PATCH)
+        return False
 
     async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         await self._call(self.core.patch_namespaced_pod, name, namespace,
                          {"metadata": {"annotations": dict(annotations)}},
                          _content_type=MERGE_PATCH, ok=(404,))
 
-    async def delete_pod(self, namespace: str, name: str) -> bool:
-        return await self._call(self.core.delete_namespaced_pod, name, namespace, ok=(404,)) is not None
+    async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete the pod; with `uid`, only that very pod (a same-named successor is left alone)."""
+        body = {"preconditions": {"uid": uid}} if uid else None
+        return await self._call(self.core.delete_namespaced_pod, name, namespace, body=body,
+                                ok=(404, 409)) is not None
+
+    # --- admission ---------------------------------------------------------------------------
+    async def dry_run_pod(self, pod: Mapping[str, Any]) -> None:
+        """Let the apiserver validate (and admit) a pod without creating it; KubeError if refused."""
+        await self._call(self.core.create_namespaced_pod, pod["metadata"]["namespace"], dict(pod),
+                         dry_run="All")
+
+    async def may_create_pods(self, namespace: str, user: Mapping[str, Any]) -> bool:
+        """SubjectAccessReview: may `user` (an admission request's userInfo) create pods in `namespace`?"""
+        spec: dict[str, Any] = {
+            "user": user.get("username"), "groups": user.get("groups"), "uid": user.get("uid"),
+            "extra": user.get("extra"),
+            "resourceAttributes": {"namespace": namespace, "verb": "create", "resource": "pods"},
+        }
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                  "spec": {k: v for k, v in spec.items() if v is not None}}
+        out = await self._call(self.authorization.create_subject_access_review, review)
+        return bool(((out or {}).get("status") or {}).get("allowed"))
+
+    # --- the leader Lease --------------------------------------------------------------------
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._call(self.coordination.read_namespaced_lease, name, namespace, ok=(404,))
+
+    async def create_lease(self, lease: Mapping[str, Any]) -> bool:
+        """False if a Lease of that name exists already (someone else was first)."""
+        return await self._call(self.coordination.create_namespaced_lease, lease["metadata"]["namespace"],
+                                dict(lease), ok=(409,)) is not None
+
+    async def replace_lease(self, lease: Mapping[str, Any]) -> bool:
+        """An update carrying the resourceVersion it was read at; False on a conflict."""
+        meta = lease["metadata"]
+        return await self._call(self.coordination.replace_namespaced_lease, meta["name"], meta["namespace"],
+                                dict(lease), ok=(409,)) is not None

@@ -75,6 +75,20 @@ class Settings:
     sidecar_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """spec.sidecar fields (wire names: image, shmSize, prefetchBatches) for jobs that omit
     them; the Helm chart sets them through SPLITFEED_SIDECAR_* (the CRD has no defaults)."""
+    restart_backoff_s: float = 10.0
+    """Back-off before the world that replaces a failed one starts, doubled per restart
+    already counted (10 s, 20 s, 40 s, ... like a Kubernetes Job's); also the first wait
+    after an object of a world could not be created."""
+    restart_backoff_max_s: float = 360.0
+    """The back-off never exceeds this (a Job's cap: 6 minutes)."""
+    stall_timeout_s: float = 900.0
+    """A world whose pods have not all been running for this long is marked Stalled."""
+
+    def backoff_s(self, attempt: int) -> float:
+        """The wait before attempt `attempt` (1: the first retry) of a restart or a creation."""
+        if attempt < 1 or self.restart_backoff_s <= 0:
+            return 0.0
+        return float(min(self.restart_backoff_s * 2 ** min(attempt - 1, 30), self.restart_backoff_max_s))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], **kwargs: Any) -> "Settings":
@@ -84,6 +98,14 @@ class Settings:
             if env.get(var):
                 defaults[key] = int(env[var]) if key == "prefetchBatches" else env[var]
         return cls(sidecar_defaults=defaults, **kwargs)
+
+
+def controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The UID of the object's controller (the ownerReference with controller: true), if any."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if isinstance(ref, Mapping) and ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
 
 
 def pod_name(job: str, world_epoch: int, replica: int) -> str:
@@ -227,9 +249,11 @@ def coordinator_at(pod_ip: str) -> str:
 def sidecar_container(
     job: specs.JobSpec, world_epoch: int, replica: int, settings: Settings,
     extra_mounts: list[dict[str, Any]] | None = None, resume_step: int | None = None,
+    job_uid: str = "",
 ) -> dict[str, Any]:
     """The loader. `resume_step`: the step the previous world agreed on (status.resumeStep);
-    None lets the new world's coordinator pick the newest complete checkpoint."""
+    None lets the new world's coordinator pick the newest complete checkpoint. `job_uid`:
+    the StreamingJob's metadata.uid, which keys its checkpoints (a re-created job's are new)."""
     args = ["sidecar", "--config", f"{CONFIG_DIR}/config.json", "--podinfo-dir", PODINFO_DIR]
     mounts = [
         {"name": VOLUME_SHM, "mountPath": SOCKET_DIR},
@@ -247,6 +271,7 @@ def sidecar_container(
         **pod_env(job, world_epoch, replica),
         **resume,
         "SPLITFEED_COORDINATOR": coordinator_address(job.name, world_epoch),
+        "SPLITFEED_JOB_UID": job_uid,
         "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
     }
     container: dict[str, Any] = {
@@ -259,10 +284,56 @@ def sidecar_container(
         "resources": copy.deepcopy(dict(job.sidecar.resources)),
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "File",
+        "securityContext": sidecar_security_context(job),
     }
     if settings.sidecar_mode == "native":
         container["restartPolicy"] = "Always"
     return container
+
+
+def sidecar_security_context(job: specs.JobSpec) -> dict[str, Any]:
+    """The Pod Security "restricted" profile for the loader.
+
+    It writes only its memory emptyDir, the termination log and the checkpoint
+    store, so its root file system is read-only. It runs as its image's user
+    (65532) or the pod's runAsUser: both containers share the ring's files, so
+    the sidecar takes no user of its own. runAsNonRoot is left out only when the
+    template runs the pod as root (runAsUser 0), where it would stop the
+    sidecar from starting (and such a pod is not "restricted" anyway).
+    """
+    pod_security = ((job.trainer.template.get("spec") or {}).get("securityContext")) or {}
+    context: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if pod_security.get("runAsUser") != 0:
+        context["runAsNonRoot"] = True
+    return context
+
+
+def disruption_budget(job: specs.JobSpec, world_epoch: int, owner: Owner) -> dict[str, Any]:
+    """PodDisruptionBudget `<job>`: at most one voluntary eviction at a time in the running world.
+
+    An eviction is a SIGTERM, which drains the whole world at one agreed step
+    (docs/pod-contract.md, "A world that drains itself"); the budget holds every
+    further eviction of a running pod of that world back until the world has
+    drained (pods that have finished, or not started, are always evictable), so
+    a node drain waits for the checkpoint instead of killing the world piecemeal,
+    and never waits for more than that. Its selector follows the world epoch.
+    """
+    labels = {**job_selector(job.name), LABEL_EPOCH: str(world_epoch)}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(job, job.name, owner, job_selector(job.name)),
+        "spec": {
+            "minAvailable": max(job.replicas - 1, 0),
+            "selector": {"matchLabels": labels},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
 
 
 def volumes(job: specs.JobSpec) -> list[dict[str, Any]]:
@@ -318,7 +389,7 @@ def pod(
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
                 {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
             ]
-    sidecar = sidecar_container(job, world_epoch, replica, settings, shared, resume_step)
+    sidecar = sidecar_container(job, world_epoch, replica, settings, shared, resume_step, owner.uid)
     if settings.sidecar_mode == "native":
         spec["initContainers"] = (spec.get("initContainers") or []) + [sidecar]
     else:
@@ -340,7 +411,7 @@ def pod(
 def world(
     job: specs.JobSpec, world_epoch: int, owner: Owner, settings: Settings, resume_step: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Every object world `world_epoch` needs, in creation order (ConfigMap and Service first)."""
-    return [config_map(job, owner), service(job, owner)] + [
+    """Every object world `world_epoch` needs, in creation order (ConfigMap, Service, budget first)."""
+    return [config_map(job, owner), service(job, owner), disruption_budget(job, world_epoch, owner)] + [
         pod(job, world_epoch, r, owner, settings, resume_step) for r in range(job.replicas)
     ]

@@ -4,7 +4,11 @@ Every handler (create, update, resume, timer) ends up here. A per-job lock makes
 the handlers, which Kopf may run concurrently for one object, take turns; inside
 it the job is re-read from the API, so a decision never rests on a stale body.
 The status patch is written before any action, which is what lets `rescaling`
-re-derive an interrupted step (see its docstring).
+re-derive an interrupted step (see its docstring), and only onto the
+resourceVersion the decision was taken on: a decision about a job that changed
+meanwhile (another writer, a second operator) is dropped and taken again, so a
+counter such as status.restarts can never be bumped twice for one failure. The
+decision itself (parsing, planning a world) runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from typing import Any
 
 from splitfeed.trainer_client import worlds
 
-from . import admission, kube, planning, rescaling
+from . import admission, kube, planning, redaction, rescaling
 
 MAX_STEPS = 5
 """Steps taken at once while each one changes something and none waits on pods."""
+MAX_CONFLICTS = 3
+"""Decisions re-taken at once because the job changed under them (HTTP 409)."""
 
 log = logging.getLogger(__name__)
 
@@ -60,42 +66,108 @@ def _changes(d: rescaling.Decision) -> bool:
 async def reconcile(ctx: Context, namespace: str, name: str) -> Outcome:
     async with ctx.lock(namespace, name):
         outcome = Outcome(body=None)
-        for _ in range(MAX_STEPS):
+        conflicts = 0
+        for _ in range(MAX_STEPS + MAX_CONFLICTS):
             body = await ctx.kube.get_job(namespace, name)
             outcome.body = body
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return outcome  # deletion: the garbage collector removes the world
-            decision = await _decide(ctx, body)
-            await _apply(ctx, namespace, name, decision)
+            decision, uids = await _decide(ctx, body)
+            try:
+                await _apply(ctx, body, decision, uids)
+            except kube.Conflict:
+                # The job changed since it was read: nothing was applied. Decide again on what is there now.
+                conflicts += 1
+                log.info("%s/%s: the job changed under step %s; deciding again", namespace, name, decision.step)
+                if conflicts >= MAX_CONFLICTS:
+                    outcome.requeue_s = 1.0
+                    break
+                continue
+            except _Refused as refused:
+                outcome.steps.append(decision.step)
+                outcome.events += decision.events
+                decision = await _record_refusal(ctx, namespace, name, refused.failure)
+                outcome.steps.append(decision.step)
+                outcome.events += decision.events
+                outcome.requeue_s = decision.requeue_s
+                break
             outcome.steps.append(decision.step)
             outcome.events += decision.events
             outcome.requeue_s = decision.requeue_s
             outcome.permanent_error = decision.permanent_error
             repeated = len(outcome.steps) > 1 and outcome.steps[-2] == decision.step
-            if decision.permanent_error or not _changes(decision) or repeated:
+            if decision.permanent_error or not _changes(decision) or repeated or len(outcome.steps) >= MAX_STEPS:
                 break
         return outcome
 
 
-async def _decide(ctx: Context, body: dict[str, Any]) -> rescaling.Decision:
+def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[dict[str, Any]],
+                now: datetime.datetime) -> rescaling.Decision:
+    """Parse and decide: pure work, run in a worker thread."""
     meta, status = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
     try:
+        job = admission.parse(body, settings.sidecar_defaults)
+    except admission.Rejected as exc:
+        return rescaling.rejected(status, exc, now=now, generation=generation)
+    owner = planning.Owner(name=meta["name"], uid=meta["uid"])
+    return rescaling.decide(job, status, pods, owner=owner, settings=settings, now=now, generation=generation)
+
+
+async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[rescaling.Decision, dict[str, str]]:
+    """The decision, and the UIDs of the pods it saw (a delete removes exactly those)."""
+    meta = body["metadata"]
+    pods = await ctx.kube.list_pods(meta["namespace"], meta["name"])
+    uids = {str(p["metadata"]["name"]): str(p["metadata"].get("uid")) for p in pods
+            if (p["metadata"].get("uid"))}
+    # Planning a world of many pods is CPU work: never on Kopf's event loop.
+    decision = await asyncio.to_thread(_decide_now, ctx.settings, body, pods, _now())
+    return decision, uids
+
+
+class _Refused(Exception):
+    def __init__(self, failure: rescaling.CreationFailure) -> None:
+        super().__init__(f"{failure.kind} {failure.name}: {failure.reason}")
+        self.failure = failure
+
+
+async def _record_refusal(ctx: Context, namespace: str, name: str,
+                          failure: rescaling.CreationFailure) -> rescaling.Decision:
+    """Write what a refused creation means (condition PodCreationFailed, or Failed on a 422)."""
+    log.warning("%s/%s: could not create %s %s: %s (HTTP %s)", namespace, name, failure.kind, failure.name,
+                redaction.redact_text(failure.message), failure.status)
+    body = await ctx.kube.get_job(namespace, name)
+    if body is None:
+        return rescaling.Decision(step="Gone")
+    meta = body["metadata"]
+    try:
         job = admission.parse(body, ctx.settings.sidecar_defaults)
     except admission.Rejected as exc:
-        return rescaling.rejected(status, exc, now=_now(), generation=generation)
-    pods = await ctx.kube.list_pods(meta["namespace"], meta["name"])
-    owner = planning.Owner(name=meta["name"], uid=meta["uid"])
-    return rescaling.decide(job, status, pods, owner=owner, settings=ctx.settings, now=_now(),
-                            generation=generation)
+        return rescaling.rejected(body.get("status") or {}, exc, now=_now(), generation=meta.get("generation"))
+    d = rescaling.creation_failed(job, body.get("status") or {}, failure, settings=ctx.settings, now=_now(),
+                                  generation=meta.get("generation"))
+    try:
+        await ctx.kube.patch_job_status(namespace, name, d.status, meta.get("resourceVersion"))
+    except kube.Conflict:
+        log.info("%s/%s: the job changed; the refusal is recorded at the next attempt", namespace, name)
+    return d
 
 
-async def _apply(ctx: Context, namespace: str, name: str, d: rescaling.Decision) -> None:
-    """Status first, then objects, then the coordinator; each call is idempotent."""
+async def _apply(ctx: Context, body: dict[str, Any], d: rescaling.Decision, uids: dict[str, str]) -> None:
+    """Status first (only onto the version decided on), then objects, then the coordinator;
+    each call is idempotent. Raises kube.Conflict before anything is done, or _Refused."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if d.status:
-        await ctx.kube.patch_job_status(namespace, name, d.status)
+        await ctx.kube.patch_job_status(namespace, name, d.status, body["metadata"].get("resourceVersion"))
     for obj in d.create:
-        await ctx.kube.create(obj)
+        try:
+            await ctx.kube.create(obj)
+        except kube.NotOwned as exc:
+            raise _Refused(rescaling.CreationFailure(obj["kind"], obj["metadata"]["name"], 409, "NotOwned",
+                                                     exc.message)) from exc
+        except kube.KubeError as exc:
+            raise _Refused(rescaling.CreationFailure(obj["kind"], obj["metadata"]["name"], exc.status,
+                                                     exc.reason, exc.message)) from exc
     for pod, annotations in d.annotate.items():
         await ctx.kube.annotate_pod(namespace, pod, annotations)
     if d.notify is not None:
@@ -104,7 +176,7 @@ async def _apply(ctx: Context, namespace: str, name: str, d: rescaling.Decision)
         log.log(logging.INFO if state else logging.DEBUG, "%s/%s: drain request to %s: %s", namespace, name,
                 d.notify[0], f"acknowledged ({state})" if state else "no answer (the annotation still asks)")
     for pod in d.delete:
-        await ctx.kube.delete_pod(namespace, pod)
+        await ctx.kube.delete_pod(namespace, pod, uids.get(pod))
     if _changes(d):
         log.info("%s/%s: %s (status %s, +%d, ~%d, -%d)", namespace, name, d.step,
                  sorted(d.status), len(d.create), len(d.annotate), len(d.delete))

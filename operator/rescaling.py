@@ -19,6 +19,19 @@ drained at, or absent (the next world's coordinator then picks the newest
 complete checkpoint). It is written in the same patch that moves to
 RemovingOldWorld, before any pod is deleted, because deleting the pods deletes
 the reports; every pod of the next world gets it as SPLITFEED_RESUME_STEP.
+
+Failure policy (like a Kubernetes Job's): a failed world is replaced after an
+exponential back-off (status.nextRestartAt, the Rescaling reason BackingOff),
+and counts one of spec.maxRestarts; so does every in-place container restart
+of the running world (restartPolicy OnFailure, a native sidecar), counted in
+status.containerRestarts. A failure while the cluster disrupts the world (a pod
+with condition DisruptionTarget, remembered in status.lastDisruption) is not
+counted and not delayed. An object the apiserver refuses to create is a
+PodCreationFailed condition retried after the same back-off
+(status.podCreation, written by `creation_failed`), and the job fails when the
+refusal is a 422 (the pod is invalid). Only objects whose controller is this
+job (its UID) are looked at, deleted or replaced. A world whose pods have not
+all been running for the operator's stall timeout is marked Stalled.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ from typing import Any, Literal
 
 from splitfeed.trainer_client import specs
 
-from . import admission, conditions, planning
+from . import admission, conditions, planning, redaction
 
 PENDING, RUNNING, RESCALING, SUSPENDED, SUCCEEDED, FAILED = (
     "Pending", "Running", "Rescaling", "Suspended", "Succeeded", "Failed",
@@ -55,6 +68,10 @@ class Event:
     type: Literal["Normal", "Warning"]
     reason: str
     message: str
+
+    def __post_init__(self) -> None:
+        # Events are read by anyone who may list them: never a URI's credentials.
+        object.__setattr__(self, "message", redaction.redact_text(self.message))
 
 
 @dataclasses.dataclass
@@ -169,6 +186,37 @@ class _Ctx:
         self.conds = conditions.set_condition(self.conds, type_, ok, reason, message, self.now,
                                               self.generation)
 
+    def value(self, key: str) -> Any:
+        """status[key] as this decision leaves it."""
+        return self.patch[key] if key in self.patch else self.status.get(key)
+
+    @property
+    def container_restarts(self) -> int:
+        return int(self.value("containerRestarts") or 0)
+
+    def restarts_used(self) -> int:
+        """What spec.maxRestarts is spent on: world restarts plus in-place container restarts."""
+        return int(self.value("restarts") or 0) + self.container_restarts
+
+    def budget(self) -> str:
+        used, inplace = self.restarts_used(), self.container_restarts
+        return (f"{used}/{self.job.max_restarts} restarts"
+                + (f", {inplace} of them in-place container restarts" if inplace else ""))
+
+    def seconds_until(self, key: str, mapping: Mapping[str, Any] | None = None) -> float:
+        """Seconds until the timestamp status[key] (or mapping[key]); 0 when absent or past."""
+        raw = (mapping if mapping is not None else self.status).get(key)
+        if not isinstance(raw, str):
+            return 0.0
+        try:
+            return max(0.0, (conditions.parse_timestamp(raw) - self.now).total_seconds())
+        except ValueError:
+            return 0.0
+
+    def creation_wait(self) -> float:
+        """Seconds before objects may be created again after a refused creation."""
+        return self.seconds_until("retryAt", self.status.get("podCreation") or {})
+
     def decision(self, step: str, **kw: Any) -> Decision:
         patch = {
             "allowedReplicas": admission.allowed_replicas(self.job),
@@ -195,6 +243,8 @@ def decide(
     generation: int | None = None,
 ) -> Decision:
     """The next step for `job` (already parsed; its replica count may still be invalid)."""
+    # A pod that carries the job's labels but another controller is never touched.
+    pods = [p for p in pods if planning.controller_uid(p) == owner.uid]
     c = _Ctx(job, status, pods, owner, settings, now, generation)
     if is_terminal(status):
         live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
@@ -211,8 +261,7 @@ def decide(
 def _validate(c: _Ctx) -> admission.Rejected | None:
     """The Validated condition; a warning event only when its message changes."""
     try:
-        admission.check_name(c.job.name)
-        admission.check_template(c.job)
+        admission.check_job(c.job)
         admission.check_replicas(c.job, c.job.replicas)
     except admission.Rejected as exc:
         old = conditions.get(c.conds, conditions.VALIDATED)
@@ -232,6 +281,8 @@ def _start_world(c: _Ctx, epoch: int, replicas: int, reason: str) -> Decision:
     """Status first (worldEpoch, replicas), then every object of the world."""
     job = dataclasses.replace(c.job, replicas=replicas)
     c.patch.update(worldEpoch=epoch, replicas=replicas, worldSize=job.world_size)
+    if c.status.get("nextRestartAt"):
+        c.patch["nextRestartAt"] = None
     c.cond(conditions.READY, False, "PodsStarting", f"world {epoch}: creating {replicas} pods")
     start = "the newest complete checkpoint" if c.resume_step is None else f"step {c.resume_step}"
     c.events.append(Event("Normal", STARTING_NEW_WORLD,
@@ -263,6 +314,10 @@ def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
     job, epoch, replicas = c.job, int(c.epoch or 0), int(c.status.get("replicas") or 0)
     expected = {planning.pod_name(job.name, epoch, r) for r in range(replicas)}
     present = {_name(p) for p in c.world}
+    _note_disruption(c)
+    over_budget = _count_container_restarts(c)
+    if over_budget is not None:
+        return over_budget
     drained = [p for p in c.world if conditions.drained(p)]
     failed = [p for p in c.world if _failed(p) and p not in drained]
     started = any(_phase(p) != PENDING for p in c.world)
@@ -276,6 +331,7 @@ def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
         c.patch["phase"] = SUCCEEDED
         c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", f"every pod of world {epoch} succeeded")
         c.cond(conditions.READY, False, "Completed", "the job has finished")
+        _clear_stalled(c)
         c.events.append(Event("Normal", "Succeeded", f"all {replicas} pods of world {epoch} succeeded"))
         return c.decision(SUCCEEDED)
     if job.suspend:
@@ -287,14 +343,134 @@ def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
     running = sum(_phase(p) == RUNNING for p in c.world)
     if running == replicas:
         c.cond(conditions.READY, True, "AllPodsRunning", f"{running}/{replicas} pods of world {epoch} running")
+        _clear_stalled(c)
     else:
         c.cond(conditions.READY, False, "PodsPending", f"{running}/{replicas} pods of world {epoch} running")
+        _check_stalled(c, running, replicas)
     create: list[dict[str, Any]] = []
+    requeue: float | None = None
     if not started and expected - present:
-        world = planning.world(dataclasses.replace(job, replicas=replicas), epoch, c.owner, c.settings,
-                               c.resume_step)
-        create = [o for o in world if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
-    return c.decision(RUNNING, create=create)
+        wait = c.creation_wait()
+        if wait > 0:
+            requeue = wait
+        else:
+            world = planning.world(dataclasses.replace(job, replicas=replicas), epoch, c.owner, c.settings,
+                                   c.resume_step)
+            create = [o for o in world if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
+    elif not expected - present:
+        _creation_succeeded(c, epoch)
+    return c.decision(RUNNING, create=create, requeue_s=requeue)
+
+
+def _creation_succeeded(c: _Ctx, epoch: int) -> None:
+    if c.status.get("podCreation"):
+        c.patch["podCreation"] = None
+    if conditions.is_true(c.conds, conditions.POD_CREATION_FAILED):
+        c.cond(conditions.POD_CREATION_FAILED, False, "Created", f"every object of world {epoch} exists")
+
+
+def _pod_detail(p: Mapping[str, Any]) -> str:
+    """Why a pod is not running, from what the kubelet and scheduler wrote."""
+    status = p.get("status") or {}
+    parts = [_phase(p)]
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            parts.append(f"{cond.get('reason') or 'Unschedulable'}: {cond.get('message') or ''}".strip())
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(key) or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") and waiting.get("reason") != "PodInitializing":
+                parts.append(f"{cs.get('name')} {waiting['reason']}"
+                             + (f" ({waiting['message'][:200]})" if waiting.get("message") else ""))
+    return f"{_name(p)}: " + ", ".join(parts)
+
+
+def _check_stalled(c: _Ctx, running: int, replicas: int) -> None:
+    """Stalled when the world's pods have not all run for settings.stall_timeout_s.
+
+    The operator has no view of training itself; what it sees is whether the
+    world's pods run (the Ready condition's lastTransitionTime is when they last
+    stopped all running, or when the world started). Pending pods (unschedulable,
+    an image that cannot be pulled, a container in CrashLoopBackOff) are named.
+    """
+    ready = conditions.get(c.conds, conditions.READY) or {}
+    try:
+        since = conditions.parse_timestamp(str(ready.get("lastTransitionTime")))
+    except ValueError:
+        return
+    waited = (c.now - since).total_seconds()
+    if waited < c.settings.stall_timeout_s:
+        return
+    details = "; ".join(_pod_detail(p) for p in c.world if _phase(p) != RUNNING) or "pods are missing"
+    msg = (f"only {running}/{replicas} pods of world {int(c.epoch or 0)} have been running since "
+           f"{conditions.timestamp(since)} (stall timeout {c.settings.stall_timeout_s:g}s): {details}")[:4000]
+    if not conditions.is_true(c.conds, conditions.STALLED):
+        c.events.append(Event("Warning", "Stalled", msg))
+    c.cond(conditions.STALLED, True, "PodsNotRunning", msg)
+
+
+def _clear_stalled(c: _Ctx) -> None:
+    if conditions.is_true(c.conds, conditions.STALLED):
+        c.cond(conditions.STALLED, False, "Progressing", f"the pods of world {int(c.epoch or 0)} run")
+
+
+def _note_disruption(c: _Ctx) -> None:
+    """Remember, status first, that the cluster is disrupting this world (DisruptionTarget on a pod).
+
+    A disrupted pod is often deleted before it can be seen as failed; the record
+    keeps the world failure that follows from counting against spec.maxRestarts.
+    """
+    epoch = int(c.epoch or 0)
+    known = c.status.get("lastDisruption") or {}
+    if known.get("worldEpoch") == epoch:
+        return
+    for p in c.world:
+        cond = _disruption(p)
+        if cond is not None:
+            c.patch["lastDisruption"] = {"worldEpoch": epoch, "pod": _name(p),
+                                         "reason": str(cond.get("reason") or "DisruptionTarget"),
+                                         "time": conditions.timestamp(c.now)}
+            return
+
+
+def _count_container_restarts(c: _Ctx) -> Decision | None:
+    """In-place restarts (restartCount) of the world's containers spend spec.maxRestarts.
+
+    status.observedContainerRestarts holds the world's total already counted, so
+    each restart is counted once (the status patch carries the job's
+    resourceVersion: two operators cannot both count it). None unless the
+    budget is now spent, in which case the job fails.
+    """
+    epoch = int(c.epoch or 0)
+    seen = c.status.get("observedContainerRestarts") or {}
+    before = int(seen.get("count") or 0) if seen.get("worldEpoch") == epoch else 0
+    counts = {(_name(p), cs.get("name")): int(cs.get("restartCount") or 0)
+              for p in c.world for key in ("initContainerStatuses", "containerStatuses")
+              for cs in (p.get("status") or {}).get(key) or []}
+    total = sum(counts.values())
+    if total <= before:
+        return None
+    delta = total - before
+    c.patch["observedContainerRestarts"] = {"worldEpoch": epoch, "count": total}
+    c.patch["containerRestarts"] = c.container_restarts + delta
+    which = ", ".join(f"{pod}/{name} ({n})" for (pod, name), n in sorted(counts.items()) if n)
+    if c.restarts_used() <= c.job.max_restarts:
+        c.events.append(Event("Warning", "ContainerRestarted",
+                              f"{delta} in-place container restart{'s' if delta > 1 else ''} in world {epoch} "
+                              f"(restartCount: {which}); {c.budget()} of spec.maxRestarts"))
+        return None
+    msg = (f"containers of world {epoch} restarted in place (restartCount: {which}); restart budget spent "
+           f"({c.budget()}, spec.maxRestarts)")
+    return _fail(c, "RestartLimitExceeded", msg)
+
+
+def _fail(c: _Ctx, reason: str, msg: str) -> Decision:
+    live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
+    c.patch["phase"] = FAILED
+    c.cond(conditions.FAILED, True, reason, msg)
+    c.cond(conditions.READY, False, "Failed", msg)
+    c.events.append(Event("Warning", "Failed" if reason == "RestartLimitExceeded" else reason, msg))
+    return c.decision(FAILED, delete=live)
 
 
 def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> Decision:
@@ -304,42 +480,46 @@ def _world_failed(c: _Ctx, failed: list[Mapping[str, Any]], lost: list[str]) -> 
         [f"pod {_name(p)} failed" + (f" ({err})" if (err := conditions.sidecar_error(p)) else "")
          for p in failed] + [f"pod {n} disappeared" for n in lost]
     )
-    live = [_name(p) for p in c.world if not _terminated(p) and not _deleting(p)]
     c.patch["resumeStep"] = None  # no agreed step: the next world's coordinator picks the newest complete one
     data_error = next(((_name(p), err) for p in failed
                        if (err := conditions.sidecar_error(p, permanent_only=True))), None)
     if data_error is not None:
         msg = (f"pod {data_error[0]} failed: {data_error[1]}; the data cannot feed this job, "
                "so restarting the world cannot help")
-        c.patch["phase"] = FAILED
-        c.cond(conditions.FAILED, True, "DataError", msg)
-        c.cond(conditions.READY, False, "Failed", msg)
-        c.events.append(Event("Warning", "DataError", msg))
-        return c.decision(FAILED, delete=live)
+        return _fail(c, "DataError", msg)
     if not lost and any(_report_pending(p, c.now) for p in failed):
         c.cond(conditions.READY, False, "AwaitingSidecarReport",
                f"{why}; waiting up to {REPORT_GRACE_S:g}s for the sidecar's report before restarting")
         return c.decision("AwaitingSidecarReport", requeue_s=1.0)
-    if failed and not lost and all(_disrupted(p) for p in failed):
-        # Preempted or evicted by the cluster (condition DisruptionTarget): not the job's fault.
-        return _replace_world(c, "Disrupted", f"{why}, disrupted by the cluster; restarting the world "
-                              f"without counting it ({restarts}/{c.job.max_restarts} restarts)", "Warning")
-    if restarts >= c.job.max_restarts:
-        msg = f"{why}; restart budget spent ({restarts}/{c.job.max_restarts} restarts, spec.maxRestarts)"
-        c.patch["phase"] = FAILED
-        c.cond(conditions.FAILED, True, "RestartLimitExceeded", msg)
-        c.cond(conditions.READY, False, "Failed", msg)
-        c.events.append(Event("Warning", "Failed", msg))
-        return c.decision(FAILED, delete=live)
+    disruption = c.value("lastDisruption") or {}
+    if any(_disrupted(p) for p in failed) or disruption.get("worldEpoch") == epoch:
+        # Preempted, evicted or shut down by the cluster (DisruptionTarget): not the job's fault,
+        # and one lost rank takes its peers down with it, so the whole failure is the disruption's.
+        by = next((f"{_name(p)}: {(_disruption(p) or {}).get('reason') or 'DisruptionTarget'}"
+                   for p in failed if _disrupted(p)),
+                  f"{disruption.get('pod')}: {disruption.get('reason')}")
+        return _replace_world(c, "Disrupted", f"{why}; world {epoch} disrupted by the cluster ({by}); "
+                              f"restarting the world without counting it ({c.budget()})", "Warning")
+    if c.restarts_used() >= c.job.max_restarts:
+        return _fail(c, "RestartLimitExceeded", f"{why}; restart budget spent ({c.budget()}, spec.maxRestarts)")
     c.patch["restarts"] = restarts + 1
-    msg = f"{why}; restarting the world (restart {restarts + 1} of {c.job.max_restarts})"
+    delay = c.settings.backoff_s(restarts + 1)
+    at = c.now + datetime.timedelta(seconds=delay)
+    if delay > 0:
+        c.patch["nextRestartAt"] = conditions.timestamp(at)
+    msg = (f"{why}; restarting the world (restart {c.restarts_used()} of {c.job.max_restarts}"
+           + (f", not before {conditions.timestamp(at)}: back-off {delay:g}s" if delay > 0 else "") + ")")
     return _replace_world(c, "Restart", msg, "Warning")
+
+
+def _disruption(p: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next((x for x in (p.get("status") or {}).get("conditions") or []
+                 if x.get("type") == "DisruptionTarget" and x.get("status") == "True"), None)
 
 
 def _disrupted(p: Mapping[str, Any]) -> bool:
     """The pod carries condition DisruptionTarget=True: preemption, eviction, node shutdown."""
-    return any(x.get("type") == "DisruptionTarget" and x.get("status") == "True"
-               for x in (p.get("status") or {}).get("conditions") or [])
+    return _disruption(p) is not None
 
 
 def _replace_world(c: _Ctx, reason: str, msg: str, type_: Literal["Normal", "Warning"]) -> Decision:
@@ -501,6 +681,15 @@ def _after_removal(c: _Ctx, drain: dict[str, Any], problem: admission.Rejected |
         c.cond(conditions.READY, False, "Suspended", "spec.suspend is true; no pods run")
         c.events.append(Event("Normal", "Suspended", f"world {epoch} drained and removed"))
         return c.decision("Suspended")
+    wait = c.seconds_until("nextRestartAt") if drain.get("reason") == "Restart" else 0.0
+    if wait > 0:
+        at = c.status["nextRestartAt"]
+        c.patch["phase"] = RESCALING
+        c.cond(conditions.RESCALING, True, "BackingOff",
+               f"world {epoch} failed and is removed; world {epoch + 1} starts at {at} "
+               f"(back-off after restart {int(c.status.get('restarts') or 0)}, {c.budget()})")
+        c.cond(conditions.READY, False, "BackingOff", f"waiting until {at} before starting world {epoch + 1}")
+        return c.decision("BackingOff", requeue_s=min(wait, 30.0))
     target = c.job.replicas if problem is None else int(drain.get("targetReplicas") or 0)
     try:
         admission.check_replicas(c.job, target)
@@ -518,8 +707,9 @@ def _finish_start(c: _Ctx, drain: dict[str, Any]) -> Decision:
     epoch, replicas = int(c.epoch or 0), int(c.status.get("replicas") or 0)
     present = {_name(p) for p in c.world}
     job = dataclasses.replace(c.job, replicas=replicas)
-    create = [o for o in planning.world(job, epoch, c.owner, c.settings, c.resume_step)
-              if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
+    create = [] if c.creation_wait() > 0 else [
+        o for o in planning.world(job, epoch, c.owner, c.settings, c.resume_step)
+        if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     reason = {"Restart": "WorldRestarted", "Disrupted": "WorldRestarted", "Suspend": "Resumed",
               "WorldDrained": "WorldReplaced"}.get(drain.get("reason", ""), "RescaleComplete")
     msg = f"world {epoch} runs {replicas} replicas (worldSize {job.world_size})"
@@ -550,3 +740,66 @@ def rejected(
     events = [] if old and old.get("message") == str(problem) else [Event("Warning", "InvalidSpec", str(problem))]
     changed = {k: v for k, v in patch.items() if status.get(k) != v}
     return Decision(step="Invalid", status=changed, events=events, permanent_error=str(problem))
+
+
+@dataclasses.dataclass(frozen=True)
+class CreationFailure:
+    """The apiserver refused to create one object of the world (kube.create raised)."""
+
+    kind: str
+    name: str
+    status: int
+    """HTTP status; 0 when no answer came (a timeout, a refused connection)."""
+    reason: str
+    """The API Status reason (Forbidden, Invalid, ...), or NotOwned: an object of that name
+    exists and its controller is not this job."""
+    message: str
+
+
+def _reason_word(reason: str, status: int) -> str:
+    word = "".join(ch for ch in reason if ch.isalnum())
+    return word if word[:1].isalpha() else (f"HTTP{status}" if status else "NoAnswer")
+
+
+def creation_failed(
+    job: specs.JobSpec,
+    status: Mapping[str, Any],
+    failure: CreationFailure,
+    *,
+    settings: planning.Settings,
+    now: datetime.datetime,
+    generation: int | None = None,
+) -> Decision:
+    """What a refused creation does to the status (written by the caller; nothing is created).
+
+    A 422 means the object can never be created as built (for a pod: the template
+    is invalid for this cluster): the job fails. Anything else (quota, a webhook
+    or policy refusing it, a same-named object another controller owns, the
+    apiserver unreachable) is condition PodCreationFailed with the API's message,
+    and `decide` creates nothing until status.podCreation.retryAt (the restart
+    back-off, doubled per failed attempt).
+    """
+    c = _Ctx(job, status, [], planning.Owner(job.name, ""), settings, now, generation)
+    what = f"{failure.kind} {job.namespace}/{failure.name}"
+    epoch = int(c.epoch or 0)
+    if failure.status == 422:
+        msg = (f"the apiserver refuses {what} of world {epoch} as invalid: {failure.message}"
+               + ("; fix spec.trainer.template (a new StreamingJob can resume this one's checkpoints "
+                  "with spec.checkpoint.resumeFrom)" if failure.kind == "Pod" else ""))
+        c.cond(conditions.POD_CREATION_FAILED, True, "Invalid", msg)
+        return _fail(c, "InvalidPodTemplate" if failure.kind == "Pod" else "InvalidObject", msg)
+    failures = int((status.get("podCreation") or {}).get("failures") or 0) + 1
+    delay = settings.backoff_s(failures)
+    at = conditions.timestamp(now + datetime.timedelta(seconds=delay))
+    reason = _reason_word(failure.reason, failure.status)
+    if reason == "NotOwned":
+        msg = (f"{what} exists and is not controlled by this StreamingJob ({failure.message}): splitfeed never "
+               "overwrites, adopts or deletes it; delete or rename it, or give the job another name")
+    else:
+        msg = f"could not create {what} for world {epoch}: {reason}: {failure.message}"
+    msg += f"; retrying at {at} (attempt {failures + 1}, back-off {delay:g}s)"
+    c.patch["podCreation"] = {"failures": failures, "retryAt": at, "reason": reason, "object": what}
+    c.cond(conditions.POD_CREATION_FAILED, True, reason, msg)
+    c.cond(conditions.READY, False, "PodCreationFailed", msg)
+    c.events.append(Event("Warning", "PodCreationFailed", msg))
+    return c.decision("PodCreationFailed", requeue_s=min(max(delay, 0.5), 30.0))

@@ -6,15 +6,25 @@ server). The rules are `admission`'s, the same ones the reconciler re-checks
 before every reshape. An UPDATE is also judged against the old object
 (immutable order-defining fields; a scale or suspend needs spec.checkpoint.uri),
 and so is a scale: the guard where the CRD's CEL rules are absent.
+
+With a configured server (configs.Webhook) a job is also judged by the
+apiserver itself: a pod built from its template is created with dryRun=All, so
+the cluster's PodSpec validation (and admission, e.g. PodSecurity) refuses an
+invalid template before the job exists (a 422 is a refusal; other errors admit
+the job, whose reconcile reports them). Optionally the requester must be
+allowed to create pods in the namespace (a SubjectAccessReview).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import kopf
 
-from . import admission, planning
+from . import admission, kube, planning, redaction
+
+log = logging.getLogger(__name__)
 
 G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 
@@ -26,19 +36,50 @@ def register(registry: kopf.OperatorRegistry) -> None:
                      registry=registry)(validate_scale)
 
 
-def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operation: str | None = None,
-                 **_: Any) -> None:
+async def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operation: str | None = None,
+                       userinfo: Any = None, **_: Any) -> None:
     # Kopf's own metadata/status patches must pass even for a job admitted before the rules.
     if operation == "UPDATE" and old and old.get("spec") == body.get("spec"):
         return
     defaults = memo["ctx"].settings.sidecar_defaults
     try:
         if operation == "UPDATE" and old:
-            admission.review_update(old, body, defaults)
+            job = admission.review_update(old, body, defaults)
         else:
-            admission.review_job(body, defaults)
+            job = admission.review_job(body, defaults)
     except admission.Rejected as exc:
         raise kopf.AdmissionError(str(exc), code=422) from exc
+    config = memo.get("config")
+    hook = getattr(config, "webhook", None)
+    if hook is None:
+        return
+    client: kube.Kube = memo["ctx"].kube
+    if hook.check_pod_permission and isinstance(userinfo, dict) and userinfo.get("username"):
+        if not await client.may_create_pods(job.namespace, userinfo):
+            raise kopf.AdmissionError(
+                f"{userinfo.get('username')} may not create pods in namespace {job.namespace}: the operator "
+                "creates a StreamingJob's pods on its creator's behalf, so creating or changing one needs "
+                "that permission too", code=403)
+    changed_template = operation != "UPDATE" or not old or (
+        (old.get("spec") or {}).get("trainer") != (body.get("spec") or {}).get("trainer"))
+    if hook.dry_run_pods and changed_template:
+        await _dry_run(client, job, memo["ctx"].settings)
+
+
+async def _dry_run(client: kube.Kube, job: Any, settings: planning.Settings) -> None:
+    pod = planning.pod(job, 0, 0, planning.Owner(job.name, "dry-run"), settings)
+    meta = pod["metadata"]
+    meta.pop("ownerReferences", None)  # the job may not exist yet
+    meta["generateName"] = f"{meta.pop('name')}-dry-run-"  # never clashes with a running pod
+    try:
+        await client.dry_run_pod(pod)
+    except kube.KubeError as exc:
+        if exc.status == 422:
+            raise kopf.AdmissionError(
+                "rule 'spec.trainer.template makes a valid pod' failed: the apiserver refuses a pod built "
+                f"from it: {redaction.redact_text(exc.message)}", code=422) from exc
+        log.warning("%s/%s: dry-run of a pod not conclusive (%s); admitted", job.namespace, job.name,
+                    redaction.redact_text(str(exc)))
 
 
 async def validate_scale(body: kopf.Body, namespace: str | None, name: str | None,

@@ -34,6 +34,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "default": {},
     "single-namespace": {"watch": {"allNamespaces": False, "namespace": "ml-team"}},
     "single-namespace-release": {"watch": {"allNamespaces": False}},
+    "namespace-list": {"watch": {"allNamespaces": False, "namespaces": ["team-a", "team-b"]}},
+    "hardened-webhook": {"webhook": {"enabled": True, "caBundle": CA_BUNDLE, "certSecretName": "tls",
+                                     "checkPodPermission": True, "dryRunPods": False},
+                         "peering": {"enabled": True, "name": "splitfeed"}, "leaderElection": {"enabled": False},
+                         "failure": {"restartBackoffSeconds": 1, "restartBackoffMaxSeconds": 5, "stallTimeoutSeconds": 60}},
     "webhook": {"webhook": {"enabled": True, "caBundle": CA_BUNDLE, "certSecretName": "splitfeed-webhook-tls"}},
     "webhook-cert-manager": {"webhook": {"enabled": True, "certManager": {"enabled": True}}},
     "webhook-cert-manager-issuer": {
@@ -128,11 +133,12 @@ class TestValidity:
 
     @pytest.mark.parametrize("values", SCENARIO_PARAMS)
     def test_namespaced_objects_land_in_the_release_or_watched_namespace(self, values):
-        watched = values.get("watch", {}).get("namespace") or NAMESPACE
+        watch = values.get("watch", {})
+        watched = set(watch.get("namespaces") or [watch.get("namespace") or NAMESPACE])
         for obj in objects(values):
             namespace = obj["metadata"].get("namespace")
-            if obj["kind"] in {"Role", "RoleBinding"}:
-                assert namespace == watched
+            if obj["kind"] in {"Role", "RoleBinding"} and not obj["metadata"]["name"].endswith("-leader"):
+                assert namespace in watched
             elif obj["kind"] in CLUSTER_SCOPED:
                 assert namespace is None
             else:
@@ -206,7 +212,8 @@ class TestDeployment:
         assert c["command"] == ["splitfeed", "operator"]
         assert c["args"] == [
             "--liveness=http://0.0.0.0:8080/healthz", "--all-namespaces", "--sidecar-mode", "native",
-            "--standalone",
+            "--standalone", "--leader-elect", "--leader-election-lease", "splitfeed-operator",
+            "--restart-backoff", "10", "--restart-backoff-max", "360", "--stall-timeout", "900",
         ]
         assert c["image"] == "splitfeed:0.1.0"
 
@@ -221,6 +228,44 @@ class TestDeployment:
         args = container(objects(values))["args"]
         assert "--all-namespaces" not in args
         assert args[args.index("--namespace") + 1] == namespace
+
+    def test_a_list_of_namespaces_is_watched_each_through_its_own_role(self):
+        objs = objects(SCENARIOS["namespace-list"])
+        args = container(objs)["args"]
+        assert [args[i + 1] for i, a in enumerate(args) if a == "--namespace"] == ["team-a", "team-b"]
+        roles = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in of_kind(objs, "Role")}
+        assert roles == {("team-a", f"{RELEASE}-splitfeed"), ("team-b", f"{RELEASE}-splitfeed"),
+                         (NAMESPACE, f"{RELEASE}-splitfeed-leader")}
+        for binding in of_kind(objs, "RoleBinding"):
+            assert binding["roleRef"]["name"] in {name for _, name in roles}
+            assert binding["subjects"][0]["namespace"] == NAMESPACE
+        assert "team-a, team-b" in rendered(SCENARIOS["namespace-list"])["splitfeed/templates/NOTES.txt"]
+
+    def test_exactly_one_operator_is_active_through_a_lease_by_default(self):
+        args = container(objects())["args"]
+        assert "--leader-elect" in args
+        env = {e["name"]: e for e in container(objects())["env"]}
+        # commands.py takes the Lease's namespace from here: the release's.
+        assert env["SPLITFEED_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+        role = next(o for o in of_kind(objects(), "Role") if o["metadata"]["name"].endswith("-leader"))
+        assert role["metadata"]["namespace"] == NAMESPACE
+        assert "--leader-elect" not in container(objects({"leaderElection": {"enabled": False}}))["args"]
+        assert not [o for o in of_kind(objects({"leaderElection": {"enabled": False}}), "Role")]
+
+    def test_failure_policy_values_reach_the_operator(self):
+        args = container(objects(SCENARIOS["hardened-webhook"]))["args"]
+        assert [args[args.index(f) + 1] for f in ("--restart-backoff", "--restart-backoff-max", "--stall-timeout")] \
+            == ["1", "5", "60"]
+        assert "--webhook-check-pod-permission" in args and "--no-webhook-dry-run" in args
+        default = container(objects(SCENARIOS["webhook"]))["args"]
+        assert "--webhook-check-pod-permission" not in default and "--no-webhook-dry-run" not in default
+
+    @pytest.mark.parametrize("scenario, port", [("default", "healthz"), ("webhook", "webhook")])
+    def test_the_readiness_probe_is_the_webhook_port_when_there_is_one(self, scenario, port):
+        c = container(objects(SCENARIOS[scenario]))
+        probe = c["readinessProbe"]
+        assert (probe.get("tcpSocket") or probe.get("httpGet"))["port"] == port
+        assert any(p["name"] == port for p in c["ports"])
 
     def test_peering_is_opt_in(self):
         # One replica + Recreate never runs two operators; Kopf peering needs
@@ -303,28 +348,16 @@ def expand(group: str, resources: list[str], verbs: list[str]) -> set[tuple[str,
     return {(group, r, v) for r in resources for v in verbs}
 
 
-NAMESPACED = (
-    expand("splitfeed.io", ["streamingjobs"], ["get", "list", "watch", "patch", "update"])
-    | expand("splitfeed.io", ["streamingjobs/status", "streamingjobs/scale"], ["get", "patch", "update"])
-    | expand("", ["pods", "services", "configmaps"], ["get", "list", "watch", "create", "delete", "patch"])
-    | expand("", ["events"], ["create", "patch"])
-    | expand("kopf.dev", ["kopfpeerings"], ["get", "list", "watch", "patch"])
-)
-CRD_READ = expand("apiextensions.k8s.io", ["customresourcedefinitions"], ["get", "list", "watch"])
-CLUSTER_ONLY = expand("", ["namespaces"], ["list", "watch"]) | expand(
-    "kopf.dev", ["clusterkopfpeerings"], ["get", "list", "watch", "patch"])
-
-
 def rbac(objs: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     return (o for o in objs if o["kind"] in {"Role", "ClusterRole"})
 
 
 class TestRBAC:
-    def test_cluster_mode_grants_exactly_what_the_operator_needs_cluster_wide(self):
+    # What is granted is derived from the code in tests/chart/test_rbac.py; here, how.
+    def test_cluster_mode_binds_one_cluster_role(self):
         objs = objects()
-        assert of_kind(objs, "Role") == [] and of_kind(objs, "RoleBinding") == []
+        assert [o["metadata"]["name"] for o in of_kind(objs, "Role")] == [f"{RELEASE}-splitfeed-leader"]
         role = one(objs, "ClusterRole")
-        assert grants(role["rules"]) == NAMESPACED | CRD_READ | CLUSTER_ONLY
         binding = one(objs, "ClusterRoleBinding")
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                       "name": role["metadata"]["name"]}
@@ -333,12 +366,13 @@ class TestRBAC:
 
     def test_single_namespace_mode_uses_a_role_and_reads_only_crds_cluster_wide(self):
         objs = objects(SCENARIOS["single-namespace"])
-        role = one(objs, "Role")
+        role = next(r for r in of_kind(objs, "Role") if not r["metadata"]["name"].endswith("-leader"))
         assert role["metadata"]["namespace"] == "ml-team"
-        assert grants(role["rules"]) == NAMESPACED
-        assert grants(one(objs, "ClusterRole")["rules"]) == CRD_READ
-        binding = one(objs, "RoleBinding")
-        assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert grants(one(objs, "ClusterRole")["rules"]) == {
+            ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+            ("apiextensions.k8s.io", "customresourcedefinitions", "watch")}
+        binding = next(b for b in of_kind(objs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"])
+        assert binding["roleRef"]["kind"] == "Role" and binding["metadata"]["namespace"] == "ml-team"
         assert binding["subjects"][0]["namespace"] == NAMESPACE
         assert one(objs, "ClusterRoleBinding")["roleRef"]["name"] == one(objs, "ClusterRole")["metadata"]["name"]
 
@@ -449,8 +483,12 @@ class TestWebhook:
     def test_single_namespace_mode_limits_the_webhook_to_that_namespace(self):
         hooks = one(objects(SCENARIOS["everything"]), "ValidatingWebhookConfiguration")["webhooks"]
         for hook in hooks:
-            assert hook["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ml-team"}}
+            assert hook["namespaceSelector"] == {"matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["ml-team"]}]}
             assert hook["failurePolicy"] == "Ignore"
+        several = {"webhook": SCENARIOS["webhook"]["webhook"], "watch": SCENARIOS["namespace-list"]["watch"]}
+        for hook in one(objects(several), "ValidatingWebhookConfiguration")["webhooks"]:
+            assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == ["team-a", "team-b"]
 
     @pytest.mark.parametrize(
         "webhook",
@@ -522,6 +560,10 @@ class TestValues:
             pytest.param({"crds": {"enable": True}}, "enable", id="typo"),
             pytest.param({"sidcar": {}}, "sidcar", id="unknown-top-level"),
             pytest.param({"peering": {"enabled": True, "name": ""}}, "/peering/name", id="peering-name"),
+            pytest.param({"watch": {"namespaces": ["Team_A"]}}, "/watch/namespaces/0", id="namespace-list-name"),
+            pytest.param({"leaderElection": {"enabled": "yes"}}, "/leaderElection/enabled", id="leader"),
+            pytest.param({"failure": {"restartBackoffSeconds": -1}}, "/failure/restartBackoffSeconds",
+                         id="negative-backoff"),
         ],
     )
     def test_the_schema_rejects_bad_values(self, values, words):

@@ -294,3 +294,166 @@ async def test_the_webhooks_refuse_order_changes_and_stops_without_a_store(clust
 
         denied = await post("scale", review(scale(6), operation="UPDATE", old=scale(4), sub_resource="scale"))
         assert not denied["allowed"] and "set spec.checkpoint.uri" in denied["status"]["message"]
+
+
+# --- bounds: the CRD's maxima, applied again here ----------------------------------------
+
+def crd_spec_schema() -> dict:
+    import pathlib
+
+    import yaml
+
+    crd = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "crds" / "streamingjob.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def at(schema: dict, field: str) -> dict:
+    node = schema
+    for key in field.split(".")[1:]:
+        node = node["properties"][key]
+    return node
+
+
+def test_the_crd_has_exactly_the_admission_maxima():
+    schema = crd_spec_schema()
+    found = {}
+
+    def walk(node: dict, path: str) -> None:
+        if "maximum" in node:
+            found[path] = node["maximum"]
+        for key, child in (node.get("properties") or {}).items():
+            walk(child, f"{path}.{key}")
+    walk(schema, "spec")
+    assert found == admission.MAXIMA
+
+
+def with_field(m: dict, field: str, value: int) -> dict:
+    node = m
+    for key in field.split(".")[:-1]:
+        node = node.setdefault(key, {})
+    node[field.split(".")[-1]] = value
+    return m
+
+
+@pytest.mark.parametrize("field", sorted(admission.MAXIMA))
+def test_each_maximum_is_admitted_and_one_more_is_refused_by_name(field):
+    limit = admission.MAXIMA[field]
+    job = admission.parse(with_field(manifest(), field, limit))
+    admission.check_limits(job)
+    with pytest.raises(admission.Rejected) as info:
+        admission.check_limits(admission.parse(with_field(manifest(), field, limit + 1)))
+    assert info.value.rule == f"{field} <= {limit}"
+    assert f"{field}={limit + 1} is over {limit}" in str(info.value)
+
+
+def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
+    """A complexity check, not a benchmark: the old walk over every replica count took seconds."""
+    import time
+
+    from splitfeed.operator import planning, rescaling
+    from tests.operator.builders import OWNER, T0
+
+    n = admission.MAXIMA["spec.data.numSplits"]
+    m = manifest(replicas=10)
+    m["spec"]["data"].update(numSplits=n, globalBatchSize=n * 8)
+    start = time.perf_counter()
+    job = admission.review_job(m)
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_scale(m, 7)  # the rejection lists every valid count
+    d = rescaling.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.5, f"{elapsed:.2f}s"
+    assert info.value.allowed[:4] == [1, 2, 4, 5] and len(info.value.allowed) == 49
+    assert d.status["allowedReplicas"] == info.value.allowed and len([o for o in d.create if o["kind"] == "Pod"]) == 10
+
+
+# --- credentials stay in the Secret ---------------------------------------------------------
+
+@pytest.mark.parametrize("key", [
+    "aws_secret_access_key", "aws_access_key_id", "AWS_SESSION_TOKEN", "azure_storage_account_key",
+    "azure_storage_sas_key", "azure_client_secret", "google_service_account_key", "bearer_token",
+    "password", "db_passwd", "my_api_key", "private_key",
+])
+def test_storage_options_that_look_like_credentials_are_refused_pointing_at_the_secret(key):
+    m = manifest()
+    m["spec"]["data"]["storageOptions"] = {"region": "us-east-1", key: "hunter2"}
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_job(m)
+    message = str(info.value)
+    assert info.value.rule == "spec.data.storageOptions holds no credentials"
+    assert key in message and "spec.data.storageOptionsSecret" in message and "s3-creds" in message
+    assert "hunter2" not in message
+
+
+@pytest.mark.parametrize("key", ["region", "aws_region", "endpoint", "aws_endpoint", "allow_http",
+                                 "virtual_hosted_style_request", "azure_storage_account_name", "timeout"])
+def test_plain_storage_options_are_admitted(key):
+    m = manifest()
+    m["spec"]["data"]["storageOptions"] = {key: "x"}
+    admission.review_job(m)
+
+
+def test_a_uri_with_credentials_never_appears_in_a_rejection():
+    old, new = manifest(), manifest()
+    old["spec"]["data"]["uri"] = "s3://AKIAOLD:oldsecret@bucket/db"
+    new["spec"]["data"]["uri"] = "https://host/db?sig=newsecret&sv=1"
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_update(old, new)
+    message = str(info.value)
+    assert "data.uri is immutable" in message
+    assert "oldsecret" not in message and "newsecret" not in message and "AKIAOLD" not in message
+    assert "s3://***@bucket/db" in message and "https://host/db?sig=***&sv=***" in message
+
+
+# --- the template: a shape the operator can build from, no access to the sidecar's volumes --
+
+def template_with(mutate) -> dict:
+    m = manifest()
+    mutate(m["spec"]["trainer"]["template"])
+    return m
+
+
+MALFORMED = {
+    "containers-not-a-list": lambda t: t["spec"].update(containers={"name": "trainer"}),
+    "container-not-a-mapping": lambda t: t["spec"]["containers"].append("sidecar"),
+    "container-without-name": lambda t: t["spec"]["containers"].append({"image": "x"}),
+    "env-item-a-string": lambda t: t["spec"]["containers"][0].update(env=["A=1"]),
+    "mount-without-path": lambda t: t["spec"]["containers"][0].update(volumeMounts=[{"name": "x"}]),
+    "volumes-a-mapping": lambda t: t["spec"].update(volumes={"x": {}}),
+    "volume-without-name": lambda t: t["spec"].update(volumes=[{"emptyDir": {}}]),
+    "labels-not-strings": lambda t: t["metadata"].update(labels={"tier": 1}),
+    "metadata-a-list": lambda t: t.update(metadata=["x"]),
+    "spec-a-string": lambda t: t.update(spec="pod"),
+    "init-containers-a-string": lambda t: t["spec"].update(initContainers="fetch"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_template_is_rejected_and_the_reconciler_says_so_without_crashing(case):
+    from splitfeed.operator import planning, rescaling
+    from tests.operator.builders import OWNER, T0
+
+    m = template_with(MALFORMED[case])
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_job(m)
+    assert "spec.trainer.template" in str(info.value)
+    job = admission.parse(m)
+    d = rescaling.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
+    assert d.permanent_error and not d.create
+    (validated,) = [c for c in d.status["conditions"] if c["type"] == "Validated"]
+    assert validated["reason"] == "InvalidSpec" and "spec.trainer.template" in validated["message"]
+
+
+@pytest.mark.parametrize("volume", ["splitfeed-storage", "splitfeed-config", "splitfeed-podinfo", "splitfeed-shm"])
+@pytest.mark.parametrize("where", ["containers", "initContainers"])
+def test_no_template_container_may_mount_the_sidecars_volumes(volume, where):
+    def mutate(t):
+        spec = t["spec"]
+        c = spec["containers"][0] if where == "containers" else {"name": "peek", "image": "x"}
+        c["volumeMounts"] = [{"name": volume, "mountPath": "/steal"}]
+        if where == "initContainers":
+            spec["initContainers"] = [c]
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_job(template_with(mutate))
+    assert info.value.rule == "the template's containers mount none of the sidecar's volumes"
+    assert volume in str(info.value)

@@ -22,7 +22,7 @@ import kubernetes
 import pytest
 import pytest_asyncio
 
-from splitfeed.operator import configs, handlers, kube, reconciling, webhooks  # noqa: F401 (handlers registers)
+from splitfeed.operator import configs, handlers, kube, planning, reconciling, webhooks  # noqa: F401 (handlers registers)
 from tests.operator.builders import manifest
 
 JOBS = "splitfeed.io/v1alpha1/streamingjobs"
@@ -53,6 +53,7 @@ async def cluster(kmock: Any) -> AsyncIterator[Any]:
     kmock.resources["kopf.dev/v1/kopfpeerings"] = {"namespaced": True, "kind": "KopfPeering"}
     for plural, kind in [("pods", "Pod"), ("services", "Service"), ("configmaps", "ConfigMap")]:
         kmock.resources[f"v1/{plural}"] = {"namespaced": True, "kind": kind}
+    kmock.resources["policy/v1/poddisruptionbudgets"] = {"namespaced": True, "kind": "PodDisruptionBudget"}
     kmock.resources[JOBS] = {"namespaced": True, "kind": "StreamingJob", "singular": "streamingjob",
                              "subresources": ["status", "scale"], "verbs": [
                                  "get", "list", "watch", "create", "update", "patch", "delete"]}
@@ -66,7 +67,8 @@ async def running_operator(kmock: Any, settings: kopf.OperatorSettings | None = 
     client = kube.Kube(kubernetes.client.ApiClient(config))
     stop = asyncio.Event()
     vault = Vault({"kmock": kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"))})
-    memo = kopf.Memo(config=configs.OperatorConfig(peering=None), kube=client)
+    memo = kopf.Memo(config=configs.OperatorConfig(peering=None, planning=planning.Settings(restart_backoff_s=0.2)),
+                     kube=client)
     if registry is not None:  # no startup handler there to build the context
         memo["ctx"] = reconciling.Context(kube=client, settings=memo["config"].planning)
     task = asyncio.create_task(kopf.operator(
@@ -127,6 +129,8 @@ async def test_a_job_gets_its_world_and_a_scale_walks_to_a_new_epoch(cluster, po
         assert sorted(pods_of(cluster)) == ["resnet-w0-0", "resnet-w0-1"]
         assert not cluster.objects["v1/configmaps", "ns", "resnet-data"].deleted
         assert not cluster.objects["v1/services", "ns", "resnet"].deleted
+        budget = cluster.objects["policy/v1/poddisruptionbudgets", "ns", "resnet"].raw
+        assert budget["spec"]["minAvailable"] == 1
         status = job_of(cluster)["status"]
         assert status["phase"] == "Running" and status["worldEpoch"] == 0
         assert status["selector"] == "splitfeed.io/job=resnet"

@@ -142,9 +142,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                     raise AssertionError(f"operator exited {proc.returncode}:\n{e.operator_log()}")
                 with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=2) as r:
                     return r.status == 200
-            wait_for(lambda: live(), 60, "the operator's liveness endpoint")
-            wait_for(lambda: "/scale" in cp.kubectl("get", "validatingwebhookconfiguration", "splitfeed.io",
-                                                    "-o", "json").stdout, 60, "Kopf's webhook configuration")
+            try:
+                wait_for(lambda: live(), 60, "the operator's liveness endpoint")
+                wait_for(lambda: "/scale" in cp.kubectl("get", "validatingwebhookconfiguration", "splitfeed.io",
+                                                        "-o", "json").stdout, 60, "Kopf's webhook configuration")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\noperator log:\n{e.operator_log()}") from None
             yield e
         finally:
             proc.send_signal(signal.SIGTERM)

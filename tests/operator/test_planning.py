@@ -9,10 +9,39 @@ import pytest
 
 from splitfeed.operator import planning
 from splitfeed.trainer_client import specs
+from tests.operator import pss
 from tests.operator.builders import OWNER, manifest
 
 NATIVE = planning.Settings()
 CONTAINER = planning.Settings(sidecar_mode="container")
+
+
+@pytest.fixture(autouse=True)
+def every_built_pod_is_restricted_when_its_template_is(monkeypatch):
+    """Checked on every pod any test here builds: the sidecar never breaks the restricted
+    profile, so a pod breaks it only where its template does."""
+    build = planning.pod
+
+    def checked(job, *args, **kwargs):
+        pod = build(job, *args, **kwargs)
+        broken = pss.violations(pod)
+        template = {"spec": job.trainer.template.get("spec") or {}}
+        if (template["spec"].get("securityContext") or {}).get("runAsUser") != 0:  # root is the template's choice
+            assert not [v for v in broken if v.startswith(planning.SIDECAR_NAME)], broken
+        if not pss.violations(template):
+            assert broken == [], broken
+        return pod
+
+    monkeypatch.setattr(planning, "pod", checked)
+
+
+def restricted_manifest(**spec):
+    m = manifest(**spec)
+    tpl = m["spec"]["trainer"]["template"]["spec"]
+    tpl["securityContext"] = dict(pss.RESTRICTED_POD_SECURITY)
+    for c in tpl["containers"]:
+        c["securityContext"] = dict(pss.RESTRICTED_CONTAINER_SECURITY)
+    return m
 
 
 def job(**spec):
@@ -30,11 +59,16 @@ def containers(pod):
 
 @pytest.mark.parametrize("settings", [NATIVE, CONTAINER], ids=["native", "container"])
 @pytest.mark.parametrize("gpus", [1, 2])
-def test_every_object_of_a_world_is_valid_for_kubernetes_1_30(settings, gpus):
-    objs = planning.world(job(gpusPerReplica=gpus, replicas=2), 3, OWNER, settings)
-    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Pod", "Pod"]
+@pytest.mark.parametrize("restricted", [False, True], ids=["plain", "restricted"])
+def test_every_object_of_a_world_is_valid_for_kubernetes_1_30(settings, gpus, restricted):
+    spec = {"gpusPerReplica": gpus, "replicas": 2}
+    j = specs.parse_job(restricted_manifest(**spec) if restricted else manifest(**spec))
+    objs = planning.world(j, 3, OWNER, settings)
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "PodDisruptionBudget", "Pod", "Pod"]
     for obj in objs:
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
+        if obj["kind"] == "Pod":
+            assert (pss.violations(obj) == []) is restricted
 
 
 def test_pods_are_named_by_job_world_and_replica_and_labelled_so():
@@ -242,3 +276,65 @@ def test_building_does_not_mutate_the_template():
 
 def test_selector_string():
     assert planning.selector_string("resnet") == "splitfeed.io/job=resnet"
+
+
+# --- security: the sidecar is "restricted"; the trainer gets nothing of it ------------------
+
+@pytest.mark.parametrize("settings", [NATIVE, CONTAINER], ids=["native", "container"])
+def test_the_sidecar_runs_with_the_restricted_security_context(settings):
+    side = containers(planning.pod(job(), 0, 0, OWNER, settings))["splitfeed-sidecar"]
+    assert side["securityContext"] == {
+        "runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert "runAsUser" not in side["securityContext"]  # the pod's user or the image's: the ring is shared
+
+
+def test_a_restricted_template_gives_restricted_pods_and_a_plain_one_is_flagged_only_for_its_own_parts():
+    pod = planning.pod(specs.parse_job(restricted_manifest()), 0, 0, OWNER, NATIVE)
+    assert pss.violations(pod) == []
+    plain = pss.violations(planning.pod(job(), 0, 0, OWNER, NATIVE))
+    assert plain and all(v.startswith(("trainer:", "pod:")) for v in plain), plain
+
+
+def test_a_template_that_runs_the_pod_as_root_does_not_stop_the_sidecar_from_starting():
+    m = manifest()
+    m["spec"]["trainer"]["template"]["spec"]["securityContext"] = {"runAsUser": 0}
+    side = containers(planning.pod(specs.parse_job(m), 0, 0, OWNER, NATIVE))["splitfeed-sidecar"]
+    assert "runAsNonRoot" not in side["securityContext"]
+    assert side["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_the_checker_catches_what_the_restricted_profile_forbids():
+    base = planning.pod(specs.parse_job(restricted_manifest()), 0, 0, OWNER, NATIVE)
+    for mutate, rule in [
+        (lambda p: p["spec"].update(hostNetwork=True), "pod: hostNetwork"),
+        (lambda p: p["spec"]["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "pod: volume h"),
+        (lambda p: p["spec"]["containers"][0]["securityContext"].update(privileged=True), "trainer: privileged"),
+        (lambda p: p["spec"]["containers"][0]["securityContext"].pop("allowPrivilegeEscalation"),
+         "trainer: allowPrivilegeEscalation"),
+        (lambda p: p["spec"]["containers"][0]["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
+         "trainer: capabilities.add"),
+        (lambda p: p["spec"]["securityContext"].update(runAsUser=0), "pod: runAsUser 0"),
+        (lambda p: p["spec"]["securityContext"].pop("seccompProfile"), "trainer: seccompProfile unset"),
+    ]:
+        pod = json.loads(json.dumps(base))
+        mutate(pod)
+        assert any(v.startswith(rule) for v in pss.violations(pod)), rule
+
+
+def test_the_disruption_budget_lets_one_eviction_drain_the_current_world():
+    j = job(replicas=4)
+    pdb = planning.disruption_budget(j, 6, OWNER)
+    kubernetes_validate.validate(pdb, "1.30.0", strict=True)
+    assert pdb["metadata"]["name"] == "resnet" and pdb["metadata"]["ownerReferences"] == [OWNER.reference()]
+    assert pdb["spec"] == {"minAvailable": 3, "unhealthyPodEvictionPolicy": "AlwaysAllow", "selector": {
+        "matchLabels": {"splitfeed.io/job": "resnet", "splitfeed.io/world-epoch": "6"}}}
+    pods = [o for o in planning.world(j, 6, OWNER, NATIVE) if o["kind"] == "Pod"]
+    assert all(pdb["spec"]["selector"]["matchLabels"].items() <= p["metadata"]["labels"].items() for p in pods)
+    assert planning.disruption_budget(job(replicas=1), 0, OWNER)["spec"]["minAvailable"] == 0
+
+
+def test_controller_uid_reads_the_controlling_owner_reference():
+    assert planning.controller_uid(planning.config_map(job(), OWNER)) == "uid-1"
+    assert planning.controller_uid({"metadata": {"ownerReferences": [{"uid": "x", "controller": False}]}}) is None
+    assert planning.controller_uid({"metadata": {}}) is None

@@ -15,6 +15,29 @@ from tests.operator.builders import OWNER, T0, manifest
 SETTINGS = planning.Settings()
 
 
+def _status_schema() -> dict:
+    import pathlib
+
+    import yaml
+
+    crd = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "crds" / "streamingjob.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+
+
+STATUS_SCHEMA = _status_schema()
+
+
+def assert_declared(value, schema: dict, path: str = "status") -> None:
+    """Every field the operator writes is in the CRD's status schema (the apiserver prunes the rest)."""
+    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return
+    props = schema.get("properties")
+    assert props is not None, f"{path} has no declared fields"
+    for key, child in value.items():
+        assert key in props, f"{path}.{key} is not in the CRD: the apiserver would prune it"
+        assert_declared(child, props[key], f"{path}.{key}")
+
+
 def merge(target: dict, patch: dict) -> dict:
     out = copy.deepcopy(target)
     for k, v in patch.items():
@@ -50,6 +73,7 @@ class Cluster:
     def step(self, *, act: bool = True) -> rescaling.Decision:
         d = self.decide()
         self.log.append(d)
+        assert_declared(d.status, STATUS_SCHEMA)
         self.status = merge(self.status, d.status)
         if self.prune:
             self.status.pop("drain", None)
@@ -81,6 +105,12 @@ class Cluster:
     def scale(self, n: int) -> None:
         self.manifest["spec"]["replicas"] = n
 
+    def past_backoff(self) -> "Cluster":
+        """Move the clock to status.nextRestartAt, when the next world may start."""
+        if self.status.get("nextRestartAt"):
+            self.now = max(self.now, datetime.datetime.fromisoformat(self.status["nextRestartAt"].replace("Z", "+00:00")))
+        return self
+
     def running(self) -> "Cluster":
         self.step()
         assert self.status["phase"] == "Running"
@@ -98,7 +128,7 @@ def test_first_world_is_epoch_zero_with_all_objects():
     assert c.status["phase"] == "Running" and c.status["worldEpoch"] == 0
     assert (c.status["replicas"], c.status["worldSize"]) == (4, 4)
     assert sorted(c.pods) == [f"resnet-w0-{i}" for i in range(4)]
-    assert set(c.others) == {"ConfigMap/resnet-data", "Service/resnet"}
+    assert set(c.others) == {"ConfigMap/resnet-data", "Service/resnet", "PodDisruptionBudget/resnet"}
     assert c.status["allowedReplicas"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
     assert c.status["selector"] == "splitfeed.io/job=resnet"
     assert c.reason("Validated") == "Valid"
@@ -329,9 +359,12 @@ def test_a_failed_pod_restarts_the_whole_world_and_counts_it():
     assert d.step == "RemovingOldWorld" and c.status["restarts"] == 1
     assert d.events[0].type == "Warning" and "resnet-w0-2 failed" in d.events[0].message
     assert not c.pods
+    assert c.step().step == "BackingOff" and c.reason() == "BackingOff"
+    assert c.status["nextRestartAt"] == "2026-01-01T12:00:10Z" and "not before 2026-01-01T12:00:10Z" in d.events[0].message
+    c.past_backoff()
     c.step(), c.step()
     assert c.status["worldEpoch"] == 1 and c.status["phase"] == "Running" and len(c.pods) == 4
-    assert c.reason() == "WorldRestarted"
+    assert c.reason() == "WorldRestarted" and "nextRestartAt" not in c.status
 
 
 def test_a_vanished_pod_of_a_started_world_is_a_failure():
@@ -414,7 +447,8 @@ def test_a_permanent_data_error_fails_the_job_without_spending_the_restart_budge
 def test_the_restart_budget_ends_in_failed_with_the_reason():
     c = Cluster(maxRestarts=1).running()
     c.set_phase("Failed", "resnet-w0-0")
-    c.step(), c.step(), c.step()
+    c.step(), c.step()
+    c.past_backoff().step(), c.step()
     c.set_phase("Running")
     report = {"globalStep": 7, "epoch": 0, "step": 7, "lastCheckpoint": None, "drained": False,
               "error": "table has 10 rows < numSplits 48"}
@@ -631,7 +665,7 @@ def test_a_world_failure_clears_the_resume_step():
     d = c.step()
     assert d.step == "RemovingOldWorld" and c.status["restarts"] == 1
     assert d.status["resumeStep"] is None and "resumeStep" not in c.status
-    c.step()
+    c.past_backoff().step()
     assert c.status["worldEpoch"] == 2
     assert {sidecar_env(p)["SPLITFEED_RESUME"] for p in c.pods.values()} == {"latest"}
     assert not any("SPLITFEED_RESUME_STEP" in sidecar_env(p) for p in c.pods.values())
@@ -742,3 +776,238 @@ def test_notify_waits_for_replica_zeros_ip_and_brackets_ipv6():
     assert c.step().notify is None  # replica 0 has no IP yet: the annotation alone
     with_ip(c, "resnet-w0-0", "fd00::5")
     assert c.step().notify == ("tcp://[fd00::5]:29501", "suspend-w0", "suspend")
+
+
+# --- failure policy: back-off, disruptions, in-place restarts (issue #9) ----------------------
+
+def fail_and_restart(c: Cluster, pod: str) -> rescaling.Decision:
+    c.set_phase("Running")
+    c.set_phase("Failed", pod)
+    d = c.step()
+    assert d.step == "RemovingOldWorld"
+    return d
+
+
+def test_each_counted_restart_doubles_the_back_off_up_to_the_cap():
+    c = Cluster(maxRestarts=10)
+    c.manifest["spec"]["maxRestarts"] = 10
+    c.running()
+    waits = []
+    for world in range(6):
+        fail_and_restart(c, f"resnet-w{world}-0")
+        at = datetime.datetime.fromisoformat(c.status["nextRestartAt"].replace("Z", "+00:00"))
+        waits.append((at - c.now).total_seconds())
+        assert c.step().step == "BackingOff"
+        c.now = at - datetime.timedelta(seconds=1)
+        assert c.step().step == "BackingOff" and not c.pods  # nothing starts early
+        c.past_backoff()
+        c.step(), c.step()
+        assert c.status["worldEpoch"] == world + 1 and "nextRestartAt" not in c.status
+    assert waits == [10, 20, 40, 80, 160, 320]
+    assert planning.Settings().backoff_s(7) == 360 and planning.Settings(restart_backoff_s=0).backoff_s(3) == 0
+
+
+def test_a_suspend_during_the_back_off_suspends_at_once():
+    c = Cluster().running()
+    fail_and_restart(c, "resnet-w0-1")
+    assert c.step().step == "BackingOff"
+    c.manifest["spec"]["suspend"] = True
+    c.step()
+    assert c.status["phase"] == "Suspended" and not c.pods
+
+
+def disrupt(c: Cluster, pod: str, reason: str = "EvictionByEvictionAPI") -> None:
+    c.pods[pod]["status"].setdefault("conditions", []).append(
+        {"type": "DisruptionTarget", "status": "True", "reason": reason})
+
+
+def test_one_disrupted_pod_makes_the_whole_world_failure_uncounted_and_undelayed():
+    """One lost rank takes its DDP peers down: the peers fail without the condition."""
+    c = Cluster(maxRestarts=0).running()
+    c.set_phase("Failed", "resnet-w0-1", "resnet-w0-2")
+    disrupt(c, "resnet-w0-1", "PreemptionByScheduler")
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and "restarts" not in c.status and "nextRestartAt" not in c.status
+    assert [e.reason for e in d.events] == ["WorldDisrupted"] and "PreemptionByScheduler" in d.events[0].message
+    c.step(), c.step()
+    assert (c.status["phase"], c.status["worldEpoch"]) == ("Running", 1)
+
+
+def test_a_disruption_seen_while_the_pod_runs_covers_the_pod_vanishing_later():
+    c = Cluster(maxRestarts=0).running()
+    disrupt(c, "resnet-w0-3", "TerminationByKubelet")  # being evicted: still running, then gone
+    d = c.step()
+    assert d.status["lastDisruption"] == {"worldEpoch": 0, "pod": "resnet-w0-3", "reason": "TerminationByKubelet",
+                                          "time": "2026-01-01T12:00:00Z"}
+    assert c.step().status == {}  # recorded once
+    del c.pods["resnet-w0-3"]
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and "restarts" not in c.status
+    assert "disrupted by the cluster (resnet-w0-3: TerminationByKubelet)" in d.events[0].message
+    c.step(), c.step()
+    assert c.status["worldEpoch"] == 1
+    c.set_phase("Running")
+    del c.pods["resnet-w1-0"]  # the record is world 0's: a loss in world 1 counts
+    c.step()
+    assert c.status["phase"] == "Failed" and c.reason("Failed") == "RestartLimitExceeded"
+
+
+def restart_in_place(c: Cluster, pod: str, container: str = "trainer", count: int = 1) -> None:
+    statuses = c.pods[pod]["status"].setdefault("containerStatuses", [])
+    for cs in statuses:
+        if cs["name"] == container:
+            cs["restartCount"] = count
+            return
+    statuses.append({"name": container, "restartCount": count, "state": {"running": {}}})
+
+
+def test_in_place_container_restarts_spend_the_budget_once_each_and_then_fail_the_job():
+    c = Cluster(maxRestarts=2).running()
+    restart_in_place(c, "resnet-w0-1")
+    d = c.step()
+    assert c.status["containerRestarts"] == 1 and "restarts" not in c.status
+    assert c.status["observedContainerRestarts"] == {"worldEpoch": 0, "count": 1}
+    assert [e.reason for e in d.events] == ["ContainerRestarted"] and "resnet-w0-1/trainer (1)" in d.events[0].message
+    assert c.step().status == {}  # the same restartCount is not counted twice
+    restart_in_place(c, "resnet-w0-3", "splitfeed-sidecar")
+    c.step()
+    assert c.status["containerRestarts"] == 2 and c.status["phase"] == "Running"
+    restart_in_place(c, "resnet-w0-1", count=2)
+    d = c.step()
+    assert c.status["phase"] == "Failed" and c.reason("Failed") == "RestartLimitExceeded"
+    assert "3/2 restarts, 3 of them in-place container restarts" in d.events[0].message
+    assert sorted(d.delete) == [f"resnet-w0-{i}" for i in range(4)]
+
+
+def test_in_place_restarts_and_world_restarts_share_one_budget():
+    c = Cluster(maxRestarts=2).running()
+    restart_in_place(c, "resnet-w0-0")
+    c.step()
+    fail_and_restart(c, "resnet-w0-2")
+    assert (c.status["restarts"], c.status["containerRestarts"]) == (1, 1)
+    c.step()
+    c.past_backoff().step(), c.step()
+    c.set_phase("Running")
+    c.step()
+    assert c.status["worldEpoch"] == 1 and c.status["phase"] == "Running"  # new world: restartCounts from 0
+    c.set_phase("Failed", "resnet-w1-0")
+    c.step()
+    assert c.status["phase"] == "Failed" and "2/2 restarts" in c.status["conditions"][-1]["message"]
+
+
+# --- objects the apiserver refuses to create --------------------------------------------------
+
+def refused(c: Cluster, status: int, reason: str, message: str, kind: str = "Pod",
+            name: str = "resnet-w0-2") -> rescaling.Decision:
+    d = rescaling.creation_failed(c.job, c.status, rescaling.CreationFailure(kind, name, status, reason, message),
+                                  settings=SETTINGS, now=c.now, generation=1)
+    assert_declared(d.status, STATUS_SCHEMA)
+    c.status = merge(c.status, d.status)
+    return d
+
+
+def test_a_refused_pod_is_a_condition_with_the_apis_message_and_a_back_off():
+    c = Cluster()
+    c.step(act=False)  # status says world 0; the creation is refused by quota
+    d = refused(c, 403, "Forbidden", 'pods "resnet-w0-2" is forbidden: exceeded quota: gpu')
+    assert c.reason("PodCreationFailed") == "Forbidden" and c.reason("Ready") == "PodCreationFailed"
+    msg = [x for x in c.status["conditions"] if x["type"] == "PodCreationFailed"][0]["message"]
+    assert "exceeded quota: gpu" in msg and "retrying at 2026-01-01T12:00:10Z" in msg
+    assert [e.reason for e in d.events] == ["PodCreationFailed"] and c.status["podCreation"]["failures"] == 1
+    assert c.step().create == []  # nothing is created before retryAt
+    c.now += datetime.timedelta(seconds=10)
+    assert len([o for o in c.step(act=False).create if o["kind"] == "Pod"]) == 4  # retried: refused again
+    refused(c, 403, "Forbidden", "exceeded quota")
+    assert "back-off 20s" in [x for x in c.status["conditions"] if x["type"] == "PodCreationFailed"][0]["message"]
+    c.now += datetime.timedelta(seconds=19)
+    assert c.step().create == []
+    c.now += datetime.timedelta(seconds=1)
+    c.step()
+    assert len(c.pods) == 4 and c.reason("PodCreationFailed") == "Forbidden"
+    c.step()
+    assert c.reason("PodCreationFailed") == "Created" and "podCreation" not in c.status
+
+
+def test_a_pod_the_apiserver_calls_invalid_fails_the_job_and_removes_the_world():
+    c = Cluster().running()
+    c.scale(8)
+    c.step()
+    c.set_phase("Succeeded")
+    c.step(), c.step(act=False)  # world 1 recorded; its pods are refused
+    d = refused(c, 422, "Invalid", 'Pod "resnet-w1-0" is invalid: spec.containers[0].image: Required value',
+                name="resnet-w1-0")
+    assert c.status["phase"] == "Failed" and c.reason("Failed") == "InvalidPodTemplate"
+    assert "spec.containers[0].image: Required value" in d.events[0].message
+    assert rescaling.is_terminal(c.status)
+    c.pods["resnet-w1-3"] = merge(planning.pod(c.job, 1, 3, OWNER, SETTINGS), {"status": {"phase": "Pending"}})
+    assert c.step().delete == ["resnet-w1-3"]  # whatever was created goes
+
+
+def test_a_same_named_object_of_another_owner_is_reported_never_adopted():
+    c = Cluster()
+    c.step(act=False)
+    refused(c, 409, "NotOwned", "controller uid other-uid", kind="ConfigMap", name="resnet-data")
+    msg = [x for x in c.status["conditions"] if x["type"] == "PodCreationFailed"][0]["message"]
+    assert c.reason("PodCreationFailed") == "NotOwned"
+    assert "ConfigMap ns/resnet-data exists and is not controlled by this StreamingJob" in msg
+    assert "never overwrites, adopts or deletes it" in msg
+
+
+def test_pods_of_another_controller_are_never_deleted_or_counted():
+    c = Cluster().running()
+    stranger = copy.deepcopy(c.pods["resnet-w0-0"])
+    stranger["metadata"]["name"] = "resnet-w9-0"
+    stranger["metadata"]["labels"]["splitfeed.io/world-epoch"] = "9"
+    stranger["metadata"]["ownerReferences"][0]["uid"] = "someone-else"
+    c.pods["resnet-w9-0"] = stranger
+    c.pods["resnet-w0-1"]["metadata"]["ownerReferences"] = []  # orphaned: not ours any more
+    d = c.step()
+    assert "resnet-w9-0" not in d.delete
+    assert d.step == "RemovingOldWorld" and "pod resnet-w0-1 disappeared" in d.events[0].message
+
+
+# --- stalled worlds ----------------------------------------------------------------------
+
+def test_a_world_whose_pods_do_not_run_for_the_stall_timeout_is_stalled_naming_why():
+    c = Cluster()
+    c.step()
+    c.set_phase("Running", "resnet-w0-0", "resnet-w0-1", "resnet-w0-2")
+    c.pods["resnet-w0-3"]["status"] = {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}
+    c.now += datetime.timedelta(seconds=SETTINGS.stall_timeout_s - 1)
+    assert c.reason("Stalled") is None and c.step().events == []
+    c.now += datetime.timedelta(seconds=1)
+    d = c.step()
+    assert c.reason("Stalled") == "PodsNotRunning" and [e.reason for e in d.events] == ["Stalled"]
+    msg = d.events[0].message
+    assert "3/4 pods of world 0" in msg and "Insufficient nvidia.com/gpu" in msg and "resnet-w0-3" in msg
+    assert c.step().events == []  # one warning, not one per look
+    c.set_phase("Running")
+    c.step()
+    assert c.reason("Stalled") == "Progressing"
+    assert [x for x in c.status["conditions"] if x["type"] == "Stalled"][0]["status"] == "False"
+
+
+def test_a_crash_looping_container_is_named_in_the_stall():
+    c = Cluster()
+    c.step()
+    c.pods["resnet-w0-0"]["status"] = {"phase": "Pending", "containerStatuses": [
+        {"name": "trainer", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]}
+    c.now += datetime.timedelta(seconds=SETTINGS.stall_timeout_s)
+    c.step()
+    msg = [x for x in c.status["conditions"] if x["type"] == "Stalled"][0]["message"]
+    assert "resnet-w0-0: Pending, trainer ImagePullBackOff (Back-off pulling image)" in msg
+
+
+# --- credentials in URIs never reach events or conditions ---------------------------------------
+
+def test_a_sidecar_error_with_a_signed_uri_is_redacted_in_events_and_conditions():
+    c = Cluster(maxRestarts=0).running()
+    report = {"globalStep": 0, "error": "cannot open s3://AKIA:s3cr3t@bucket/db?X-Amz-Signature=abc", "permanent": True}
+    c.pods["resnet-w0-2"]["status"] = {"phase": "Failed", "initContainerStatuses": [
+        {"name": "splitfeed-sidecar", "state": {"terminated": {"exitCode": 2, "message": json.dumps(report)}}}]}
+    d = c.step()
+    blob = json.dumps(d.status) + json.dumps([e.message for e in d.events])
+    assert "s3cr3t" not in blob and "AKIA" not in blob and "abc" not in blob
+    assert "s3://***@bucket/db?X-Amz-Signature=***" in blob

@@ -107,8 +107,9 @@ class RecordingKube:
         self.calls: list[str] = []
         self.router = router
 
-    async def patch_job_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        self.calls.append("status")
+    async def patch_job_status(self, namespace: str, name: str, patch: dict[str, Any],
+                               resource_version: str | None = None) -> None:
+        self.calls.append(f"status@{resource_version}")
 
     async def create(self, obj: dict[str, Any]) -> bool:
         self.calls.append("create")
@@ -129,7 +130,8 @@ def test_the_reconciler_sends_a_decisions_notify_after_its_status_and_annotation
     d = rescaling.Decision(step="CheckpointRequested", status={"phase": "Rescaling"},
                            annotate={"resnet-w0-0": {"splitfeed.io/drain": "rescale-w0"}},
                            notify=(router.address, "rescale-w0", "rescale"))
-    asyncio.run(reconciling._apply(ctx, "ns", "resnet", d))
-    assert kube.calls == ["status", "annotate resnet-w0-0"]
+    body = {"metadata": {"namespace": "ns", "name": "resnet", "resourceVersion": "41"}}
+    asyncio.run(reconciling._apply(ctx, body, d, {}))
+    assert kube.calls == ["status@41", "annotate resnet-w0-0"]
     assert [(m["type"], m["token"], m["reason"]) for m in router.received] == [
         ("drain_request", "rescale-w0", "rescale")]

@@ -62,6 +62,16 @@ app.kubernetes.io/part-of: splitfeed
 {{- default .Release.Namespace .Values.watch.namespace }}
 {{- end }}
 
+{{/* The namespaces watched when allNamespaces is false, as a JSON list:
+watch.namespaces, else the one of splitfeed.watchNamespace. */}}
+{{- define "splitfeed.watchNamespaces" -}}
+{{- if .Values.watch.namespaces }}
+{{- toJson .Values.watch.namespaces }}
+{{- else }}
+{{- list (include "splitfeed.watchNamespace" .) | toJson }}
+{{- end }}
+{{- end }}
+
 {{- define "splitfeed.webhookServiceName" -}}
 {{- printf "%s-webhook" (include "splitfeed.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}

@@ -1,0 +1,195 @@
+"""The chart grants exactly what the operator uses: derived from the code, never pinned.
+
+What the operator needs comes from three places, all read here:
+- operator/kube.py, the only module of ours that calls the API: every client
+  method it names (`self.core.create_namespaced_pod`, ...) is a (group,
+  resource, verb), parsed from the source;
+- Kopf's own requests (watching, finalizers, events, peering): recorded from
+  the operator running against kmock through a job's life (create, rescale,
+  failure, success), with peering on;
+- planning's owner references: blockOwnerDeletion needs `update` on the
+  owner's finalizers subresource.
+The chart must grant the union (cluster-scoped kinds in the ClusterRole, the
+Lease in the leader Role, subjectaccessreviews only with
+webhook.checkPodPermission, kopf.dev only with peering) and nothing else.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import kubernetes
+import pytest
+from kopf._cogs.structs.credentials import Vault  # not exported; operator(vault=...) is public
+
+from splitfeed.operator import configs, handlers, kube, planning  # noqa: F401 (handlers registers)
+from splitfeed.trainer_client import specs
+from tests.chart.test_chart import SCENARIOS, grants, objects
+from tests.operator.builders import OWNER, manifest
+from tests.operator.test_kopf_emulated import PODS, add_job, cluster, job_of, phase, pods_of, until  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+Grant = tuple[str, str, str]
+API_GROUPS = {"core": "", "policy": "policy", "authorization": "authorization.k8s.io",
+              "coordination": "coordination.k8s.io", "custom": planning.GROUP}
+VERBS = {"read": "get", "get": "get", "list": "list", "create": "create", "patch": "patch", "delete": "delete",
+         "replace": "update"}
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings", "subjectaccessreviews"}
+
+
+def client_calls(path: Path) -> set[Grant]:
+    """(group, resource, verb) of every `self.<api>.<method>` the module names."""
+    found: set[Grant] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+                and node.value.attr in API_GROUPS):
+            m = re.fullmatch(r"(read|get|list|create|patch|delete|replace)_(?:namespaced_)?(\w+?)(_status)?", node.attr)
+            assert m, f"{path.name}: cannot tell the verb of {node.value.attr}.{node.attr}"
+            kind = m[2]
+            resource = planning.PLURAL if kind == "custom_object" else kind.replace("_", "") + "s"
+            found.add((API_GROUPS[node.value.attr], resource + ("/status" if m[3] else ""), VERBS[m[1]]))
+    return found
+
+
+def request_grant(method: str, path: str, params: Any) -> Grant | None:
+    """What RBAC checks for one recorded HTTP request; None for discovery."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:1] == ["api"]:
+        group, rest = "", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if not rest:
+        return None
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        rest = rest[2:]
+    resource, name = rest[0], (rest[1] if len(rest) > 1 else None)
+    if len(rest) > 2:
+        resource += "/" + rest[2]
+    if method == "GET":
+        verb = "get" if name else ("watch" if str(params.get("watch", "")).lower() in ("true", "1") else "list")
+    else:
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+    return group, resource, verb
+
+
+@contextlib.asynccontextmanager
+async def operator_with_peering(kmock: Any) -> AsyncIterator[None]:
+    config = kubernetes.client.Configuration(host=str(kmock.url).rstrip("/"))
+    client = kube.Kube(kubernetes.client.ApiClient(config))
+    stop = asyncio.Event()
+    vault = Vault({"kmock": kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"))})
+    memo = kopf.Memo(config=configs.OperatorConfig(planning=planning.Settings(restart_backoff_s=0.2)), kube=client)
+    task = asyncio.create_task(kopf.operator(clusterwide=True, standalone=False, peering_name="splitfeed",
+                                             vault=vault, stop_flag=stop, memo=memo))
+    try:
+        yield
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, timeout=10)
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def recorded() -> set[Grant]:
+    return set()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_record_what_kopf_and_the_operator_ask_of_the_api(cluster, recorded):  # noqa: F811
+    cluster.objects["kopf.dev/v1/clusterkopfpeerings", None, "splitfeed"] = {
+        "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+        "metadata": {"name": "splitfeed", "resourceVersion": "1"}}
+    add_job(cluster, manifest(replicas=2, maxRestarts=2))
+    async with operator_with_peering(cluster):
+        await until(lambda: len(pods_of(cluster)) == 2, what="world 0")
+        cluster.objects["splitfeed.io/v1alpha1/streamingjobs", "ns", "resnet"].patch(
+            {"spec": {"replicas": 1}, "metadata": {"resourceVersion": "2", "generation": 2}})
+        await until(lambda: all(p["metadata"].get("annotations", {}).get("splitfeed.io/drain")
+                                for p in pods_of(cluster).values()), what="drain annotations")
+        for name in list(pods_of(cluster)):
+            cluster.objects[PODS, "ns", name].patch({"status": {"phase": "Succeeded"}})
+        await until(lambda: "resnet-w1-0" in pods_of(cluster), what="world 1")
+        cluster.objects[PODS, "ns", "resnet-w1-0"].patch({"status": {"phase": "Failed"}})
+        await until(lambda: "resnet-w2-0" in pods_of(cluster), what="world 2 after a failure")
+        cluster.objects[PODS, "ns", "resnet-w2-0"].patch({"status": {"phase": "Succeeded"}})
+        await until(lambda: phase(cluster) == "Succeeded", what="Succeeded")
+    for request in cluster:
+        grant = request_grant(str(request.method.value if hasattr(request.method, "value") else request.method),
+                              request.url.path, request.params)
+        if grant is not None:
+            recorded.add(grant)
+    assert ("splitfeed.io", "streamingjobs", "watch") in recorded  # Kopf's
+    assert ("", "pods", "delete") in recorded  # ours
+
+
+def needed(recorded: set[Grant]) -> set[Grant]:
+    assert recorded, "test_record_what_kopf_and_the_operator_ask_of_the_api did not run first"
+    found = client_calls(ROOT / "operator" / "kube.py") | recorded
+    owner_ref = next(o for o in planning.world(specs.parse_job(manifest()), 0, OWNER, planning.Settings())
+                     if o["kind"] == "Pod")["metadata"]["ownerReferences"][0]
+    if owner_ref.get("blockOwnerDeletion"):
+        found.add((planning.GROUP, f"{planning.PLURAL}/finalizers", "update"))
+    return found
+
+
+def split(found: set[Grant], *, peering: bool, sar: bool, cluster_mode: bool = True,
+          ) -> tuple[set[Grant], set[Grant], set[Grant]]:
+    """(namespaced, cluster-scoped, leader Lease) grants for the chart's values.
+
+    Kopf peers through ClusterKopfPeerings when it serves every namespace (as
+    recorded) and through KopfPeerings in its namespaces otherwise, with the same verbs.
+    """
+    wanted = {g for g in found if (peering or g[0] != "kopf.dev") and (sar or g[1] != "subjectaccessreviews")}
+    if not cluster_mode:
+        wanted = {("kopf.dev", "kopfpeerings", g[2]) if g[1] == "clusterkopfpeerings" else g for g in wanted}
+    lease = {g for g in wanted if g[1] == "leases"}
+    cluster_scoped = {g for g in wanted if g[1] in CLUSTER_SCOPED}
+    return wanted - lease - cluster_scoped, cluster_scoped, lease
+
+
+def roles(objs: list[dict[str, Any]]) -> dict[tuple[str, str | None], set[Grant]]:
+    return {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[-1] if o["kind"] == "Role" else None): grants(o["rules"])
+            for o in objs if o["kind"] in ("Role", "ClusterRole")}
+
+
+def test_cluster_mode_grants_exactly_what_the_code_uses(recorded):
+    namespaced, cluster_scoped, lease = split(needed(recorded), peering=False, sar=False)
+    objs = objects()
+    assert roles(objs) == {("ClusterRole", None): namespaced | cluster_scoped, ("Role", "leader"): lease}
+
+
+def test_peering_and_the_permission_check_add_exactly_their_grants(recorded):
+    namespaced, cluster_scoped, lease = split(needed(recorded), peering=True, sar=True)
+    values = {**SCENARIOS["hardened-webhook"], "leaderElection": {"enabled": True}}
+    assert roles(objects(values)) == {("ClusterRole", None): namespaced | cluster_scoped, ("Role", "leader"): lease}
+
+
+@pytest.mark.parametrize("peering", [False, True])
+def test_namespace_mode_grants_the_namespaced_part_in_each_namespace(recorded, peering):
+    namespaced, cluster_scoped, lease = split(needed(recorded), peering=peering, sar=False, cluster_mode=False)
+    objs = objects({**SCENARIOS["namespace-list"], "peering": {"enabled": peering, "name": "splitfeed"}})
+    by_ns = {o["metadata"]["namespace"]: grants(o["rules"]) for o in objs
+             if o["kind"] == "Role" and not o["metadata"]["name"].endswith("-leader")}
+    assert by_ns == {"team-a": namespaced, "team-b": namespaced}
+    (cluster_role,) = [o for o in objs if o["kind"] == "ClusterRole"]
+    assert grants(cluster_role["rules"]) == cluster_scoped
+
+
+def test_the_static_reading_of_kube_py_sees_every_call():
+    calls = client_calls(ROOT / "operator" / "kube.py")
+    assert ("", "pods", "create") in calls and (planning.GROUP, "streamingjobs/status", "patch") in calls
+    assert ("coordination.k8s.io", "leases", "update") in calls
+    assert ("authorization.k8s.io", "subjectaccessreviews", "create") in calls
