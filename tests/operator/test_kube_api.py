@@ -5,7 +5,11 @@ collector, service accounts, namespaces) from tests/envtest. The operator serves
 its validating webhooks over TLS with a test CA, and Kopf manages the
 ValidatingWebhookConfiguration that points the apiserver at them. There is no
 kubelet: the tests set pod phases through the pods' /status, as a kubelet would.
-1.20 knows no native sidecars, so the operator runs with --sidecar-mode container.
+1.20 knows no native sidecars, so the operator runs with --sidecar-mode container;
+it serves no policy/v1 PodDisruptionBudget either, which the operator skips.
+The operator runs as the chart runs it: behind a leader Lease, with the
+webhook dry-running a pod of each template and checking that the requester
+may create pods.
 """
 
 from __future__ import annotations
@@ -131,7 +135,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                "--liveness", f"http://127.0.0.1:{live_port}/healthz",
                "--webhook-port", str(hook_port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
                "--webhook-cert", str(c / "tls.crt"), "--webhook-key", str(c / "tls.key"),
-               "--webhook-ca", str(c / "ca.crt"), "--webhook-managed", "splitfeed.io"]
+               "--webhook-ca", str(c / "ca.crt"), "--webhook-managed", "splitfeed.io",
+               "--webhook-check-pod-permission", "--leader-elect", "--leader-election-namespace", NS,
+               "--restart-backoff", "1"]
         child_env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         with open(log, "wb") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=child_env)
@@ -257,3 +263,108 @@ def test_deleting_a_job_lets_the_garbage_collector_remove_its_world(env: Env) ->
         svcs = env.core.list_namespaced_service(NS, label_selector="splitfeed.io/job=omega").items
         return not env.pods("omega") and not cms and not svcs
     wait_for(gone, 60, "pods, Service and ConfigMap removed by the garbage collector")
+
+
+# --- hardening (issue #9) ---------------------------------------------------------------------
+
+def kube_client(env: Env) -> Any:
+    from splitfeed.operator import kube
+
+    return kube.Kube.connect(str(env.cp.kubeconfig))
+
+
+def test_a_status_patch_onto_a_stale_resource_version_is_a_conflict(env: Env) -> None:
+    import asyncio
+
+    from splitfeed.operator import kube
+
+    env.apply(job_manifest("kappa", replicas=1))
+    wait_for(lambda: env.status("kappa").get("phase") == "Running", 30, "Running")
+    client = kube_client(env)
+    try:
+        job = env.job("kappa")
+        stale = str(int(job["metadata"]["resourceVersion"]) - 1)
+        with pytest.raises(kube.Conflict):
+            asyncio.run(client.patch_job_status(NS, "kappa", {"restarts": 7}, stale))
+        assert env.status("kappa").get("restarts") is None
+        asyncio.run(client.patch_job_status(NS, "kappa", {"restarts": 0}, job["metadata"]["resourceVersion"]))
+    finally:
+        client.close()
+
+
+def test_the_webhook_refuses_a_template_the_apiserver_would_not_run(env: Env) -> None:
+    m = job_manifest("lambda", replicas=1)
+    m["spec"]["trainer"]["template"]["spec"]["containers"][0].pop("image")
+    out = env.apply(m, check=False)
+    assert out.returncode != 0
+    assert "spec.trainer.template makes a valid pod" in out.stderr and "Required value" in out.stderr
+    assert not env.core.list_namespaced_pod(NS, label_selector="splitfeed.io/job=lambda").items
+
+
+def test_the_webhook_refuses_a_requester_who_may_not_create_pods(env: Env) -> None:
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": "sj-writer", "namespace": NS},
+            "rules": [{"apiGroups": ["splitfeed.io"], "resources": ["streamingjobs"],
+                       "verbs": ["get", "list", "create", "patch"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "sj-writer", "namespace": NS},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "sj-writer"},
+               "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]}
+    env.apply(role)
+    env.apply(binding)
+    m = json.dumps(job_manifest("mu", replicas=1))
+    out = env.cp.kubectl("--as=alice", "apply", "-f", "-", input=m, check=False)
+    assert out.returncode != 0 and "alice may not create pods in namespace default" in out.stderr
+    role["rules"].append({"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]})
+    env.apply(role)
+    wait_for(lambda: env.cp.kubectl("--as=alice", "apply", "-f", "-", input=m, check=False).returncode == 0,
+             20, "alice's job admitted once she may create pods")
+
+
+def test_a_same_named_object_of_another_owner_is_reported_and_left_alone(env: Env) -> None:
+    env.core.create_namespaced_config_map(NS, {"metadata": {"name": "nu-data"}, "data": {"mine": "yes"}})
+    env.apply(job_manifest("nu", replicas=1))
+
+    def refused() -> dict[str, Any] | None:
+        conds = {c["type"]: c for c in env.status("nu").get("conditions", [])}
+        c = conds.get("PodCreationFailed")
+        return c if c and c["status"] == "True" and c["reason"] == "NotOwned" else None
+    cond = wait_for(refused, 30, "condition PodCreationFailed/NotOwned")
+    assert "ConfigMap default/nu-data exists and is not controlled by this StreamingJob" in cond["message"]
+    assert env.core.read_namespaced_config_map("nu-data", NS).data == {"mine": "yes"}
+    assert not env.pods("nu")
+    env.core.delete_namespaced_config_map("nu-data", NS)
+    wait_for(lambda: len(env.pods("nu")) == 1, 40, "the world once the name is free")
+    cm = env.core.read_namespaced_config_map("nu-data", NS)
+    assert cm.metadata.owner_references[0].kind == "StreamingJob"
+    wait_for(lambda: {c["type"]: c for c in env.status("nu")["conditions"]}["PodCreationFailed"]["status"] == "False",
+             20, "PodCreationFailed cleared")
+
+
+def test_one_operator_holds_the_lease_and_a_second_takes_over_only_when_it_stops(env: Env) -> None:
+    import asyncio
+
+    from splitfeed.operator import configs, leader
+
+    lease = env.api.sanitize_for_serialization(
+        kubernetes.client.CoordinationV1Api(env.api).read_namespaced_lease("splitfeed-operator", NS))
+    assert lease["spec"]["holderIdentity"]  # the operator process of this module
+
+    async def takeover() -> None:
+        config = configs.LeaderElection(namespace=NS, name="takeover-test", duration_s=2, renew_s=0.2)
+        first, second = kube_client(env), kube_client(env)
+        try:
+            a, b = leader.Elector(first, config, me="a"), leader.Elector(second, config, me="b")
+            await a.acquire()
+            assert not await b.try_once()  # b sees a's record for the first time
+            await asyncio.sleep(1)
+            assert await a.try_once() and not await b.try_once()  # a renews
+            await asyncio.sleep(2.2)  # a stopped renewing 2.2 s ago (a crash)
+            assert await b.try_once()
+            assert not await a.try_once()  # a came back: b holds it
+            await b.release()
+            assert await a.try_once()  # a released Lease is taken at once
+        finally:
+            first.close()
+            second.close()
+    asyncio.run(takeover())
