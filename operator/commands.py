@@ -138,20 +138,24 @@ async def _main(config: configs.OperatorConfig) -> int:
 
     client = kube.Kube.connect(config.kubeconfig)
     elector = leader.Elector(client, config.leader)
+    leading = False
     try:
         await elector.acquire()
+        leading = True
         stop = asyncio.Event()
         running = asyncio.create_task(operator(stop))
         holding = asyncio.create_task(elector.hold())
         await asyncio.wait({running, holding}, return_when=asyncio.FIRST_COMPLETED)
         if holding.done():
+            leading = False
             log.error("leader election lost: stopping the operator (its pod restarts as a candidate)")
             stop.set()
             await asyncio.wait({running}, timeout=30)
             return 1
         holding.cancel()
         await running  # re-raises what stopped Kopf
-        await elector.release()
         return 0
     finally:
+        if leading:
+            await elector.release()  # a successor need not wait the Lease out
         client.close()

@@ -41,3 +41,29 @@ def test_sidecar_mode_image_standalone_and_chart_env(monkeypatch):
     assert c.planning.sidecar_defaults == {"shmSize": "8Gi"}
     with pytest.raises(SystemExit):
         config("--sidecar-mode", "sideways")
+
+
+def test_leader_election_takes_its_namespace_from_the_flag_or_the_pod(monkeypatch):
+    monkeypatch.delenv("SPLITFEED_OPERATOR_NAMESPACE", raising=False)
+    assert config().leader is None
+    with pytest.raises(SystemExit, match="--leader-election-namespace"):
+        config("--leader-elect")
+    monkeypatch.setenv("SPLITFEED_OPERATOR_NAMESPACE", "splitfeed")
+    c = config("--leader-elect")
+    assert c.leader is not None and (c.leader.namespace, c.leader.name) == ("splitfeed", "splitfeed-operator")
+    assert c.leader.renew_deadline_s < c.leader.duration_s  # a holder stops before anyone may take over
+    c = config("--leader-elect", "--leader-election-namespace", "ops", "--leader-election-lease", "sf")
+    assert (c.leader.namespace, c.leader.name) == ("ops", "sf")
+
+
+def test_failure_policy_and_webhook_hardening_flags():
+    c = config("--restart-backoff", "2.5", "--restart-backoff-max", "30", "--stall-timeout", "60",
+               "--webhook-port", "9443", "--no-webhook-dry-run", "--webhook-check-pod-permission",
+               "--webhook-cert-check", "5")
+    assert (c.planning.restart_backoff_s, c.planning.restart_backoff_max_s, c.planning.stall_timeout_s) == (2.5, 30, 60)
+    assert c.planning.backoff_s(1) == 2.5 and c.planning.backoff_s(5) == 30
+    assert c.webhook is not None
+    assert (c.webhook.dry_run_pods, c.webhook.check_pod_permission, c.webhook.cert_check_s) == (False, True, 5)
+    d = config("--webhook-port", "9443")
+    assert d.webhook is not None and d.webhook.dry_run_pods and not d.webhook.check_pod_permission
+    assert d.planning.restart_backoff_s == 10 and d.planning.stall_timeout_s == 900

@@ -383,3 +383,48 @@ def test_decide_runs_off_the_event_loop():
 def test_the_watch_server_timeout_is_an_integer_the_apiserver_can_parse():
     """Kopf puts it into the URL as timeoutSeconds; "300.0" is a 400 from a real apiserver."""
     assert isinstance(handlers.WATCH_SERVER_TIMEOUT_S, int)
+
+
+class ClosableStore(LeaseStore):
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_the_operator_stops_with_exit_1_when_its_lease_is_taken_and_hands_it_back_on_a_clean_stop(
+        monkeypatch):
+    from splitfeed.operator import commands
+
+    store = ClosableStore()
+    monkeypatch.setattr(kube.Kube, "connect", classmethod(lambda cls, kubeconfig=None: store))
+    stopped = asyncio.Event()
+
+    async def fake_operator(*, stop_flag: asyncio.Event, **_: Any) -> None:
+        await stop_flag.wait()
+        stopped.set()
+    monkeypatch.setattr(kopf, "operator", fake_operator)
+    config = configs.OperatorConfig(leader=configs.LeaderElection(namespace="ops", renew_s=0.05,
+                                                                  renew_deadline_s=1))
+    task = asyncio.create_task(commands._main(config))
+    await until_true(lambda: "splitfeed-operator" in store.leases)
+    lease = store.leases["splitfeed-operator"]
+    lease["spec"]["holderIdentity"] = "someone-else"  # taken over (this one was presumed dead)
+    store.version += 1
+    lease["metadata"]["resourceVersion"] = str(store.version)
+    assert await asyncio.wait_for(task, 10) == 1 and stopped.is_set()
+    assert store.holder() == "someone-else"  # a lost Lease is not "released"
+
+    async def returns(**_: Any) -> None:
+        return None
+    monkeypatch.setattr(kopf, "operator", returns)
+    store.leases.clear()
+    assert await asyncio.wait_for(commands._main(config), 10) == 0
+    assert store.holder() == ""  # handed back
+
+
+async def until_true(check: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
