@@ -176,7 +176,8 @@ def sidecar_error(pod: Mapping[str, Any], *, permanent_only: bool = False) -> st
 def progress(
     pods: Sequence[Mapping[str, Any]], status: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """status.progress / status.lastCheckpoint updates (only ever forward), or {}."""
+    """status.progress / status.lastCheckpoint updates (only ever forward), and
+    status.data.tableVersion once a sidecar reported the version it pinned; or {}."""
     out: dict[str, Any] = {}
     old_progress = status.get("progress") or {}
     old_ckpt = status.get("lastCheckpoint") or {}
@@ -188,6 +189,10 @@ def progress(
             if isinstance(step, int) and step > (best_progress or old_progress).get("globalStep", -1):
                 best_progress = {"globalStep": step, "epoch": r.get("epoch"), "step": r.get("step"),
                                  "stepsPerEpoch": r.get("stepsPerEpoch")}
+            version = r.get("tableVersion")
+            pinned = (status.get("data") or {}).get("tableVersion")
+            if isinstance(version, int) and not isinstance(version, bool) and pinned is None:
+                out["data"] = {**(status.get("data") or {}), "tableVersion": version}
             ck = r.get("lastCheckpoint")
             if isinstance(ck, dict) and isinstance(ck.get("step"), int):
                 if ck["step"] > (best_ckpt or old_ckpt).get("step", -1):

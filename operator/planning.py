@@ -249,7 +249,7 @@ def coordinator_at(pod_ip: str) -> str:
 def sidecar_container(
     job: specs.JobSpec, world_epoch: int, replica: int, settings: Settings,
     extra_mounts: list[dict[str, Any]] | None = None, resume_step: int | None = None,
-    job_uid: str = "",
+    job_uid: str = "", table_version: int | None = None,
 ) -> dict[str, Any]:
     """The loader. `resume_step`: the step the previous world agreed on (status.resumeStep);
     None lets the new world's coordinator pick the newest complete checkpoint. `job_uid`:
@@ -272,6 +272,7 @@ def sidecar_container(
         **resume,
         "SPLITFEED_COORDINATOR": coordinator_address(job.name, world_epoch),
         "SPLITFEED_JOB_UID": job_uid,
+        **({"SPLITFEED_TABLE_VERSION": table_version} if table_version is not None else {}),
         "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
     }
     container: dict[str, Any] = {
@@ -361,7 +362,7 @@ def volumes(job: specs.JobSpec) -> list[dict[str, Any]]:
 
 def pod(
     job: specs.JobSpec, world_epoch: int, replica: int, owner: Owner, settings: Settings,
-    resume_step: int | None = None,
+    resume_step: int | None = None, table_version: int | None = None,
 ) -> dict[str, Any]:
     """Replica `replica` of world `world_epoch`: the user's template plus the sidecar.
 
@@ -389,7 +390,8 @@ def pod(
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
                 {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
             ]
-    sidecar = sidecar_container(job, world_epoch, replica, settings, shared, resume_step, owner.uid)
+    sidecar = sidecar_container(job, world_epoch, replica, settings, shared, resume_step, owner.uid,
+                                table_version)
     if settings.sidecar_mode == "native":
         spec["initContainers"] = (spec.get("initContainers") or []) + [sidecar]
     else:
@@ -410,8 +412,9 @@ def pod(
 
 def world(
     job: specs.JobSpec, world_epoch: int, owner: Owner, settings: Settings, resume_step: int | None = None,
+    table_version: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every object world `world_epoch` needs, in creation order (ConfigMap, Service, budget first)."""
     return [config_map(job, owner), service(job, owner), disruption_budget(job, world_epoch, owner)] + [
-        pod(job, world_epoch, r, owner, settings, resume_step) for r in range(job.replicas)
+        pod(job, world_epoch, r, owner, settings, resume_step, table_version) for r in range(job.replicas)
     ]

@@ -177,6 +177,13 @@ class _Ctx:
         self.events: list[Event] = []
 
     @property
+    def table_version(self) -> int | None:
+        """The table version the job pinned (status.data.tableVersion), for the next world's pods."""
+        data = self.patch.get("data") or self.status.get("data") or {}
+        version = data.get("tableVersion")
+        return version if isinstance(version, int) else None
+
+    @property
     def resume_step(self) -> int | None:
         """status.resumeStep as this decision leaves it (the patch's None clears it)."""
         value = self.patch["resumeStep"] if "resumeStep" in self.patch else self.status.get("resumeStep")
@@ -287,7 +294,8 @@ def _start_world(c: _Ctx, epoch: int, replicas: int, reason: str) -> Decision:
     start = "the newest complete checkpoint" if c.resume_step is None else f"step {c.resume_step}"
     c.events.append(Event("Normal", STARTING_NEW_WORLD,
                           f"starting world {epoch} with {replicas} replicas ({reason}), resuming at {start}"))
-    return c.decision(STARTING_NEW_WORLD, create=planning.world(job, epoch, c.owner, c.settings, c.resume_step),
+    world = planning.world(job, epoch, c.owner, c.settings, c.resume_step, c.table_version)
+    return c.decision(STARTING_NEW_WORLD, create=world,
                       requeue_s=POLL_S)
 
 
@@ -355,7 +363,7 @@ def _running_step(c: _Ctx, problem: admission.Rejected | None) -> Decision:
             requeue = wait
         else:
             world = planning.world(dataclasses.replace(job, replicas=replicas), epoch, c.owner, c.settings,
-                                   c.resume_step)
+                                   c.resume_step, c.table_version)
             create = [o for o in world if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     elif not expected - present:
         _creation_succeeded(c, epoch)
@@ -708,7 +716,7 @@ def _finish_start(c: _Ctx, drain: dict[str, Any]) -> Decision:
     present = {_name(p) for p in c.world}
     job = dataclasses.replace(c.job, replicas=replicas)
     create = [] if c.creation_wait() > 0 else [
-        o for o in planning.world(job, epoch, c.owner, c.settings, c.resume_step)
+        o for o in planning.world(job, epoch, c.owner, c.settings, c.resume_step, c.table_version)
         if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     reason = {"Restart": "WorldRestarted", "Disrupted": "WorldRestarted", "Suspend": "Resumed",
               "WorldDrained": "WorldReplaced"}.get(drain.get("reason", ""), "RescaleComplete")

@@ -1011,3 +1011,21 @@ def test_a_sidecar_error_with_a_signed_uri_is_redacted_in_events_and_conditions(
     blob = json.dumps(d.status) + json.dumps([e.message for e in d.events])
     assert "s3cr3t" not in blob and "AKIA" not in blob and "abc" not in blob
     assert "s3://***@bucket/db?X-Amz-Signature=***" in blob
+
+
+def test_the_pinned_table_version_is_recorded_once_and_given_to_the_next_world():
+    """status.data.tableVersion from a sidecar's report; the next world's sidecars get it."""
+    from splitfeed.operator import conditions as conds
+
+    pod = {"status": {"initContainerStatuses": [{"name": planning.SIDECAR_NAME, "state": {"terminated": {
+        "exitCode": 0, "finishedAt": "2026-12-03T00:00:00Z",
+        "message": json.dumps({"globalStep": 3, "tableVersion": 7})}}}]}}
+    assert conds.progress([pod], {})["data"] == {"tableVersion": 7}
+    assert "data" not in conds.progress([pod], {"data": {"tableVersion": 5}})  # pinned once
+    job = specs.parse_job(manifest(replicas=2), check_replicas=False)
+    owner = planning.Owner("resnet", "uid-1")
+    pods = [o for o in planning.world(job, 3, owner, planning.Settings(), 12, 7) if o["kind"] == "Pod"]
+    for p in pods:
+        env = {e["name"]: e.get("value") for c in p["spec"]["initContainers"] for e in c.get("env", [])}
+        assert env["SPLITFEED_TABLE_VERSION"] == "7" and env["SPLITFEED_JOB_UID"] == "uid-1"
+        assert env["SPLITFEED_RESUME_STEP"] == "12"
