@@ -331,8 +331,9 @@ class RankFeed:
         self.stop()
         control = self.control
         for i in range(len(self.slots)):
-            if not control.transition(i, ring.SlotState.FILLED, ring.SlotState.FREE) and trainer_gone:
-                control.transition(i, ring.SlotState.TAKEN, ring.SlotState.FREE)
+            state = control.acquire(i)
+            if state == ring.SlotState.FILLED or (trainer_gone and state == ring.SlotState.TAKEN):
+                control.transition(i, state, ring.SlotState.FREE)
         while not self.outbox.empty():
             self.outbox.get_nowait()  # news of the stopped publisher
         self.end_sent = False

@@ -231,6 +231,7 @@ class StreamClient:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.IDENTITY, f"t{self.local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
         self._sock.connect(f"ipc://{self._dir / protocol.SOCKET_NAME}")
         self._inbox: collections.deque[dict[str, Any]] = collections.deque()

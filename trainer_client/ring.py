@@ -214,7 +214,11 @@ class Control:
 
         Acquire and release: the side that makes the change has seen all the
         peer wrote before its own last transition of this slot, and the peer
-        will see all this side wrote before this one.
+        will see all this side wrote before this one. An add, not a
+        compare-and-swap (libstdc++ exports no CAS), so call it only for a
+        state this side owns or has just read: each state has one side that
+        may leave it (the sidecar FREE, the trainer FILLED and TAKEN) but for
+        a sidecar's reset, which runs while its trainer waits for `welcome`.
         """
         address = self.address(_STATE_OFFSET + 4 * slot)
         found = _fetch_add(address, after - before)
