@@ -55,35 +55,9 @@ def check_name(name: str) -> None:
         )
 
 
-MAXIMA: dict[str, int] = {
-    "spec.gpusPerReplica": 64,
-    "spec.data.numSplits": 1_000_000,
-    "spec.data.numWorkers": 64,
-    "spec.data.readBatchSize": 1_000_000,
-    "spec.sidecar.prefetchBatches": 64,
-}
-"""Upper bounds (the CRD's `maximum`s, which tests keep equal). They keep every piece of
-work an operator or a sidecar does per job small: status.allowedReplicas is at most a few
-hundred divisors, a rank reads at most numSplits/worldSize splits in numWorkers processes,
-a read is at most 10^6 rows, a ring at most 64 slots."""
-
-
-def _limited(job: specs.JobSpec) -> dict[str, int]:
-    return {
-        "spec.gpusPerReplica": job.gpus_per_replica,
-        "spec.data.numSplits": job.data.num_splits,
-        "spec.data.numWorkers": job.data.num_workers,
-        "spec.data.readBatchSize": job.data.read_batch_size,
-        "spec.sidecar.prefetchBatches": job.sidecar.prefetch_batches,
-    }
-
-
-def check_limits(job: specs.JobSpec) -> None:
-    over = {field: value for field, value in _limited(job).items() if value > MAXIMA[field]}
-    if over:
-        raise Rejected(", ".join(f"{field} <= {MAXIMA[field]}" for field in over),
-                       "; ".join(f"{field}={value} is over {MAXIMA[field]}" for field, value in over.items())
-                       + ": the operator bounds these so that every job's planning, status and loader stay small")
+MAXIMA = specs.MAXIMA
+"""The CRD's `maximum`s. Parsing refuses a value over one (specs.SpecError, so `splitfeed
+local` and `plan` say the same); they keep every job's planning, status and loader small."""
 
 
 _CREDENTIAL_KEY = re.compile(
@@ -206,7 +180,6 @@ def check_template(job: specs.JobSpec) -> None:
 def check_job(job: specs.JobSpec) -> None:
     """Every rule about a parsed job except its replica count (see check_replicas)."""
     check_name(job.name)
-    check_limits(job)
     check_storage_options(job)
     check_template(job)
 

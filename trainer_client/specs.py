@@ -224,6 +224,19 @@ def _reject_unknown(path: str, raw: Mapping[str, Any], known: set[str]) -> None:
             )
 
 
+MAXIMA: dict[str, int] = {
+    "spec.gpusPerReplica": 64,
+    "spec.data.numSplits": 1_000_000,
+    "spec.data.numWorkers": 64,
+    "spec.data.readBatchSize": 1_000_000,
+    "spec.sidecar.prefetchBatches": 64,
+}
+"""Upper bounds, the CRD's `maximum`s (tests keep them equal). They keep every piece of
+work an operator or a sidecar does per job small: status.allowedReplicas is at most a few
+hundred divisors, a rank reads at most numSplits/worldSize splits in numWorkers processes,
+a read is at most 10^6 rows, a ring at most 64 slots."""
+
+
 def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
     if kind == "str":
         if not isinstance(value, str) or not value:
@@ -234,6 +247,8 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
             raise SpecError(path, f"must be an integer, got {value!r}")
         if minimum is not None and value < minimum:
             raise SpecError(path, f"must be at least {minimum}, got {value}")
+        if path in MAXIMA and value > MAXIMA[path]:
+            raise SpecError(path, f"must be at most {MAXIMA[path]}, got {value}")
         return value
     if kind == "bool":
         if not isinstance(value, bool):

@@ -125,3 +125,15 @@ def test_order_fields_are_the_wire_values_of_the_order_defining_fields():
     assert list(order) == list(specs.ORDER_FIELDS)
     assert order["columns"] == ["id", "label"] and order["globalBatchSize"] == 960
     assert order["version"] is None and order["shuffle"] is True
+
+
+def test_the_maxima_are_refused_when_parsing_too_so_local_and_plan_say_the_same():
+    import pytest as _pytest
+
+    from splitfeed.trainer_client import specs as _specs
+
+    manifest = {"apiVersion": _specs.API_VERSION, "kind": _specs.KIND, "metadata": {"name": "j"},
+                "spec": {"data": {"uri": "/tmp/db", "table": "t", "numSplits": 2_000_000,
+                                  "globalBatchSize": 2_000_000}}}
+    with _pytest.raises(_specs.SpecError, match=r"spec.data.numSplits: must be at most 1000000, got 2000000"):
+        _specs.parse_job(manifest, check_replicas=False)
