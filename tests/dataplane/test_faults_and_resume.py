@@ -88,11 +88,12 @@ def test_a_killed_sidecar_is_replaced_and_the_trainer_continues_exactly(pods, ta
     assert got == expected
 
 
-def run_world(pods, job, world: int, name: str, until: int | None, resume: str = "latest", epoch: int = 0):
+def run_world(pods, job, world: int, name: str, until: int | None, resume: str = "latest", epoch: int = 0,
+              uid: str = JOB_UID):
     """Run `world` ranks (world epoch `epoch`) in lockstep until `until` steps are done; checkpoint there."""
     coordinator = coordinator_address()
     started = [pods(f"{name}-{r}", job, replicas=world, replica=r, resume=resume,
-                    coordinator=coordinator, world_epoch=epoch).start_thread()
+                    coordinator=coordinator, world_epoch=epoch, job_uid=uid).start_thread()
                for r in range(world)]
     clients = [StreamClient(p.socket_dir, 0) for p in started]
     steps: dict[int, set[int]] = {}
@@ -131,6 +132,20 @@ def test_checkpoint_on_4_resume_on_2_then_on_3_equals_an_uninterrupted_run(pods,
     assert sorted(delivered) == list(range(len(reference)))
     assert [delivered[k] for k in range(len(reference))] == reference
     assert len(a) + len(b) + len(c) == len(reference)  # none repeated
+
+
+def test_a_re_created_job_starts_at_0_and_resumes_the_old_one_only_when_it_names_it(pods, table_uri, tmp_path):
+    """Same name, new metadata.uid: its own checkpoints (none); spec.checkpoint.resumeFrom: the old job's."""
+    job = manifest(table_uri, str(tmp_path / "ckpt"))
+    run_world(pods, job, 2, "old", until=5, resume="none", uid="uid-old")
+    fresh, _ = run_world(pods, job, 2, "new", until=1, uid="uid-new")
+    assert fresh == 0
+    named = manifest(table_uri, str(tmp_path / "ckpt"))
+    named["spec"]["checkpoint"]["resumeFrom"] = {"uid": "uid-old"}
+    resumed, steps = run_world(pods, named, 3, "named", until=None, uid="uid-named")
+    assert resumed == 5
+    reference = reference_global_steps(table_uri, {})
+    assert [steps[k] for k in range(5, len(reference))] == reference[5:]
 
 
 def corrupt(path: Path) -> None:
