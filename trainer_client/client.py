@@ -579,7 +579,7 @@ class StreamClient:
         except Exception as exc:  # a torn stream may not parse; the marks below decide
             broken = exc
         # After the views: the marks before and after the payload name this step and write.
-        if slot_file.marks(nbytes) != ((step, seq), (step, seq)) or int(control.step[slot]) != step:
+        if slot_file.marks(nbytes) != ((step, seq), (step, seq)):
             control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
             return None
         if broken is not None:

@@ -129,7 +129,9 @@ class _Flag:
         self.offset = _HEADER_BYTES + 4 * index
 
     def __get__(self, control: Control, owner: type | None = None) -> int:
-        return _fetch_add(control.address(self.offset), 0)
+        if not control._base:  # inline, not address(): read once or twice per batch
+            raise ValueError(f"{control.path} is closed")
+        return _fetch_add(control._base + self.offset, 0)
 
     def __set__(self, control: Control, value: int) -> None:
         address = control.address(self.offset)
@@ -186,6 +188,7 @@ class Control:
         offset = _STATE_OFFSET
         self.state = np.ndarray((MAX_SLOTS,), "<u4", buffer=self._mm, offset=offset)
         self._base = int(self.words.ctypes.data)
+        self._states_at = self._base + _STATE_OFFSET  # 0 once closed
         offset += MAX_SLOTS * 4
         self.step = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         offset += MAX_SLOTS * 8
@@ -220,16 +223,19 @@ class Control:
         may leave it (the sidecar FREE, the trainer FILLED and TAKEN) but for
         a sidecar's reset, which runs while its trainer waits for `welcome`.
         """
-        address = self.address(_STATE_OFFSET + 4 * slot)
-        found = _fetch_add(address, after - before)
-        if found != before:
-            _fetch_add(address, before - after)
-            return False
-        return True
+        if not self._states_at:  # inline: this runs several times per batch
+            raise ValueError(f"{self.path} is closed")
+        address = self._states_at + 4 * slot
+        if _fetch_add(address, after - before) == before:
+            return True
+        _fetch_add(address, before - after)
+        return False
 
     def acquire(self, slot: int) -> int:
         """Slot `slot`'s state, read with acquire order (an RMW adding 0)."""
-        return _fetch_add(self.address(_STATE_OFFSET + 4 * slot), 0)
+        if not self._states_at:
+            raise ValueError(f"{self.path} is closed")
+        return _fetch_add(self._states_at + 4 * slot, 0)
 
     def states(self) -> list[int]:
         """Every slot's state (a list: counting in one costs a tenth of a numpy reduction here)."""
@@ -255,7 +261,7 @@ class Control:
 
     def close(self) -> None:
         # numpy views pin the mapping; drop them first.
-        self._base = 0
+        self._base = self._states_at = 0
         del self.words, self.state, self.step, self.gen, self.nbytes, self.seq, self.posted
         self._mm.close()
 

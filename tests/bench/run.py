@@ -3,7 +3,9 @@ measured in the same run (these machines are noisy). Writes bench/results.json.
 
 transport: sidecar -> trainer hand-off of batches already in memory, the
 trainer touching every byte once, against one thread copying the same bytes
-into as many slots as the ring has.
+into as many slots as the ring has. Run TRANSPORT_RUNS times: the worst run,
+not only the best, must reach TRANSPORT_GOAL x memcpy (`make bench` fails
+otherwise).
 end_to_end: rows/s a trainer receives through a `splitfeed sidecar` process
 reading a LanceDB table, against lancedb's StreamingDataLoader iterated in the
 trainer's own process (the better of num_workers 0 and 2).
@@ -29,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 PREFETCH = 4
 REPEATS = 3
+TRANSPORT_RUNS = 5
+TRANSPORT_GOAL = 0.5
+WARMUP = PREFETCH + 2
+"""Batches before the clock starts: by then every slot the ring uses has been written once."""
 
 
 def touch(array: np.ndarray) -> int:
@@ -53,7 +59,8 @@ def transport_gbps(size: int, count: int) -> float:
     try:
         with StreamClient(directory, 0, as_tensors=False, timeout_s=60) as client:
             it = iter(client)
-            touch(next(it)["x"])  # start-up and first mapping excluded
+            for _ in range(WARMUP):  # start-up and each slot's first use, as memcpy_gbps's slots
+                touch(next(it)["x"])
             start = time.perf_counter()
             received = 0
             for batch in it:
@@ -73,15 +80,19 @@ def bench_transport() -> list[dict]:
     results = []
     for mib, count in ((1, 1500), (8, 250), (64, 40)):
         size = mib * MiB
-        gbps = max(transport_gbps(size, count) for _ in range(REPEATS))
+        runs = [transport_gbps(size, count) for _ in range(TRANSPORT_RUNS)]
+        best, worst = max(runs), min(runs)
         base = max(memcpy_gbps(size, count) for _ in range(REPEATS))
         floor = max(floor_gbps(size, count, PREFETCH) for _ in range(REPEATS))
-        results.append({"batch_bytes": size, "gbps": round(gbps, 3), "memcpy_gbps": round(base, 3),
-                        "ratio": round(gbps / base, 3),
+        results.append({"batch_bytes": size, "runs_gbps": [round(r, 3) for r in runs],
+                        "gbps": round(best, 3), "worst_gbps": round(worst, 3), "memcpy_gbps": round(base, 3),
+                        "ratio": round(best / base, 3), "worst_ratio": round(worst / base, 3),
+                        "goal_met": worst / base >= TRANSPORT_GOAL,
                         # no control path at all: copy in one process, touch in another
                         "cross_process_floor_gbps": round(floor, 3)})
-        print(f"  transport {mib:>3} MiB: {gbps:6.2f} GB/s vs memcpy {base:6.2f} GB/s "
-              f"-> ratio {gbps / base:.2f} (bare cross-process copy+touch: {floor:.2f} GB/s)", flush=True)
+        print(f"  transport {mib:>3} MiB: best {best:6.2f} GB/s, worst {worst:6.2f} GB/s of {TRANSPORT_RUNS} "
+              f"vs memcpy {base:6.2f} GB/s -> ratio best {best / base:.2f}, worst {worst / base:.2f} "
+              f"(bare cross-process copy+touch: {floor:.2f} GB/s)", flush=True)
     return results
 
 
@@ -194,20 +205,26 @@ def main() -> int:
     print("end to end (LanceDB -> trainer):", flush=True)
     end_to_end = bench_end_to_end()
     results = {"transport": transport, "end_to_end": end_to_end,
-               "machine": {"cpus": os.cpu_count()}}
+               "machine": {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2)}}
     out = ROOT / "bench" / "results.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\n{'benchmark':<22}{'ours':>14}{'baseline':>14}{'ratio':>8}{'goal':>8}{'bare x-proc':>14}")
+    print(f"\n{'benchmark':<22}{'best':>14}{'worst':>14}{'baseline':>14}{'ratio':>13}{'goal':>8}"
+          f"{'bare x-proc':>14}")
     for row in transport:
+        ratios = f"{row['ratio']:.2f}/{row['worst_ratio']:.2f}"
         print(f"{'transport ' + str(row['batch_bytes'] // MiB) + ' MiB':<22}{row['gbps']:>10.2f} GB/s"
-              f"{row['memcpy_gbps']:>10.2f} GB/s{row['ratio']:>8.2f}{'>=0.5':>8}"
-              f"{row['cross_process_floor_gbps']:>9.2f} GB/s")
+              f"{row['worst_gbps']:>10.2f} GB/s{row['memcpy_gbps']:>10.2f} GB/s{ratios:>13}"
+              f"{'>=' + str(TRANSPORT_GOAL):>8}{row['cross_process_floor_gbps']:>9.2f} GB/s")
     e = end_to_end
-    print(f"{'end to end':<22}{e['rows_per_s']:>9,} rows/s{e['inprocess_rows_per_s']:>7,} rows/s"
-          f"{e['ratio']:>8.2f}{'>=5':>8}")
-    print(f"\nwritten to {out.relative_to(ROOT)}")
-    return 0
+    print(f"{'end to end':<22}{e['rows_per_s']:>9,} rows/s{'':>14}{e['inprocess_rows_per_s']:>7,} rows/s"
+          f"{e['ratio']:>13.2f}{'>=5':>8}")
+    print(f"\nwritten to {out.relative_to(ROOT)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    missed = [row for row in transport if not row["goal_met"]]
+    for row in missed:
+        print(f"transport {row['batch_bytes'] // MiB} MiB: the worst of {TRANSPORT_RUNS} runs is "
+              f"{row['worst_ratio']:.2f} x memcpy, below the goal of {TRANSPORT_GOAL}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
