@@ -297,17 +297,21 @@ class StatusWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
+        self._sample()  # what the test last waited for, even if the thread had not seen it yet
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with contextlib.suppress(Exception):
-                st = self.cluster.status(self.name)
-                now = (st.get("phase"), rescaling_reason(st))
-                if not self.seen or self.seen[-1] != now:
-                    self.seen.append(now)
-                    log(f"{self.name}: phase {now[0]}, Rescaling reason {now[1]}, "
-                        f"world {st.get('worldEpoch')} x{st.get('replicas')}")
+            self._sample()
             self._stop.wait(self.interval)
+
+    def _sample(self) -> None:
+        with contextlib.suppress(Exception):
+            st = self.cluster.status(self.name)
+            now = (st.get("phase"), rescaling_reason(st))
+            if not self.seen or self.seen[-1] != now:
+                self.seen.append(now)
+                log(f"{self.name}: phase {now[0]}, Rescaling reason {now[1]}, "
+                    f"world {st.get('worldEpoch')} x{st.get('replicas')}")
 
 
 def rescaling_reason(status: dict[str, Any]) -> str | None:
