@@ -93,7 +93,15 @@ class RankFeed:
         self._signal = signal  # where to say "the outbox has news"
         self._dir = directory
         self._instance = instance
-        self.control = ring.Control(ring.control_path(directory, instance, local_rank), create=True)
+        try:
+            self.control = ring.Control(ring.control_path(directory, instance, local_rank), create=True)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            free, total = ring.free_bytes(directory)
+            raise errors.UserError(
+                f"no space left in {directory} for the control block of local rank {local_rank} "
+                f"({_size(free)} free of {_size(total)}): raise spec.sidecar.shmSize") from None
         self.control.end_step = total_steps
         self.control.prefetch = prefetch
         self.slots: list[ring.SlotFile] = []

@@ -27,7 +27,7 @@ import pytest
 import zmq
 
 from splitfeed.sidecar import serving
-from splitfeed.trainer_client import SidecarFailed, protocol, ring
+from splitfeed.trainer_client import SidecarFailed, UserError, protocol, ring
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.dataplane.harness import manifest, reference_batches, wait_for
@@ -330,3 +330,11 @@ def test_a_waiting_trainer_is_woken_by_the_batch_not_by_its_heartbeat(serve, soc
     finally:
         server.stopping.set()
         thread.join(10)
+
+
+def test_a_volume_without_room_for_the_control_block_is_a_user_error(socket_root):
+    with tmpfs(socket_root / "shm", "4k") as volume:
+        (volume / "ballast").write_bytes(b"x" * 4096)
+        with pytest.raises(UserError, match="control block of local rank 0 .* spec.sidecar.shmSize"):
+            serving.RankFeed(directory=volume, instance="i", local_rank=0, rank=0, factory=lambda r, f: iter(()),
+                             prefetch=2, start_step=0, total_steps=1)
