@@ -342,6 +342,9 @@ def serve(sidecar: Sidecar) -> int:
                      server.resume_step, server.total_steps)
             server.run(tick=RequestWatcher(server, settings.podinfo_dir))
             failure = next((f.failure for f in server.feeds if f.failure), None)
+    except Exception as exc:  # a bug or a broken environment: still say why, in the report
+        log.exception("the sidecar failed")
+        failure = f"{type(exc).__name__}: {exc}"
     finally:
         global_step = min((f.control.acked + 1 for f in server.feeds), default=0)
         drained = bool(server.feeds) and all(f.drained for f in server.feeds)
@@ -361,12 +364,18 @@ def serve(sidecar: Sidecar) -> int:
         server.close()
         if sidecar.coordinator is not None:
             sidecar.coordinator.close()
-        if settings.termination_log is not None:
-            try:
-                settings.termination_log.write_text(json.dumps(report))
-            except OSError as exc:
-                log.warning("cannot write the termination log: %s", exc)
+        write_report(settings.termination_log, report)
     return 2 if failure else 0
+
+
+def write_report(path: Path | None, report: dict[str, Any]) -> None:
+    """The termination report the operator reads (docs/pod-contract.md)."""
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(report))
+    except OSError as exc:
+        log.warning("cannot write the termination log: %s", exc)
 
 
 def run(settings: SidecarSettings) -> int:
@@ -377,7 +386,14 @@ def run(settings: SidecarSettings) -> int:
     second SIGTERM, or SIGINT, stops at once.
     """
     serving.tune_interpreter()
-    sidecar = prepare(settings)
+    try:
+        sidecar = prepare(settings)
+    except Exception as exc:  # not bad input (prepare reports that): a bug or a broken host
+        log.exception("the sidecar cannot start")
+        write_report(settings.termination_log, {
+            "globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
+            "error": f"the sidecar cannot start: {type(exc).__name__}: {exc}", "permanent": False})
+        return 2
     server = sidecar.server
     terms = []
 

@@ -283,3 +283,16 @@ def test_a_reader_failure_reaches_the_trainer_and_stops_the_sidecar(socket_root,
         if thread.is_alive():
             box["server"].stopping.set()
             thread.join(10)
+
+
+def test_a_sidecar_that_cannot_start_for_an_unexpected_reason_still_reports_why(pods, table_uri, tmp_path):
+    """Not bad input: a broken host (here the socket directory lies under a plain file)."""
+    pod = pods("pod", manifest(table_uri), replicas=1, replica=0)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    pod.env["SPLITFEED_SOCKET_DIR"] = str(blocker / "sock")
+    pod.start_process()
+    assert pod.wait(120) == 2
+    report = json.loads(pod.termination_log.read_text())
+    assert report["error"].startswith("the sidecar cannot start: ")
+    assert "not-a-directory" in report["error"] and report["permanent"] is False
