@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.kubeconfig:
         os.environ["KUBECONFIG"] = config.kubeconfig  # for Kopf's own login as well
+    check_credentials(config.kubeconfig)
     import kopf
 
     from . import handlers  # noqa: F401  (registers the handlers)
@@ -114,6 +115,29 @@ def run(args: argparse.Namespace) -> int:
 
         webhooks.register(kopf.get_default_registry())
     return asyncio.run(_main(config))
+
+
+def check_credentials(kubeconfig: str | None) -> None:
+    """Fail at once, in one line, without a way to reach a cluster.
+
+    Kopf would log the client's traceback and retry its startup every minute; a
+    user who ran `splitfeed operator` on a laptop wants to know what to set.
+    """
+    from kubernetes.config.config_exception import ConfigException
+
+    from splitfeed.trainer_client import errors
+
+    from . import kube
+
+    try:
+        kube.Kube.connect(kubeconfig).close()
+    except (ConfigException, OSError, ValueError) as exc:
+        path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+        where = (f"the kubeconfig at {path} cannot be used" if os.path.exists(path)
+                 else f"no kubeconfig at {path} and not in a pod")
+        raise errors.UserError(
+            f"no way to reach a Kubernetes API server: {where} ({exc}); set --kubeconfig or "
+            "KUBECONFIG, or run the operator in the cluster (helm install charts/splitfeed)") from exc
 
 
 async def _main(config: configs.OperatorConfig) -> int:

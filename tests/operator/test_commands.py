@@ -67,3 +67,24 @@ def test_failure_policy_and_webhook_hardening_flags():
     d = config("--webhook-port", "9443")
     assert d.webhook is not None and d.webhook.dry_run_pods and not d.webhook.check_pod_permission
     assert d.planning.restart_backoff_s == 10 and d.planning.stall_timeout_s == 900
+
+
+@pytest.mark.parametrize("kubeconfig,words", [
+    (None, "no kubeconfig at {path} and not in a pod"),
+    ("apiVersion: v1\nkind: Config\nclusters: []\n", "the kubeconfig at {path} cannot be used"),
+], ids=["missing", "unusable"])
+def test_no_way_to_reach_a_cluster_is_one_line_that_says_what_to_set(tmp_path, kubeconfig, words):
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "kubeconfig"
+    if kubeconfig:
+        path.write_text(kubeconfig)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "KUBECONFIG"))}
+    done = subprocess.run([sys.executable, "-m", "splitfeed.trainer_client.cli", "operator",
+                           "--kubeconfig", str(path)], env={**env, "HOME": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
+    assert words.format(path=path) in done.stderr and "set --kubeconfig or KUBECONFIG" in done.stderr
