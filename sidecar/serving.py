@@ -106,6 +106,8 @@ class RankFeed:
         self.control.prefetch = prefetch
         self.slots: list[ring.SlotFile] = []
         self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
+        self._waits = 0  # numbers this publisher's waits in sidecar_waiting
+        self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
         self.peer: bytes | None = None
         self.trainer_pid: int | None = None
         self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -206,7 +208,9 @@ class RankFeed:
                 if not self._publish(global_step, batch, stop):
                     return
                 next_step = global_step + 1
-                if self.control.trainer_waiting:  # an RMW after the slot's: no wake-up is lost
+                waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
+                if waiting and waiting != self._readied:  # one `ready` per wait
+                    self._readied = waiting
                     tell("ready", global_step)
             if not stop.is_set():
                 tell("end", next_step)
@@ -255,7 +259,9 @@ class RankFeed:
                     self._woken.clear()
                 index, waiting_for = self._try_slot(size)
                 if index is None and waiting != waiting_for:
-                    control.sidecar_waiting = waiting = waiting_for
+                    self._waits += 1
+                    control.sidecar_waiting = ring.Waiting.episode(self._waits, waiting_for)
+                    waiting = waiting_for
                     index, _ = self._try_slot(size)
                 if index is not None:
                     return index
@@ -346,6 +352,7 @@ class RankFeed:
             self.outbox.get_nowait()  # news of the stopped publisher
         self.end_sent = False
         control.sidecar_waiting = ring.Waiting.NO
+        self._readied = 0
         if trainer_gone:
             control.trainer_waiting = 0  # its writer is gone: nobody else may clear it
         self.start(next_step)

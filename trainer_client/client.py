@@ -194,14 +194,6 @@ def _release(holds: dict[int, weakref.ref[np.ndarray]], control: ring.Control, s
         pass  # the control block is already closed
 
 
-def _wake_due(control: ring.Control) -> bool:
-    """The sidecar waits and what it waits for has happened: at most half of `prefetch`
-    is filled (ROOM), or a slot is free (SLOT). An RMW read of its flag after our own
-    change of a state: one of the two sides always sees the other's (ring's module doc)."""
-    waiting = control.sidecar_waiting
-    if waiting == ring.Waiting.ROOM:
-        return control.filled() <= control.prefetch // 2
-    return waiting == ring.Waiting.SLOT and ring.SlotState.FREE in control.states()
 
 
 class StreamClient:
@@ -240,6 +232,8 @@ class StreamClient:
         self._holds: dict[int, weakref.ref[np.ndarray]] = {}  # keeps the release callbacks alive
         self._control: ring.Control | None = None
         self._waiting = False  # this process set the control block's trainer_waiting
+        self._waits = 0  # numbers this process's waits in trainer_waiting
+        self._woken = 0  # the sidecar's wait (its sidecar_waiting) a `wake` was sent for
         self.torn_retries = 0
         """Times a slot's marks did not match and the slot was looked at again (tests read it)."""
         self._instance = ""
@@ -312,7 +306,8 @@ class StreamClient:
                     index, spun = self._spin(control, step), True
                 if index is None:
                     if not self._waiting:
-                        control.trainer_waiting, self._waiting = 1, True
+                        self._waits = self._waits % 0x7FFFFFFF + 1
+                        control.trainer_waiting, self._waiting = self._waits, True
                     index = control.find(step, scan=True)  # it may have landed meanwhile
                 if index is not None:
                     batch = self._take(control, index, step)
@@ -492,7 +487,7 @@ class StreamClient:
                     f"the sidecar at {self._dir} went away during the handshake") from None
             self._instance = message["instance"]
             self._control = control  # the old one is unmapped with its last batch (they reference it)
-            self._waiting = False
+            self._waiting, self._woken = False, 0
             for key in [k for k in self._slot_files if k[0] != self._instance]:
                 self._slot_files.pop(key).close()  # unmapped now, or when its last batch is freed
         self.rank = message["rank"]
@@ -537,7 +532,7 @@ class StreamClient:
 
     def _why_no_batch(self) -> str:
         control = self._control
-        if control is not None and control.sidecar_waiting == ring.Waiting.SLOT:
+        if control is not None and control.sidecar_waiting & ring.Waiting.KIND == ring.Waiting.SLOT:
             held = control.states().count(ring.SlotState.TAKEN)
             return (f"no batch in {self._timeout_s} s: this process still references {held} earlier "
                     f"batches, every slot of the ring ({ring.MAX_SLOTS}); drop the batches (or tensors "
@@ -592,8 +587,7 @@ class StreamClient:
         del root
         control.acked = step
         self._next_step = step + 1
-        if _wake_due(control):
-            self._wake()
+        self._wake_if_due(control)
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         return Batch(columns, epoch=epoch, step=in_epoch, global_step=step, rows=rows)
 
@@ -641,11 +635,24 @@ class StreamClient:
     def _flush_releases(self) -> None:
         """Batches freed since the last call may unblock a waiting sidecar."""
         control = self._control
-        if control is None:
-            return
-        if _wake_due(control):
-            self._wake()
+        if control is not None:
+            self._wake_if_due(control)
 
-    def _wake(self) -> None:
-        """The sidecar clears its own flag once it has room: until then takes may wake it again."""
+    def _wake_if_due(self, control: ring.Control) -> None:
+        """Wake the sidecar once per wait, when what it waits for has happened: at most
+        half of `prefetch` filled (ROOM), or a free slot (SLOT).
+
+        An RMW read of its flag after our own change of a state: of the two
+        sides, one always sees the other's change (ring's module doc). A `wake`
+        costs ~100 us of ZeroMQ on a busy machine: one per wait, not per batch.
+        """
+        waiting = control.sidecar_waiting
+        if not waiting or waiting == self._woken:
+            return
+        kind = waiting & ring.Waiting.KIND
+        if kind == ring.Waiting.ROOM and control.filled() > control.prefetch // 2:
+            return
+        if kind == ring.Waiting.SLOT and ring.SlotState.FREE not in control.states():
+            return
+        self._woken = waiting
         self._sock.send(protocol.encode("wake"))

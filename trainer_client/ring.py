@@ -97,12 +97,18 @@ class SlotState:
 
 
 class Waiting:
-    """Values of `sidecar_waiting`: what the sidecar waits for, so the trainer
-    wakes it only when that has happened (not on every batch)."""
+    """What the sidecar waits for (the low bits of `sidecar_waiting`), so the
+    trainer wakes it only when that has happened (not on every batch)."""
 
     NO = 0
     ROOM = 1    # `prefetch` slots are FILLED: wake when at most prefetch // 2 are
     SLOT = 2    # every slot is held (MAX_SLOTS): wake when one is freed
+    KIND = 3    # the mask; the bits above count the sidecar's waits
+
+    @staticmethod
+    def episode(count: int, kind: int) -> int:
+        """The value of `sidecar_waiting` for the sidecar's `count`th wait, for `kind`."""
+        return (count << 2 | kind) & 0x7FFFFFFF
 
 
 class _Word:
@@ -122,7 +128,9 @@ class _Flag:
     """One int32 "I am waiting" word, read and written only by atomic RMWs (see the module doc).
 
     Each flag has one writer (its waiter); setting it takes two RMWs, which
-    only that writer may do. The peer only reads (adds 0).
+    only that writer may do. The peer only reads (adds 0). A waiter writes a
+    new non-zero value for every wait, and the peer wakes it once per value:
+    one message per wait, without the peer ever writing the flag.
     """
 
     def __init__(self, index: int) -> None:
@@ -178,8 +186,8 @@ class Control:
     prefetch = _Word(5)              # a waiting sidecar is woken below half of it
     checkpoint_at = _Word(8)         # the world's agreed step: checkpoint once this many steps are taken (-1: none)
     drain_at = _Word(9)              # the same step when the world drains: no batch at or after it (-1: none)
-    trainer_waiting = _Flag(0)       # 1: the trainer sleeps on the socket for a batch (the trainer writes it)
-    sidecar_waiting = _Flag(1)       # a Waiting value: the sidecar sleeps until woken (the sidecar writes it)
+    trainer_waiting = _Flag(0)       # non-zero: the trainer sleeps on the socket for a batch (the trainer writes it)
+    sidecar_waiting = _Flag(1)       # Waiting.episode(...): the sidecar sleeps until woken (the sidecar writes it)
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)

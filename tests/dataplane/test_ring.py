@@ -62,7 +62,8 @@ def test_every_slot_held_makes_the_sidecar_wait_for_a_slot_and_a_release_wakes_i
         it = iter(client)
         held = [next(it) for _ in range(3)]  # every slot the ring may have
         control = client._control
-        wait_for(lambda: control.sidecar_waiting == ring.Waiting.SLOT, what="the sidecar to wait for a slot")
+        wait_for(lambda: control.sidecar_waiting & ring.Waiting.KIND == ring.Waiting.SLOT,
+                 what="the sidecar to wait for a slot")
         assert control.num_slots == 3 and control.filled() == 0
         first = ids(held.pop(0))
         assert first == list(range(0, ROWS))
@@ -90,7 +91,8 @@ def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(se
     serve(total_steps=40, prefetch=4)
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
         control = client._control
-        wait_for(lambda: control.sidecar_waiting == ring.Waiting.ROOM, what="the sidecar to fill the ring")
+        wait_for(lambda: control.sidecar_waiting & ring.Waiting.KIND == ring.Waiting.ROOM,
+                 what="the sidecar to fill the ring")
         assert control.filled() == 4
         time.sleep(0.05)
         assert control.filled() == 4  # never more than prefetch ahead
