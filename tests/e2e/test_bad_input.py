@@ -42,6 +42,22 @@ def test_a_scale_to_an_invalid_count_is_rejected_with_the_valid_counts(cluster: 
     cluster.kubectl("-n", NS, "delete", "sj", "scale-bad")
 
 
+def test_a_scale_or_suspend_of_a_job_without_a_checkpoint_store_is_refused_by_kubectl(cluster: Cluster) -> None:
+    """Nowhere to save the data position: a rescale would start over; the API says so first."""
+    m = cluster.manifest("no-store", replicas=2)
+    m["spec"]["suspend"] = True  # no pods needed to judge the request
+    del m["spec"]["checkpoint"]
+    cluster.apply(m)
+    out = cluster.kubectl("-n", NS, "scale", "sj/no-store", "--replicas=4", check=False)
+    log(f"no-store: kubectl scale --replicas=4 -> {out.returncode}: {out.stderr.strip()}")
+    assert out.returncode != 0 and "spec.checkpoint.uri" in out.stderr
+    assert cluster.job("no-store")["spec"]["replicas"] == 2
+    out = cluster.kubectl("-n", NS, "patch", "sj/no-store", "--type=merge", "-p",
+                          '{"spec": {"suspend": false, "replicas": 4}}', check=False)
+    assert out.returncode != 0 and "spec.checkpoint.uri" in out.stderr, out.stderr
+    cluster.kubectl("-n", NS, "delete", "sj", "no-store")
+
+
 @pytest.mark.parametrize("name,data,words", [
     pytest.param("no-table", {"table": "nope"}, "table spec.data.table='nope' does not exist", id="missing-table"),
     pytest.param("few-rows", {"filter": "id < 10"}, "has 10 rows after spec.data.filter='id < 10', fewer "
