@@ -173,7 +173,7 @@ class World:
 
     def steps(self) -> list[int]:
         """Each rank's received global steps (its last step + 1; 0 before the first)."""
-        return [int(_read_stats(f).get("last_step", -1)) + 1 for f in self.stats]
+        return [int(_read_json(f).get("last_step", -1)) + 1 for f in self.stats]
 
 
 def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path, *,
@@ -337,7 +337,7 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
             continue
         time.sleep(0.1)
         display.update(world, [])
-    agreed = {_read_report(r).get("agreedStep") for r in world.reports}
+    agreed = {_read_json(r).get("agreedStep") for r in world.reports}
     if len(agreed) != 1 or None in agreed:
         raise errors.UserError(f"world {world.epoch} ended without one agreed step (reports: {agreed})")
     step = int(agreed.pop())  # type: ignore[arg-type]
@@ -348,14 +348,6 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
     nxt = start_world(job, world.epoch + 1, argv, work, logs, resume=resume, resume_step=step,
                       storage_options_dir=storage_options_dir)
     return nxt, rescale
-
-
-def _read_report(path: Path) -> dict[str, Any]:
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return report if isinstance(report, dict) else {}
 
 
 def _rmtree(path: Path) -> None:
@@ -390,7 +382,7 @@ class Progress:
     def update(self, world: World, rescales: Sequence[Rescale]) -> None:
         if not self.enabled:
             return
-        stats = [_read_stats(f) for f in world.stats]
+        stats = [_read_json(f) for f in world.stats]
         total = max((int(s.get("total_steps", 0)) for s in stats), default=0)
         rows = sum(s.get("rows", 0) for s in stats)
         busy = sum(s.get("elapsed_s", 0.0) for s in stats)
@@ -437,16 +429,17 @@ class Progress:
             self._bar = None
 
 
-def _read_stats(path: Path) -> dict[str, float]:
+def _read_json(path: Path) -> dict[str, Any]:
+    """A stats file or a sidecar's report; {} while it is missing or half written."""
     try:
-        stats = json.loads(path.read_text())
+        found = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return stats if isinstance(stats, dict) else {}
+    return found if isinstance(found, dict) else {}
 
 
 def _summary(stats_files: list[Path], elapsed: float, out: IO[str]) -> None:
-    stats = [_read_stats(f) for f in stats_files]
+    stats = [_read_json(f) for f in stats_files]
     rows = sum(s.get("rows", 0) for s in stats)
     steps = max((s.get("last_step", -1) + 1 for s in stats), default=0)
     busy = sum(s.get("elapsed_s", 0.0) for s in stats)
