@@ -294,10 +294,7 @@ class SlotFile:
         self.size = size
         self._mm = _map(self.path, size, create=create)
         self.view = np.frombuffer(self._mm, dtype=np.uint8)
-
-    @property
-    def payload(self) -> np.ndarray:
-        return self.view[SLOT_HEADER:self.size - SLOT_TRAILER]
+        self.payload = self.view[SLOT_HEADER:size - SLOT_TRAILER]  # made once: a slice per batch costs
 
     def mark_header(self, step: int, seq: int) -> None:
         """Before the payload is written."""
@@ -315,7 +312,7 @@ class SlotFile:
 
     def close(self) -> None:
         """Unmap once nothing references the view; a live batch keeps it mapped."""
-        del self.view
+        del self.view, self.payload
         try:
             self._mm.close()
         except BufferError:
