@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from splitfeed.trainer_client import errors, protocol
+from splitfeed.trainer_client import errors, progress, protocol
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class Coordinator:
         """The committed drain step, once fixed."""
         self.commits: dict[int, set[int]] = {}
         self.complete_step: int | None = None
+        self.progress: dict[int, dict[str, Any]] = {}
+        """Each member's last `progress` (live status; docs/observability.md)."""
 
     def on_join(self, peer: bytes, replica: int) -> list[Out]:
         if not 0 <= replica < self.replicas:
@@ -124,6 +126,19 @@ class Coordinator:
         for old in [s for s in self.commits if s <= step]:
             del self.commits[old]
         return [Out(EVERY, "complete", {"step": step})]
+
+    def on_progress(self, message: dict[str, Any]) -> list[Out]:
+        """A member's counts; kept for `status_request`, answered with nothing."""
+        replica = message["replica"]
+        if not 0 <= replica < self.replicas:
+            raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
+        self.progress[replica] = progress.checked(message)
+        return []
+
+    def on_status_request(self, peer: bytes) -> list[Out]:
+        return [Out(peer, "status", progress.world_status(
+            list(self.progress.values()), replicas=self.replicas, total_steps=self.total_steps,
+            resume_step=self.resume_step, drain_step=self.step))]
 
     def _freeze(self) -> list[Out]:
         self.phase = FREEZING
@@ -184,6 +199,10 @@ class CoordinatorThread:
             return c.on_frozen(message["replica"], message["round"], message["published"])
         if kind == "committed_world":
             return c.on_committed(message["replica"], message["step"])
+        if kind == "progress":
+            return c.on_progress(message)
+        if kind == "status_request":
+            return c.on_status_request(peer)
         raise errors.ProtocolError(f"the coordinator does not take {kind!r}")
 
     def _send(self, outs: list[Out]) -> None:

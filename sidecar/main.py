@@ -19,7 +19,7 @@ from typing import Any
 
 from splitfeed.trainer_client import errors, specs
 
-from . import agreement, checkpoints, identity, positions, reading, serving, workers
+from . import agreement, checkpoints, identity, metrics, positions, reading, serving, workers
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class SidecarSettings:
     podinfo_dir: Path | None = None
     storage_options_dir: Path | None = None
     termination_log: Path | None = None
+    metrics_port: int | None = None
+    """Where /metrics is served (SPLITFEED_METRICS_PORT; 0: any free port); None: not at all."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SidecarSettings:
@@ -70,6 +72,7 @@ class SidecarSettings:
             "replica": int(env["NODE_RANK"]) if env.get("NODE_RANK") else None,
             "coordinator": env.get("SPLITFEED_COORDINATOR") or None,
             "checksum": env.get("SPLITFEED_CONFIG_CHECKSUM") or None,
+            "metrics_port": metrics.metrics_port(env) or None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -242,6 +245,7 @@ class Sidecar:
     """Replica 0's: the world's coordinator, alive as long as this sidecar."""
     table_version: int | None = None
     """The table version every worker of this world reads."""
+    metrics: metrics.SidecarMetrics | None = None
 
 
 def provenance(data: specs.DataSpec, settings: SidecarSettings) -> dict[str, Any]:
@@ -301,11 +305,15 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
 
+    observed = metrics.SidecarMetrics(metrics.Labels(
+        job=job.name if job else "", namespace=job.namespace if job else "",
+        world=settings.world_epoch, replica=replica_of(settings)))
+
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]
         assert data is not None  # every worker opens the pinned version
-        return workers.iter_rank_batches(data, storage_options, rank=rank,
-                                         world_size=settings.world_size,
-                                         start_global_step=first_step)
+        return observed.timed_batches(workers.iter_rank_batches(data, storage_options, rank=rank,
+                                                                world_size=settings.world_size,
+                                                                start_global_step=first_step))
 
     checkpoint = commit = None
     if data is not None and stores:
@@ -318,6 +326,8 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         def commit(rank: int, step: int) -> None:
             st.commit(global_step=step, rank=rank, world_size=world)
 
+        checkpoint = observed.timed_checkpoint(checkpoint)
+
     server = serving.Server(
         directory=settings.socket_dir, ranks=ranks, world_size=settings.world_size,
         factory=factory, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
@@ -326,8 +336,12 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         member=member if failure is None else None, instance=instance)
     if failure is not None and member is not None:
         member.close()
+    observed.feeds = lambda: server.feeds
+    if settings.metrics_port is not None:
+        observed.serve(settings.metrics_port)
     return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator,
-                   int(data.version) if data is not None and data.version is not None else None)
+                   int(data.version) if data is not None and data.version is not None else None,
+                   observed)
 
 
 def serve(sidecar: Sidecar) -> int:
@@ -340,7 +354,9 @@ def serve(sidecar: Sidecar) -> int:
             log.info("serving ranks %s of %d at %s from global step %d of %d",
                      [f.rank for f in server.feeds], settings.world_size, settings.socket_dir,
                      server.resume_step, server.total_steps)
-            server.run(tick=RequestWatcher(server, settings.podinfo_dir))
+            watcher = RequestWatcher(server, settings.podinfo_dir)
+            reporter = metrics.ProgressReporter(server, sidecar.steps_per_epoch)
+            server.run(tick=lambda: (watcher(), reporter()))
             failure = next((f.failure for f in server.feeds if f.failure), None)
     except Exception as exc:  # a bug or a broken environment: still say why, in the report
         log.exception("the sidecar failed")

@@ -127,6 +127,7 @@ class RankFeed:
         self._gate = threading.Condition()
         self._frozen = False
         self._limit: int | None = None
+        self.bytes_published = 0
         self.published = start_step - 1
         """The highest step the publisher has let through the gate (counted before it is written)."""
         self._woken = threading.Event()
@@ -235,6 +236,7 @@ class RankFeed:
         slot.mark_header(global_step, seq)
         nbytes = self.write(index, batch)
         slot.mark_trailer(nbytes, global_step, seq)
+        self.bytes_published += nbytes  # read by sidecar/metrics.py
         control = self.control
         control.step[index] = global_step
         control.nbytes[index] = nbytes

@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
-from . import protocol, ring
+from . import protocol, ring, stalls
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,8 @@ class _Stats:
         self.total_steps = 0
         self.steps_per_epoch = 0
         self._written = 0.0
+        self.stalls = stalls.Stalls()
+        self._published: stalls.Published | None = None
 
     def record(self, batch: Batch, wait_s: float) -> None:
         now = time.perf_counter()
@@ -159,8 +161,20 @@ class _Stats:
         self.batches += 1
         self.rows += batch.rows
         self.last_step = batch.global_step
+        bucket = self.stalls.record(wait_s, now)
+        if self._published is not None:
+            self._published.write(self.stalls, bucket, self.rows, self.batches)
         if now - self._written > STATS_EVERY_S:
             self.write()
+
+    def attach(self, control: ring.Control) -> None:
+        """Mirror the counts into this control block, where the sidecar reads them (stalls.Published)."""
+        self._published = stalls.Published(control.progress)
+
+    @property
+    def stall(self) -> stalls.Summary:
+        """Data-ready latency percentiles (p50_s, p95_s, p99_s) and `stall_share`, for the trainer to log."""
+        return self.stalls.summary()
 
     def write(self, final: bool = False) -> None:
         if not self.path:
@@ -171,6 +185,7 @@ class _Stats:
         blob = json.dumps({"batches": self.batches, "rows": self.rows, "wait_s": self.wait_s,
                            "elapsed_s": elapsed, "last_step": self.last_step, "total_steps": self.total_steps,
                            "steps_per_epoch": self.steps_per_epoch,
+                           "data_ready_buckets": self.stalls.counts,
                            "final": final})
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
@@ -487,6 +502,7 @@ class StreamClient:
                     f"the sidecar at {self._dir} went away during the handshake") from None
             self._instance = message["instance"]
             self._control = control  # the old one is unmapped with its last batch (they reference it)
+            self.stats.attach(control)
             self._waiting, self._woken = False, 0
             for key in [k for k in self._slot_files if k[0] != self._instance]:
                 self._slot_files.pop(key).close()  # unmapped now, or when its last batch is freed

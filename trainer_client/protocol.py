@@ -15,7 +15,8 @@ Sidecar -> trainer: welcome, ready, end, checkpointed, committed, error.
 The world's agreement (docs/agreement.md) speaks the same frames over TCP:
 member sidecar -> coordinator: join, frozen, drain_request, committed_world;
 coordinator -> member: joined, freeze, commit_at, complete;
-operator -> coordinator: drain_request, answered by drain_ack.
+operator -> coordinator: drain_request, answered by drain_ack; status_request,
+answered by status (members send progress).
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ _SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "complete": {"step": (int,)},
     "drain_request": {"token": (str,), "reason": (str,)},
     "drain_ack": {"token": (str,), "state": (str,)},
+    # Live progress (docs/observability.md): member -> coordinator every few seconds;
+    # operator -> coordinator `status_request`, answered by `status` (the world's sums).
+    "progress": {"replica": (int,), "global_step": (int,), "steps_per_epoch": (int,), "rows": (int,),
+                 "rows_per_s": (float, int), "wait_s": (float, int), "wall_s": (float, int), "buckets": (list,)},
+    "status_request": {},
+    "status": {"replicas": (int,), "reporting": (int,), "global_step": (int, type(None)),
+               "steps_per_epoch": (int,), "total_steps": (int,), "resume_step": (int,),
+               "rows": (int,), "rows_per_s": (float, int), "wait_s": (float, int), "wall_s": (float, int),
+               "buckets": (list,), "drain_step": (int, type(None))},
 }
 
 

@@ -53,8 +53,10 @@ from typing import Any
 
 import numpy as np
 
+from . import stalls
+
 MAGIC = 0x53465247  # "SFRG"
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 MAX_SLOTS = 256
 PAGE = mmap.PAGESIZE
 SLOT_HEADER = 64
@@ -158,7 +160,14 @@ _FLAG_BYTES = 64  # the two int32 flags, alone on their cache line
 # instead of a scan (at most MAX_SLOTS batches are in flight, so the index is
 # unambiguous).
 _STATE_OFFSET = _HEADER_BYTES + _FLAG_BYTES
-CONTROL_BYTES = _STATE_OFFSET + MAX_SLOTS * (4 + 8 + 8 + 8 + 8 + 8)
+# Then the trainer's progress (`progress`, int64, the trainer writes, the sidecar
+# reads): data-ready bucket counts (stalls.BUCKETS_S), then PROGRESS_FIELDS. Plain
+# aligned 8-byte stores: a reader sees each word whole, and a count one batch
+# stale is harmless for metrics; no message carries them.
+PROGRESS_FIELDS = ("wait_ns", "wall_ns", "rows", "batches")
+PROGRESS_WORDS = stalls.NUM_BUCKETS + len(PROGRESS_FIELDS)
+_PROGRESS_OFFSET = _STATE_OFFSET + MAX_SLOTS * (4 + 8 + 8 + 8 + 8 + 8)
+CONTROL_BYTES = _PROGRESS_OFFSET + PROGRESS_WORDS * 8
 
 
 def control_path(directory: Path, instance: str, local_rank: int) -> Path:
@@ -207,6 +216,7 @@ class Control:
         self.seq = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         offset += MAX_SLOTS * 8
         self.posted = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
+        self.progress = np.ndarray((PROGRESS_WORDS,), "<i8", buffer=self._mm, offset=_PROGRESS_OFFSET)
         if create:
             self.step[:] = -1
             self.magic, self.version, self.acked = MAGIC, LAYOUT_VERSION, -1
@@ -267,10 +277,20 @@ class Control:
         found = np.flatnonzero((self.step == step) & (self.state == SlotState.FILLED))
         return int(found[0]) if len(found) else None
 
+    def read_progress(self) -> tuple[list[int], dict[str, int]]:
+        """The trainer's data-ready bucket counts and its PROGRESS_FIELDS (the sidecar's side)."""
+        words = self.progress.tolist()
+        return words[:stalls.NUM_BUCKETS], dict(zip(PROGRESS_FIELDS, words[stalls.NUM_BUCKETS:]))
+
+    def write_progress(self, counts: list[int], **fields: int) -> None:
+        """The trainer's side: its cumulative counts (every PROGRESS_FIELDS name)."""
+        self.progress[: stalls.NUM_BUCKETS] = counts
+        self.progress[stalls.NUM_BUCKETS:] = [fields[name] for name in PROGRESS_FIELDS]
+
     def close(self) -> None:
         # numpy views pin the mapping; drop them first.
         self._base = self._states_at = 0
-        del self.words, self.state, self.step, self.gen, self.nbytes, self.seq, self.posted
+        del self.words, self.state, self.step, self.gen, self.nbytes, self.seq, self.posted, self.progress
         self._mm.close()
 
 

@@ -50,3 +50,29 @@ def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
         log.debug("drain request to %s: unexpected answer %s", address, answer)
         return None
     return str(answer["state"])
+
+
+def request_status(address: str, timeout_s: float = 1.0,
+                   context: zmq.Context[Any] | None = None) -> dict[str, Any] | None:
+    """The coordinator's `status` answer (the world's progress, trainer_client.progress), or None.
+
+    Same shape as `request_drain`: a fresh DEALER, one frame, a bounded wait; the
+    operator polls again at its next interval, so a lost answer costs nothing.
+    """
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(address)
+        sock.send(protocol.encode("status_request"), zmq.NOBLOCK)
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        answer = protocol.decode(sock.recv(zmq.NOBLOCK))
+    except (zmq.ZMQError, errors.ProtocolError) as exc:
+        log.debug("status request to %s failed: %s", address, exc)
+        return None
+    finally:
+        sock.close(linger=0)
+    return answer if answer["type"] == "status" else None

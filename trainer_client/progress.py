@@ -1,0 +1,72 @@
+"""A running world's progress: members' counts -> the coordinator's sums -> status.progress.
+
+Pure functions shared by the sidecar (its coordinator sums what members send)
+and the operator (it turns the coordinator's `status` answer into the
+StreamingJob's `status.progress`), so both read the numbers the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import stalls
+from .errors import ProtocolError
+
+_SUMMED = ("rows", "rows_per_s", "wait_s", "wall_s")
+
+
+def checked(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A member's `progress` message with its histogram checked (the protocol checks the rest)."""
+    buckets = message["buckets"]
+    if len(buckets) != stalls.NUM_BUCKETS or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in buckets):
+        raise ProtocolError(f"progress.buckets must be {stalls.NUM_BUCKETS} non-negative integers")
+    return {k: v for k, v in message.items() if k not in ("v", "type")}
+
+
+def world_status(members: Sequence[Mapping[str, Any]], *, replicas: int, total_steps: int, resume_step: int,
+                 drain_step: int | None) -> dict[str, Any]:
+    """The `status` answer: the slowest member's step (synchronous training moves as one), sums of the rest."""
+    return {
+        "replicas": replicas,
+        "reporting": len(members),
+        "global_step": min((int(m["global_step"]) for m in members), default=None),
+        "steps_per_epoch": max((int(m["steps_per_epoch"]) for m in members), default=0),
+        "total_steps": total_steps,
+        "resume_step": resume_step,
+        **{k: sum(m[k] for m in members) for k in _SUMMED},
+        "buckets": stalls.merge([m["buckets"] for m in members]),
+        "drain_step": drain_step,
+    }
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    """Short numbers for the status (a printer column shows them as they are)."""
+    return None if value is None else round(value, digits)
+
+
+def status_progress(answer: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any] | None:
+    """status.progress from a coordinator's `status` answer; None when no rank has taken a batch yet.
+
+    globalStep only moves forward (the CRD says so, and a report of a world that
+    ended may already be ahead).
+    """
+    step = answer.get("global_step")
+    if int(answer.get("reporting") or 0) < int(answer.get("replicas") or 1):
+        return None  # the slowest member may be the one not heard from yet
+    if not isinstance(step, int) or step <= int(answer.get("resume_step") or 0) - 1:
+        return None
+    spe = int(answer.get("steps_per_epoch") or 0)
+    step = max(step, int(old.get("globalStep", -1)))
+    epoch, in_epoch = divmod(step, spe) if spe > 0 else (0, step)
+    summary = stalls.summarize(answer["buckets"], float(answer["wait_s"]), float(answer["wall_s"]))
+    out: dict[str, Any] = {
+        "globalStep": step, "epoch": epoch, "step": in_epoch, "stepsPerEpoch": spe,
+        "rowsPerSecond": _round(float(answer["rows_per_s"]), 1),
+        "dataStallShare": _round(summary.stall_share, 3),
+        "dataReady": {k: v for k, v in (("p50Seconds", _round(summary.p50_s, 6)),
+                                        ("p95Seconds", _round(summary.p95_s, 6)),
+                                        ("p99Seconds", _round(summary.p99_s, 6))) if v is not None},
+    }
+    return {**old, **out}
