@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from splitfeed.trainer_client import errors, specs, worlds
+from splitfeed.trainer_client import errors, specs, stalls, worlds
+
+from . import metrics
 
 STOP_GRACE_S = 10.0
 
@@ -191,6 +193,7 @@ def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, log
         env = rank_env(job, replica, 0, socket_dir, master_port, epoch)
         env["SPLITFEED_RESUME"] = resume
         env["SPLITFEED_COORDINATOR"] = coordinator
+        env[metrics.METRICS_PORT_ENV] = metrics.local_port(os.environ, replica)
         if resume_step is not None:
             env["SPLITFEED_RESUME_STEP"] = str(resume_step)
         report = work / f"w{epoch}-report-{replica}.json"
@@ -447,6 +450,10 @@ def _summary(stats_files: list[Path], elapsed: float, out: IO[str]) -> None:
     stall = sum(s.get("wait_s", 0.0) for s in stats) / busy if busy else 0.0
     # rows/s over the time data flowed (first batch to last), not process start-up.
     rate = rows / streaming if streaming else 0.0
+    ready = stalls.summarize(stalls.merge([s.get("data_ready_buckets") or [] for s in stats]), 0.0, 0.0)
+    percentiles = ", ".join(f"{name} {value * 1000:.2f} ms" for name, value in
+                            (("p50", ready.p50_s), ("p95", ready.p95_s), ("p99", ready.p99_s)) if value is not None)
     print(f"splitfeed local: {int(steps)} global steps, {rows} rows in {elapsed:.1f} s; "
-          f"{rate:.0f} rows/s while streaming, data stall {stall:.1%}",
+          f"{rate:.0f} rows/s while streaming, data stall {stall:.1%}"
+          + (f"; data-ready latency {percentiles}" if percentiles else ""),
           file=out, flush=True)

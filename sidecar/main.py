@@ -319,14 +319,14 @@ def prepare(settings: SidecarSettings) -> Sidecar:
     if data is not None and stores:
         pinned, world, spe, st = data, settings.world_size, steps_per_epoch, stores[0]
 
-        def checkpoint(rank: int, step: int) -> str:
+        def write_checkpoint(rank: int, step: int) -> str:
             state = positions.state_dict(pinned, positions.position_of(step, spe))
             return st.write(global_step=step, rank=rank, world_size=world, state=state)
 
         def commit(rank: int, step: int) -> None:
             st.commit(global_step=step, rank=rank, world_size=world)
 
-        checkpoint = observed.timed_checkpoint(checkpoint)
+        checkpoint = observed.timed_checkpoint(write_checkpoint)
 
     server = serving.Server(
         directory=settings.socket_dir, ranks=ranks, world_size=settings.world_size,
@@ -338,7 +338,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         member.close()
     observed.feeds = lambda: server.feeds
     if settings.metrics_port is not None:
-        observed.serve(settings.metrics_port)
+        observed.port = observed.serve(settings.metrics_port)
     return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator,
                    int(data.version) if data is not None and data.version is not None else None,
                    observed)
@@ -356,7 +356,12 @@ def serve(sidecar: Sidecar) -> int:
                      server.resume_step, server.total_steps)
             watcher = RequestWatcher(server, settings.podinfo_dir)
             reporter = metrics.ProgressReporter(server, sidecar.steps_per_epoch)
-            server.run(tick=lambda: (watcher(), reporter()))
+
+            def tick() -> None:
+                watcher()
+                reporter()
+
+            server.run(tick=tick)
             failure = next((f.failure for f in server.feeds if f.failure), None)
     except Exception as exc:  # a bug or a broken environment: still say why, in the report
         log.exception("the sidecar failed")

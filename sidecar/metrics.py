@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -148,6 +147,8 @@ class SidecarMetrics:
         self.labels = labels
         self.feeds = feeds
         """The serving RankFeeds (set once the server exists)."""
+        self.port: int | None = None
+        """The port /metrics is served on, once `serve` bound one."""
         self.registry = CollectorRegistry()
         self.registry.register(RingCollector(lambda: self.feeds(), labels))
         self.read_seconds = Histogram(
@@ -205,7 +206,7 @@ class SidecarMetrics:
         return timed
 
 
-def metrics_port(env: dict[str, str] | os._Environ[str], default: int = DEFAULT_METRICS_PORT) -> int:
+def metrics_port(env: Mapping[str, str], default: int = DEFAULT_METRICS_PORT) -> int:
     """SPLITFEED_METRICS_PORT, or `default`; a bad value is a warning and the endpoint is off."""
     raw = env.get(METRICS_PORT_ENV, "").strip()
     if not raw:
@@ -250,3 +251,10 @@ class ProgressReporter:
         except (ValueError, AttributeError):
             return
         member.send("progress", **progress_fields(ranks, member.replica, self._steps_per_epoch))
+
+
+def local_port(env: Mapping[str, str], replica: int) -> str:
+    """`splitfeed local`'s SPLITFEED_METRICS_PORT for a replica's sidecar: the caller's
+    port plus the replica (they share one host), or "0" (off) when the caller set none."""
+    raw = env.get(METRICS_PORT_ENV, "").strip()
+    return str(int(raw) + replica) if raw.isdigit() and int(raw) > 0 else "0"

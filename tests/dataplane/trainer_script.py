@@ -1,6 +1,7 @@
 """A trainer process for data-plane tests: logs the ids of every batch it gets.
 
     python trainer_script.py LOG [--pause-after N] [--checkpoint-at S] [--save-at S] [--fail-at S]
+                                 [--compute-s T] [--stall-out PATH]
 
 It prints "resume N" (client.resume_step) first. `--save-at S` checkpoints and
 commits after S global steps and goes on, as a periodic save would.
@@ -28,6 +29,8 @@ def main() -> int:
     parser.add_argument("--save-at", type=int, help="checkpoint + commit when S global steps are done")
     parser.add_argument("--die-after-checkpoint", type=int,
                         help="checkpoint when S global steps are done, then die before saving a model")
+    parser.add_argument("--compute-s", type=float, default=0.0, help="sleep this long per batch (a model step)")
+    parser.add_argument("--stall-out", help="write client.stats.stall (JSON) here at the end")
     args = parser.parse_args()
     client = StreamClient(timeout_s=60)
     print(f"resume {client.resume_step}", flush=True)
@@ -39,6 +42,8 @@ def main() -> int:
             log.write(json.dumps({"step": batch.global_step, "ids": batch["id"].tolist()}) + "\n")
             log.flush()
             received += 1
+            if args.compute_s:
+                time.sleep(args.compute_s)
             if args.save_at is not None and batch.global_step + 1 == args.save_at:
                 client.commit(client.checkpoint())
             if args.die_after_checkpoint is not None and batch.global_step + 1 == args.die_after_checkpoint:
@@ -55,6 +60,11 @@ def main() -> int:
                 print("paused", flush=True)
                 while True:
                     time.sleep(1)
+    if args.stall_out:
+        stall = client.stats.stall
+        with open(args.stall_out, "w") as out:
+            json.dump({"share": stall.stall_share, "p50_s": stall.p50_s, "p95_s": stall.p95_s,
+                       "p99_s": stall.p99_s, "batches": stall.batches}, out)
     client.close()
     return 0
 
