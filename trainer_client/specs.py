@@ -120,6 +120,8 @@ class JobSpec:
     suspend: bool = False
     max_restarts: int = 3
     """World restarts after pod failures before the job is marked Failed."""
+    status_interval_seconds: int = 15
+    """How often the operator asks a running world for its progress (status.progress)."""
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
     sidecar: SidecarSpec = dataclasses.field(default_factory=SidecarSpec)
     trainer: TrainerSpec = dataclasses.field(default_factory=TrainerSpec)
@@ -209,6 +211,7 @@ _SPEC_FIELDS: dict[str, _Field] = {
     "gpusPerReplica": ("gpus_per_replica", "int", False, 1),
     "suspend": ("suspend", "bool", False, None),
     "maxRestarts": ("max_restarts", "int", False, 0),
+    "statusIntervalSeconds": ("status_interval_seconds", "int", False, 5),
 }
 _SECTIONS = {"data", "checkpoint", "sidecar", "trainer"}
 

@@ -229,9 +229,10 @@ class TestTheDefinition:
             "Phase": ".status.phase",
             "Epoch": ".status.progress.epoch",
             "Step": ".status.progress.step",
+            "Stall": ".status.progress.dataStallShare",
             "Age": ".metadata.creationTimestamp",
         }
-        assert list(columns) == ["Replicas", "World", "Phase", "Epoch", "Step", "Age"]
+        assert list(columns) == ["Replicas", "World", "Phase", "Epoch", "Step", "Stall", "Age"]
 
     def test_status_has_the_documented_fields(self):
         status = SCHEMA["properties"]["status"]["properties"]
@@ -241,7 +242,11 @@ class TestTheDefinition:
             "progress", "restarts", "conditions", "selector", "observedGeneration",
         }
         assert set(status["lastCheckpoint"]["properties"]) == {"step", "epoch", "worldSize", "time"}
-        assert set(status["progress"]["properties"]) == {"globalStep", "epoch", "step", "stepsPerEpoch"}
+        assert set(status["progress"]["properties"]) == {
+            "globalStep", "epoch", "step", "stepsPerEpoch", "rowsPerSecond", "dataStallShare", "dataReady",
+            "updatedAt"}
+        assert set(status["progress"]["properties"]["dataReady"]["properties"]) == {
+            "p50Seconds", "p95Seconds", "p99Seconds"}
 
     def test_conditions_have_the_metav1_condition_shape(self):
         conditions = SCHEMA["properties"]["status"]["properties"]["conditions"]
