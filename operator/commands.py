@@ -34,6 +34,8 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
                    "(defaults for jobs that name none: $SPLITFEED_SIDECAR_IMAGE, _SHM_SIZE, _PREFETCH_BATCHES)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
     p.add_argument("--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--metrics-port", type=int, default=8090, metavar="PORT",
+                   help="serve Prometheus /metrics on this port (default 8090; 0: off)")
     peer = p.add_mutually_exclusive_group()
     peer.add_argument("--peering", default="splitfeed", metavar="NAME",
                       help="Kopf peering object keeping a single active operator (default: splitfeed)")
@@ -99,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> configs.OperatorConfig:
         peering=None if args.standalone else args.peering,
         kubeconfig=args.kubeconfig,
         leader=leader,
+        metrics_port=args.metrics_port or None,
     )
 
 

@@ -68,3 +68,5 @@ class OperatorConfig:
     kubeconfig: str | None = None
     leader: LeaderElection | None = None
     """None: no leader election (one replica, or a development run)."""
+    metrics_port: int | None = 8090
+    """The operator's /metrics port (operator/metrics.py); None: not served."""

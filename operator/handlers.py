@@ -7,11 +7,12 @@ configured, because Kopf refuses to start with admission handlers and no server.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 import kopf
 
-from . import configs, kube, planning, reconciling, rescaling
+from . import configs, kube, live, metrics, planning, reconciling, rescaling
 
 G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 TIMER_INTERVAL_S = 3.0
@@ -47,6 +48,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
             addr=w.addr, port=w.port, host=w.host, certfile=w.certfile, pkeyfile=w.pkeyfile, cafile=w.cafile,
             file_check_interval=w.cert_check_s)
         settings.admission.managed = w.managed
+    if "metrics" not in memo:
+        memo["metrics"] = metrics.OperatorMetrics()
+        if config.metrics_port:
+            memo["metrics"].serve(config.metrics_port)
+        memo["live"] = live.Poller()
     if "ctx" not in memo:
         memo["ctx"] = reconciling.Context(kube=memo.get("kube") or kube.Kube.connect(config.kubeconfig),
                                           settings=config.planning)
@@ -55,6 +61,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, *, wait: bool) -> None:
     assert namespace is not None  # StreamingJob is a namespaced resource
     outcome = await reconciling.reconcile(memo["ctx"], namespace, name)
+    if "metrics" in memo:
+        memo["metrics"].reconciled(namespace, name, "error" if outcome.permanent_error else "ok",
+                                   [e.reason for e in outcome.events])
     if outcome.body is not None:
         for e in outcome.events:
             # kopf.event reads only the reference fields, which a plain dict has.
@@ -79,6 +88,24 @@ def _live(status: kopf.Status, **_: Any) -> bool:
 @kopf.timer(G, V, P, interval=TIMER_INTERVAL_S, when=_live)
 async def reconcile_periodically(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     await _reconcile(memo, namespace, name, wait=False)
+    if "live" in memo and namespace is not None:
+        await _live_status(memo, namespace, name)
+
+
+async def _live_status(memo: kopf.Memo, namespace: str, name: str) -> None:
+    """status.progress and status.lastRescale of a running world (operator/live.py); never fails the timer."""
+    ctx: reconciling.Context = memo["ctx"]
+    try:
+        async with ctx.lock(namespace, name):
+            patch, events = await memo["live"].poll(ctx.kube, namespace, name)
+    except kube.KubeError as exc:
+        logging.getLogger(__name__).info("%s/%s: live status not written: %s", namespace, name, exc)
+        return
+    memo["metrics"].rescaled(namespace, name, patch)
+    if events:
+        body = await ctx.kube.get_job(namespace, name)
+        for e in events if body is not None else []:
+            kopf.event(cast(kopf.Body, body), type=e.type, reason=e.reason, message=e.message)
 
 
 @kopf.on.probe(id="worlds")

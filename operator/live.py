@@ -1,0 +1,170 @@
+"""Live status of a running world: status.progress while it trains, status.lastRescale after a rescale.
+
+Every `spec.statusIntervalSeconds` (and every timer pass while a drain is under
+way, so a rescale's timeline is seen to a few seconds) the operator asks the
+world's coordinator (replica 0's sidecar) for the sums of its members'
+progress (`trainer_client.worlds.request_status`, in a worker thread: a socket
+and a one-second wait never run on Kopf's event loop). The operator reads no
+data and the trainer does nothing: sidecars read their trainers' counters from
+shared memory (docs/observability.md).
+
+The rescale timeline is kept in memory between passes (`Poller.rescales`) and
+written to `status.lastRescale` and an event once the new world took its first
+batch; an operator restarted mid-rescale writes the marks it saw itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from splitfeed.trainer_client import progress, worlds
+
+from . import kube, planning, rescaling
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 15
+LIVE_PHASES = ("Running", "Rescaling")
+RESCALE_REPORT = "RescaleReport"
+"""The event that carries a rescale's timeline (and status.lastRescale its numbers)."""
+
+
+def _iso(t: datetime.datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse(text: Any) -> datetime.datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def interval_s(body: Mapping[str, Any]) -> float:
+    value = (body.get("spec") or {}).get("statusIntervalSeconds")
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 5 \
+        else float(DEFAULT_INTERVAL_S)
+
+
+def coordinator_of(status: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """The running world's coordinator by replica 0's pod IP, or None while it has none."""
+    epoch = str(status.get("worldEpoch", ""))
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if labels.get(planning.LABEL_EPOCH) == epoch and labels.get(planning.LABEL_REPLICA) == "0":
+            pod_status = pod.get("status") or {}
+            ip = pod_status.get("podIP")
+            if ip and pod_status.get("phase") in ("Pending", "Running"):
+                return planning.coordinator_at(str(ip))
+    return None
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One rescale, as the operator saw it (wall-clock marks)."""
+
+    from_replicas: int
+    to_replicas: int
+    requested_at: datetime.datetime
+    old_epoch: int
+    old_step: int = 0
+    agreed_at: datetime.datetime | None = None
+    gone_at: datetime.datetime | None = None
+
+    def report(self, first_batch_at: datetime.datetime, resume_step: int) -> dict[str, Any]:
+        marks = {"requestedAt": self.requested_at, "checkpointAgreedAt": self.agreed_at,
+                 "oldWorldGoneAt": self.gone_at, "firstBatchAt": first_batch_at}
+        return {
+            "fromReplicas": self.from_replicas, "toReplicas": self.to_replicas,
+            **{k: _iso(v) for k, v in marks.items() if v is not None},
+            "latencySeconds": round((first_batch_at - self.requested_at).total_seconds(), 1),
+            "stepsRedone": max(0, self.old_step - resume_step),
+        }
+
+
+def describe(report: Mapping[str, Any]) -> str:
+    """The event message: where the rescale's time went."""
+    t0 = _parse(report.get("requestedAt"))
+
+    def since(key: str) -> str:
+        t = _parse(report.get(key))
+        return f"{(t - t0).total_seconds():.0f} s" if t and t0 else "unseen"
+
+    return (f"rescale {report.get('fromReplicas')} -> {report.get('toReplicas')} replicas took "
+            f"{report.get('latencySeconds')} s: checkpoint agreed after {since('checkpointAgreedAt')}, "
+            f"old world gone after {since('oldWorldGoneAt')}, new world's first batch after "
+            f"{since('firstBatchAt')}; {report.get('stepsRedone')} steps redone")
+
+
+@dataclasses.dataclass
+class Poller:
+    """Per-operator memory: when each job was last asked, and rescales under way."""
+
+    last: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    rescales: dict[tuple[str, str], Timeline] = dataclasses.field(default_factory=dict)
+
+    def observe(self, key: tuple[str, str], status: Mapping[str, Any], answer: Mapping[str, Any] | None,
+                now: datetime.datetime) -> tuple[dict[str, Any], list[rescaling.Event]]:
+        """Pure bookkeeping of one pass: the status patch and events it calls for."""
+        patch: dict[str, Any] = {}
+        events: list[rescaling.Event] = []
+        drain = status.get("drain") or {}
+        epoch = int(status.get("worldEpoch") or 0)
+        timeline = self.rescales.get(key)
+        if drain.get("reason") == "Rescale" and timeline is None:
+            requested = _parse(drain.get("requestedAt")) or now
+            timeline = self.rescales[key] = Timeline(
+                from_replicas=int(status.get("replicas") or 0), to_replicas=int(drain.get("targetReplicas") or 0),
+                requested_at=requested, old_epoch=epoch)
+        old_step = int((status.get("progress") or {}).get("globalStep") or 0)
+        if timeline is not None and epoch == timeline.old_epoch:
+            timeline.old_step = max(timeline.old_step, old_step)
+            if answer is not None and answer.get("drain_step") is not None and timeline.agreed_at is None:
+                timeline.agreed_at = now
+                timeline.old_step = max(timeline.old_step, int(answer["drain_step"]))
+        elif timeline is not None and timeline.gone_at is None:
+            timeline.gone_at = now  # the operator moved on to the next world
+        if answer is not None:
+            live = progress.status_progress(answer, status.get("progress") or {})
+            if live is not None:
+                live["updatedAt"] = _iso(now)
+                patch["progress"] = live
+            step = answer.get("global_step")
+            resume = int(answer.get("resume_step") or 0)
+            if timeline is not None and epoch != timeline.old_epoch and isinstance(step, int) and step > resume:
+                report = timeline.report(now, resume)
+                patch["lastRescale"] = report
+                events.append(rescaling.Event("Normal", RESCALE_REPORT, describe(report)))
+                del self.rescales[key]
+        return patch, events
+
+    async def poll(self, k: kube.Kube, namespace: str, name: str
+                   ) -> tuple[dict[str, Any], list[rescaling.Event]]:
+        """One pass for one job (the operator's timer); the status patch written and the events to post."""
+        body = await k.get_job(namespace, name)
+        if body is None:
+            return {}, []
+        status = body.get("status") or {}
+        key = (namespace, name)
+        if status.get("phase") not in LIVE_PHASES:
+            return {}, []
+        busy = bool(status.get("drain")) or key in self.rescales
+        now_s = time.monotonic()
+        if not busy and now_s - self.last.get(key, -1e9) < interval_s(body):
+            return {}, []
+        self.last[key] = now_s
+        pods = await k.list_pods(namespace, name)
+        address = coordinator_of(status, pods)
+        answer = await asyncio.to_thread(worlds.request_status, address) if address else None
+        patch, events = self.observe(key, status, answer, datetime.datetime.now(datetime.timezone.utc))
+        if patch:
+            await k.patch_job_status(namespace, name, patch)
+        return patch, events
