@@ -35,6 +35,11 @@ STORAGE_DIR = "/etc/splitfeed/storage"
 TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
 COORDINATOR_PORT = 29501
+METRICS_PORT = 29502
+"""The sidecar's Prometheus /metrics (SPLITFEED_METRICS_PORT; docs/observability.md)."""
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+                      "prometheus.io/path": "/metrics"}
+"""On every pod, unless the trainer's template sets its own (its trainer's metrics, say)."""
 """Replica 0's sidecar binds the world's agreement coordinator here (docs/agreement.md)."""
 VOLUME_SHM = "splitfeed-shm"
 VOLUME_CONFIG = "splitfeed-config"
@@ -274,6 +279,7 @@ def sidecar_container(
         "SPLITFEED_JOB_UID": job_uid,
         **({"SPLITFEED_TABLE_VERSION": table_version} if table_version is not None else {}),
         "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
+        "SPLITFEED_METRICS_PORT": METRICS_PORT,
     }
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
@@ -281,6 +287,7 @@ def sidecar_container(
         "command": ["splitfeed"],
         "args": args,
         "env": _env(env),
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
         "resources": copy.deepcopy(dict(job.sidecar.resources)),
         "terminationMessagePath": TERMINATION_LOG,
@@ -379,7 +386,7 @@ def pod(
         LABEL_REPLICA: str(replica),
         LABEL_EPOCH: str(world_epoch),
     }
-    annotations = {**(tmeta.get("annotations") or {}), ANNOTATION_CHECKSUM: config_checksum(job)}
+    annotations = {**SCRAPE_ANNOTATIONS, **(tmeta.get("annotations") or {}), ANNOTATION_CHECKSUM: config_checksum(job)}
 
     containers = spec.get("containers") or []
     shared: list[dict[str, Any]] = []

@@ -214,6 +214,7 @@ class TestDeployment:
             "--liveness=http://0.0.0.0:8080/healthz", "--all-namespaces", "--sidecar-mode", "native",
             "--standalone", "--leader-elect", "--leader-election-lease", "splitfeed-operator",
             "--restart-backoff", "10", "--restart-backoff-max", "360", "--stall-timeout", "900",
+            "--metrics-port", "8090",
         ]
         assert c["image"] == "splitfeed:0.1.0"
 
@@ -586,3 +587,119 @@ def test_notes_tell_how_to_apply_and_scale_a_job():
     single = rendered(SCENARIOS["single-namespace"])["splitfeed/templates/NOTES.txt"]
     assert "kubectl -n ml-team scale sj/resnet" in single
     assert "kubectl apply -f crds/streamingjob.yaml" in rendered(SCENARIOS["crds-disabled"])["splitfeed/templates/NOTES.txt"]
+
+
+# --- metrics (docs/observability.md) ------------------------------------------------------
+
+# kubernetes-validate has no schema for the Prometheus operator's kinds (they are not
+# Kubernetes'): the fields the chart sets, from monitoring.coreos.com/v1's CRDs.
+_ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"],
+             "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}
+_MONITOR_META = {"type": "object", "required": ["name", "namespace"],
+                 "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                                "labels": {"type": "object", "additionalProperties": {"type": "string"}}}}
+_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+    "matchExpressions": {"type": "array", "items": {"type": "object", "required": ["key", "operator"]}}}}
+_NS_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}}
+PROMETHEUS_OPERATOR = {
+    "ServiceMonitor": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "metadata": _MONITOR_META,
+        "spec": {"type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
+                 "properties": {"selector": _SELECTOR, "namespaceSelector": _NS_SELECTOR,
+                                "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}},
+    "PodMonitor": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "metadata": _MONITOR_META,
+        "spec": {"type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
+                 "properties": {"selector": _SELECTOR, "namespaceSelector": _NS_SELECTOR,
+                                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}},
+}
+MONITORED = {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                         "podMonitor": {"enabled": True}, "dashboard": {"enabled": True}}}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector's meaning (matchLabels and Exists/In expressions), written out for the test."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        if e["operator"] == "Exists" and e["key"] not in labels:
+            return False
+        if e["operator"] == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+class TestMetrics:
+    @pytest.mark.parametrize("values", [pytest.param(MONITORED, id="monitored"),
+                                        pytest.param({**SCENARIOS["everything"], **MONITORED}, id="everything")])
+    def test_every_object_validates_with_metrics_and_monitors_enabled(self, values):
+        report = helm_python.lint(CHART, copy.deepcopy(values), strict=True, namespace=NAMESPACE)
+        assert report["errors"] == []
+        objs = objects(values)
+        kinds = {o["kind"] for o in objs}
+        assert {"ServiceMonitor", "PodMonitor", "ConfigMap", "Service"} <= kinds
+        for obj in objs:
+            if obj["apiVersion"] == "monitoring.coreos.com/v1":
+                with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                    kubernetes_validate.validate(obj, "1.30.0", strict=True)
+                jsonschema.validate(obj, PROMETHEUS_OPERATOR[obj["kind"]])
+            elif obj["apiVersion"].startswith("cert-manager.io/"):
+                jsonschema.validate(obj, CERT_MANAGER[obj["kind"]])
+            else:
+                kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+    def test_the_operator_serves_metrics_on_the_port_its_pod_names_and_annotates(self):
+        objs = objects(MONITORED)
+        c = container(objs)
+        assert c["args"][c["args"].index("--metrics-port") + 1] == "8090"
+        assert {"name": "metrics", "containerPort": 8090, "protocol": "TCP"} in c["ports"]
+        annotations = one(objs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8090",
+                               "prometheus.io/path": "/metrics"}
+
+    def test_the_service_monitor_selects_the_operator_pod_through_the_metrics_service(self):
+        objs = objects(MONITORED)
+        pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        monitor = one(objs, "ServiceMonitor")
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        services = [s for s in of_kind(objs, "Service") if _selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
+        assert len(services) == 1, services
+        service = services[0]
+        assert all(pod_labels.get(k) == v for k, v in service["spec"]["selector"].items())
+        assert [p["name"] for p in service["spec"]["ports"]] == [monitor["spec"]["endpoints"][0]["port"]] == ["metrics"]
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+    def test_the_pod_monitor_selects_the_pods_the_operator_creates(self):
+        from splitfeed.operator import planning
+
+        job = specs.parse_job(yaml.safe_load((ROOT / "examples" / "streamingjob.yaml").read_text()))
+        pod = next(o for o in planning.world(job, 0, planning.Owner("j", "u"), planning.Settings(), None, None)
+                   if o["kind"] == "Pod")
+        monitor = one(objects(MONITORED), "PodMonitor")
+        assert _selects(monitor["spec"]["selector"], pod["metadata"]["labels"])
+        # The endpoint's port name is one the pod's sidecar declares, and its annotations agree.
+        ports = {p["name"]: p["containerPort"] for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+                 for p in c.get("ports") or []}
+        assert ports["metrics"] == 29502
+        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+        assert pod["metadata"]["annotations"]["prometheus.io/port"] == "29502"
+
+    def test_the_dashboard_is_valid_json_over_the_metrics_the_sidecar_and_operator_serve(self):
+        data = one([o for o in objects(MONITORED) if o["kind"] == "ConfigMap"
+                    and o["metadata"]["name"].endswith("-dashboard")], "ConfigMap")["data"]
+        dashboard = json.loads(data["splitfeed.json"])
+        exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+        for name in ("splitfeed_rows_delivered_total", "splitfeed_data_ready_seconds_bucket",
+                     "splitfeed_data_wait_seconds_total", "splitfeed_trainer_seconds_total",
+                     "splitfeed_read_seconds_bucket", "splitfeed_ring_filled_batches",
+                     "splitfeed_checkpoint_seconds_bucket", "splitfeed_operator_rescale_seconds_bucket"):
+            assert name in exprs, name
+
+    def test_metrics_off_serves_nothing_and_adds_no_monitor(self):
+        objs = objects({"metrics": {"enabled": False, "port": 8090, "serviceMonitor": {"enabled": True}}})
+        c = container(objs)
+        assert c["args"][c["args"].index("--metrics-port") + 1] == "0"
+        assert not of_kind(objs, "ServiceMonitor") and not of_kind(objs, "PodMonitor")

@@ -142,9 +142,11 @@ class Cluster:
                      f"--cert={certs / 'tls.crt'}", f"--key={certs / 'tls.key'}")
         ca_bundle = base64.b64encode((certs / "ca.crt").read_bytes()).decode()
         self.webhook_port = free_port()
+        self.metrics_port = free_port()  # the operator's /metrics (a fixed port may be taken on a shared host)
         values = {"crds.enabled": "false", "sidecar.mode": "container", "webhook.enabled": "true",
                   "webhook.port": str(self.webhook_port), "webhook.certSecretName": WEBHOOK_SECRET,
-                  "webhook.caBundle": ca_bundle, "webhook.timeoutSeconds": "5"}
+                  "webhook.caBundle": ca_bundle, "webhook.timeoutSeconds": "5",
+                  "metrics.port": str(self.metrics_port)}
         helm_home = self.work / "helm-home"
         env = {**os.environ, "HELM_CACHE_HOME": str(helm_home / "cache"),
                "HELM_CONFIG_HOME": str(helm_home / "config"), "HELM_DATA_HOME": str(helm_home / "data")}

@@ -18,7 +18,6 @@ from tests.kubelet.kubelet import host_ip
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SIDECAR_METRICS_PORT = 29502
-OPERATOR_METRICS_PORT = 8090
 
 
 def scrape(port: int) -> dict[str, list]:  # type: ignore[type-arg]
@@ -79,7 +78,7 @@ def test_a_running_jobs_progress_advances_in_its_status_and_metrics_before_any_w
     # The operator's /metrics: its reconcile passes are counted per job and go up.
     reconciles = lambda fams: sum(s.value for s in samples(fams, "splitfeed_operator_reconciles_total")  # noqa: E731
                                   if s.labels.get("job") == name)
-    first_count = reconciles(scrape(OPERATOR_METRICS_PORT))
+    first_count = reconciles(scrape(cluster.metrics_port))
     assert first_count > 0
-    wait_for(lambda: reconciles(scrape(OPERATOR_METRICS_PORT)) > first_count, 30, "reconciles to grow")
+    wait_for(lambda: reconciles(scrape(cluster.metrics_port)) > first_count, 30, "reconciles to grow")
     finish(cluster, name)
