@@ -1,0 +1,74 @@
+"""operator/live.py: live status.progress from a coordinator's answer, and a rescale's timeline."""
+
+from __future__ import annotations
+
+import datetime
+
+from splitfeed.operator import live, planning
+from splitfeed.trainer_client import stalls
+
+T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
+KEY = ("ml", "job")
+
+
+def at(seconds: float) -> datetime.datetime:
+    return T0 + datetime.timedelta(seconds=seconds)
+
+
+def answer(step: int, *, resume: int = 0, drain_step: int | None = None) -> dict:
+    return {"replicas": 2, "reporting": 2, "global_step": step, "steps_per_epoch": 20, "total_steps": 60,
+            "resume_step": resume, "rows": 100, "rows_per_s": 50.0, "wait_s": 1.0, "wall_s": 10.0,
+            "buckets": [0] * stalls.NUM_BUCKETS, "drain_step": drain_step}
+
+
+def test_a_running_worlds_answer_becomes_status_progress():
+    patch, events = live.Poller().observe(KEY, {"worldEpoch": 0, "phase": "Running"}, answer(23), at(0))
+    assert patch["progress"]["globalStep"] == 23 and patch["progress"]["epoch"] == 1
+    assert patch["progress"]["dataStallShare"] == 0.1
+    assert patch["progress"]["updatedAt"] == "2026-01-01T12:00:00Z"
+    assert "dataReady" in patch["progress"] and events == []
+
+
+def test_no_answer_writes_nothing():
+    assert live.Poller().observe(KEY, {"worldEpoch": 0, "phase": "Running"}, None, at(0)) == ({}, [])
+
+
+def test_a_rescales_timeline_is_reported_once_the_new_world_took_a_batch():
+    poller = live.Poller()
+    draining = {"worldEpoch": 0, "phase": "Rescaling", "replicas": 4, "progress": {"globalStep": 30},
+                "drain": {"reason": "Rescale", "requestedAt": "2026-01-01T12:00:00Z", "targetReplicas": 2}}
+    assert poller.observe(KEY, draining, answer(31), at(3))[1] == []
+    assert poller.observe(KEY, draining, answer(32, drain_step=33), at(6))[1] == []  # agreed
+    new = {"worldEpoch": 1, "phase": "Rescaling", "replicas": 2, "progress": {"globalStep": 33},
+           "drain": {"reason": "Rescale", "step": "StartingNewWorld"}}
+    assert poller.observe(KEY, new, None, at(20))[1] == []  # the old world is gone
+    # The new world resumed at 33 but has taken nothing yet: no report.
+    assert "lastRescale" not in poller.observe(KEY, {**new, "phase": "Running"}, answer(33, resume=33), at(25))[0]
+    patch, events = poller.observe(KEY, {**new, "phase": "Running"}, answer(34, resume=33), at(31))
+    assert patch["lastRescale"] == {
+        "fromReplicas": 4, "toReplicas": 2, "requestedAt": "2026-01-01T12:00:00Z",
+        "checkpointAgreedAt": "2026-01-01T12:00:06Z", "oldWorldGoneAt": "2026-01-01T12:00:20Z",
+        "firstBatchAt": "2026-01-01T12:00:31Z", "latencySeconds": 31.0, "stepsRedone": 0}
+    assert [e.reason for e in events] == [live.RESCALE_REPORT]
+    assert "31.0 s" in events[0].message and "checkpoint agreed after 6 s" in events[0].message
+    assert KEY not in poller.rescales  # reported once
+
+
+def test_steps_taken_past_the_new_worlds_resume_step_are_counted_as_redone():
+    poller = live.Poller()
+    poller.observe(KEY, {"worldEpoch": 0, "phase": "Rescaling", "replicas": 4, "progress": {"globalStep": 40},
+                         "drain": {"reason": "Rescale", "requestedAt": "2026-01-01T12:00:00Z",
+                                   "targetReplicas": 2}}, None, at(1))
+    patch, _ = poller.observe(KEY, {"worldEpoch": 1, "phase": "Running", "replicas": 2},
+                              answer(37, resume=35), at(50))
+    assert patch["lastRescale"]["stepsRedone"] == 5
+
+
+def test_the_coordinator_is_replica_0_of_the_running_world_by_pod_ip():
+    def pod(epoch: int, replica: int, ip: str, phase: str = "Running") -> dict:
+        return {"metadata": {"labels": {planning.LABEL_EPOCH: str(epoch), planning.LABEL_REPLICA: str(replica)}},
+                "status": {"podIP": ip, "phase": phase}}
+
+    pods = [pod(0, 0, "10.0.0.1"), pod(1, 1, "10.0.0.3"), pod(1, 0, "10.0.0.2")]
+    assert live.coordinator_of({"worldEpoch": 1}, pods) == "tcp://10.0.0.2:29501"
+    assert live.coordinator_of({"worldEpoch": 1}, [pod(1, 0, "10.0.0.2", "Succeeded")]) is None
