@@ -132,6 +132,11 @@ class Poller:
                 timeline.old_step = max(timeline.old_step, int(answer["drain_step"]))
         elif timeline is not None and timeline.gone_at is None:
             timeline.gone_at = now  # the operator moved on to the next world
+        if timeline is not None and timeline.agreed_at is None:
+            # A drain agreed and saved within one pass is seen in the drained pods' reports instead.
+            saved = _parse((status.get("lastCheckpoint") or {}).get("time"))
+            if saved is not None and saved >= timeline.requested_at:
+                timeline.agreed_at = saved
         if answer is not None:
             live = progress.status_progress(answer, status.get("progress") or {})
             if live is not None:

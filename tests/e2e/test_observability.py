@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.cluster import NS, Cluster, log, wait_for
-from tests.e2e.jobs import finish, wait_running
+from tests.e2e.jobs import finish, scale, wait_running
 from tests.kubelet.kubelet import host_ip
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -81,4 +81,18 @@ def test_a_running_jobs_progress_advances_in_its_status_and_metrics_before_any_w
     first_count = reconciles(scrape(cluster.metrics_port))
     assert first_count > 0
     wait_for(lambda: reconciles(scrape(cluster.metrics_port)) > first_count, 30, "reconciles to grow")
+
+    # A rescale's timeline: in the status, in an event `kubectl describe` shows, and in the operator's histogram.
+    scale(cluster, name, 1, world=0, steps_in_world=1)
+    report = wait_for(lambda: cluster.status(name).get("lastRescale"), 90, f"{name}'s status.lastRescale")
+    log(f"{name}: last rescale {report}")
+    assert (report["fromReplicas"], report["toReplicas"]) == (2, 1)
+    marks = [report["requestedAt"], report["checkpointAgreedAt"], report["oldWorldGoneAt"], report["firstBatchAt"]]
+    assert marks == sorted(marks), report
+    assert report["latencySeconds"] > 0 and report["stepsRedone"] == 0, report
+    described = cluster.kubectl("-n", NS, "describe", "sj", name).stdout
+    assert "RescaleReport" in described and "steps redone" in described, described[-3000:]
+    rescale_count = [s for s in samples(scrape(cluster.metrics_port), "splitfeed_operator_rescale_seconds_count")
+                     if s.labels.get("job") == name]
+    assert rescale_count and rescale_count[0].value == 1, rescale_count
     finish(cluster, name)

@@ -72,3 +72,18 @@ def test_the_coordinator_is_replica_0_of_the_running_world_by_pod_ip():
     pods = [pod(0, 0, "10.0.0.1"), pod(1, 1, "10.0.0.3"), pod(1, 0, "10.0.0.2")]
     assert live.coordinator_of({"worldEpoch": 1}, pods) == "tcp://10.0.0.2:29501"
     assert live.coordinator_of({"worldEpoch": 1}, [pod(1, 0, "10.0.0.2", "Succeeded")]) is None
+
+
+def test_a_drain_agreed_between_two_passes_is_dated_by_the_drained_checkpoint():
+    poller = live.Poller()
+    poller.observe(KEY, {"worldEpoch": 0, "phase": "Rescaling", "replicas": 2, "progress": {"globalStep": 30},
+                         "lastCheckpoint": {"step": 20, "time": "2026-01-01T11:50:00Z"},  # an older one
+                         "drain": {"reason": "Rescale", "requestedAt": "2026-01-01T12:00:00Z",
+                                   "targetReplicas": 1}}, None, at(3))
+    assert poller.rescales[KEY].agreed_at is None
+    poller.observe(KEY, {"worldEpoch": 1, "phase": "Rescaling", "replicas": 1, "progress": {"globalStep": 33},
+                         "lastCheckpoint": {"step": 33, "time": "2026-01-01T12:00:02Z"}}, None, at(9))
+    patch, _ = poller.observe(KEY, {"worldEpoch": 1, "phase": "Running", "replicas": 1},
+                              answer(34, resume=33), at(30))
+    assert patch["lastRescale"]["checkpointAgreedAt"] == "2026-01-01T12:00:02Z"
+    assert patch["lastRescale"]["oldWorldGoneAt"] == "2026-01-01T12:00:09Z"
