@@ -68,5 +68,6 @@ class OperatorConfig:
     kubeconfig: str | None = None
     leader: LeaderElection | None = None
     """None: no leader election (one replica, or a development run)."""
-    metrics_port: int | None = 8090
-    """The operator's /metrics port (operator/metrics.py); None: not served."""
+    metrics_port: int | None = None
+    """The operator's /metrics port (operator/metrics.py); None: not served. The
+    command line's default is 8090; an operator run in-process (tests) serves none."""

@@ -86,9 +86,11 @@ def _live(status: kopf.Status, **_: Any) -> bool:
 
 
 @kopf.timer(G, V, P, interval=TIMER_INTERVAL_S, when=_live)
-async def reconcile_periodically(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def reconcile_periodically(namespace: str | None, name: str, memo: kopf.Memo, body: kopf.Body,
+                                 **_: Any) -> None:
     await _reconcile(memo, namespace, name, wait=False)
-    if "live" in memo and namespace is not None:
+    # `body` is Kopf's last-seen copy: enough to tell whether a poll is due without an API call.
+    if "live" in memo and namespace is not None and memo["live"].due((namespace, name), body):
         await _live_status(memo, namespace, name)
 
 

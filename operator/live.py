@@ -151,6 +151,15 @@ class Poller:
                 del self.rescales[key]
         return patch, events
 
+    def due(self, key: tuple[str, str], body: Mapping[str, Any]) -> bool:
+        """Time to ask this job's world: every interval, or every pass while a rescale is under way."""
+        status = body.get("status") or {}
+        if status.get("phase") not in LIVE_PHASES:
+            return False
+        if status.get("drain") or key in self.rescales:
+            return True
+        return time.monotonic() - self.last.get(key, -1e9) >= interval_s(body)
+
     async def poll(self, k: kube.Kube, namespace: str, name: str
                    ) -> tuple[dict[str, Any], list[rescaling.Event]]:
         """One pass for one job (the operator's timer); the status patch written and the events to post."""
@@ -159,13 +168,9 @@ class Poller:
             return {}, []
         status = body.get("status") or {}
         key = (namespace, name)
-        if status.get("phase") not in LIVE_PHASES:
+        if not self.due(key, body):
             return {}, []
-        busy = bool(status.get("drain")) or key in self.rescales
-        now_s = time.monotonic()
-        if not busy and now_s - self.last.get(key, -1e9) < interval_s(body):
-            return {}, []
-        self.last[key] = now_s
+        self.last[key] = time.monotonic()
         pods = await k.list_pods(namespace, name)
         address = coordinator_of(status, pods)
         answer = await asyncio.to_thread(worlds.request_status, address) if address else None

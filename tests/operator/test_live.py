@@ -87,3 +87,14 @@ def test_a_drain_agreed_between_two_passes_is_dated_by_the_drained_checkpoint():
                               answer(34, resume=33), at(30))
     assert patch["lastRescale"]["checkpointAgreedAt"] == "2026-01-01T12:00:02Z"
     assert patch["lastRescale"]["oldWorldGoneAt"] == "2026-01-01T12:00:09Z"
+
+
+def test_a_world_is_asked_every_interval_and_every_pass_while_it_rescales():
+    poller = live.Poller()
+    running = {"spec": {"statusIntervalSeconds": 3600}, "status": {"phase": "Running", "worldEpoch": 0}}
+    assert poller.due(KEY, running)  # never asked yet
+    poller.last[KEY] = live.time.monotonic()
+    assert not poller.due(KEY, running)
+    draining = {**running, "status": {**running["status"], "phase": "Rescaling", "drain": {"reason": "Rescale"}}}
+    assert poller.due(KEY, draining)
+    assert not poller.due(KEY, {"status": {"phase": "Succeeded"}})
