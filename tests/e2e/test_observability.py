@@ -92,7 +92,14 @@ def test_a_running_jobs_progress_advances_in_its_status_and_metrics_before_any_w
     assert report["latencySeconds"] > 0 and report["stepsRedone"] == 0, report
     described = cluster.kubectl("-n", NS, "describe", "sj", name).stdout
     assert "RescaleReport" in described and "steps redone" in described, described[-3000:]
-    rescale_count = [s for s in samples(scrape(cluster.metrics_port), "splitfeed_operator_rescale_seconds_count")
+    operator = scrape(cluster.metrics_port)
+    rescale_count = [s for s in samples(operator, "splitfeed_operator_rescale_seconds_count")
                      if s.labels.get("job") == name]
     assert rescale_count and rescale_count[0].value == 1, rescale_count
+    # docs/observability.md's buckets: 5 s to an hour.
+    assert [s.labels["le"] for s in samples(operator, "splitfeed_operator_rescale_seconds_bucket")
+            if s.labels.get("job") == name] == ["5.0", "10.0", "20.0", "30.0", "60.0", "120.0", "300.0", "600.0",
+                                                 "1200.0", "3600.0", "+Inf"]
+    assert [s.value for s in samples(operator, "splitfeed_operator_rescales_total")
+            if s.labels.get("job") == name] == [1.0]
     finish(cluster, name)
