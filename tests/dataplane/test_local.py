@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,8 @@ def test_local_runs_every_rank_with_the_pod_environment(table_uri, tmp_path):
     done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--quiet")
     assert done.returncode == 0, done.stderr
     assert "global steps" in done.stderr and "rows/s" in done.stderr and "data stall" in done.stderr
+    # docs/observability.md: the summary gives the data-ready percentiles of all ranks.
+    assert re.search(r"data-ready latency p50 [0-9.]+ ms, p95 [0-9.]+ ms, p99 [0-9.]+ ms", done.stderr), done.stderr
     for rank in range(2):
         got = [json.loads(line)["ids"] for line in (logs / f"rank{rank}.jsonl").read_text().splitlines()]
         assert got == reference_batches(table_uri, {}, 2, rank)
