@@ -100,7 +100,7 @@ async def _live_status(memo: kopf.Memo, namespace: str, name: str) -> None:
     try:
         async with ctx.lock(namespace, name):
             patch, events = await memo["live"].poll(ctx.kube, namespace, name)
-    except kube.KubeError as exc:
+    except (kube.KubeError, KeyError, TypeError, ValueError) as exc:  # the API, or an answer we cannot read
         logging.getLogger(__name__).info("%s/%s: live status not written: %s", namespace, name, exc)
         return
     memo["metrics"].rescaled(namespace, name, patch)

@@ -248,9 +248,12 @@ class ProgressReporter:
         self._next = now + self._every_s
         try:
             ranks = [read_rank(feed) for feed in self._server.feeds]
+            member.send("progress", **progress_fields(ranks, member.replica, self._steps_per_epoch))
         except (ValueError, AttributeError):
-            return
-        member.send("progress", **progress_fields(ranks, member.replica, self._steps_per_epoch))
+            return  # a control block closed meanwhile
+        except Exception:  # a bug here must never stop the world: report it and stop reporting
+            log.exception("progress reporting failed; the world's live status stops here")
+            self._every_s = float("inf")
 
 
 def local_port(env: Mapping[str, str], replica: int) -> str:
