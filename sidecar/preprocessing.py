@@ -58,7 +58,7 @@ def load_transform(data: specs.DataSpec) -> Callable[[pa.RecordBatch], Any]:
     if not callable(target):
         raise errors.UserError(f"spec.data.transform={path!r} is not callable ({type(target).__name__})")
     if data.transform_args:
-        target = functools.partial(target, **dict(data.transform_args))
+        target = functools.partial(target, **data.transform_kwargs)
     return target  # type: ignore[no-any-return]
 
 

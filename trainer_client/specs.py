@@ -82,12 +82,17 @@ class DataSpec:
     transform: str | None = None
     """"package.module:function", applied by the sidecar to each read batch exactly as
     lancedb's StreamingDataset(transform=...) does (docs/preprocessing.md)."""
-    transform_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Keyword arguments (JSON values) bound to the transform."""
+    transform_args: str | None = None
+    """A JSON object: keyword arguments bound to the transform (see transform_kwargs)."""
     on_transform_error: str = "raise"
     """raise | fill (ON_TRANSFORM_ERROR): what a row whose transform fails becomes."""
     pack_sequences: PackSpec | None = None
     """Sequence packing (lancedb's pack_sequences) of one token-list column."""
+
+    @property
+    def transform_kwargs(self) -> dict[str, Any]:
+        """transformArgs decoded (checked to be a JSON object when parsed)."""
+        return dict(json.loads(self.transform_args)) if self.transform_args else {}
 
 
 ORDER_FIELDS = (
@@ -214,7 +219,7 @@ _DATA_FIELDS: dict[str, _Field] = {
     "readBatchSize": ("read_batch_size", "int", False, 1),
     "version": ("version", "version", False, 1),
     "transform": ("transform", "importPath", False, None),
-    "transformArgs": ("transform_args", "map", False, None),
+    "transformArgs": ("transform_args", "jsonObject", False, None),
     "onTransformError": ("on_transform_error", "onTransformError", False, None),
     "packSequences": ("pack_sequences", "packSequences", False, None),
 }
@@ -323,6 +328,15 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
         return source
     if kind == "importPath":
         return _import_path(path, value)
+    if kind == "jsonObject":
+        text = _convert(path, "str", value, None)
+        try:
+            decoded = json.loads(text)
+        except ValueError as exc:
+            raise SpecError(path, f"must be a JSON object such as '{{\"size\": 224}}': {exc}") from None
+        if not isinstance(decoded, dict):
+            raise SpecError(path, f"must be a JSON object of keyword arguments, got {text!r}")
+        return text
     if kind == "onTransformError":
         if value not in ON_TRANSFORM_ERROR:
             extra = (
@@ -366,10 +380,6 @@ def _check_preprocessing(data: DataSpec) -> None:
     pack = data.pack_sequences
     if data.transform_args and not data.transform:
         raise SpecError("spec.data.transformArgs", "needs spec.data.transform")
-    try:
-        json.dumps(dict(data.transform_args))
-    except (TypeError, ValueError) as exc:
-        raise SpecError("spec.data.transformArgs", f"must hold JSON values: {exc}") from None
     if pack is None:
         return
     if data.transform:
@@ -492,7 +502,7 @@ def _data_to_wire(data: DataSpec) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, (name, _kind, _req, _min) in _DATA_FIELDS.items():
         value = _wire_value(getattr(data, name))
-        if value is None or (key in ("storageOptions", "transformArgs") and not value):
+        if value is None or (key == "storageOptions" and not value):
             continue
         if key == "onTransformError" and value == "raise" and not data.transform:
             continue  # the default, kept off configs of jobs without a transform

@@ -44,7 +44,9 @@ OPERATOR_DEFAULTED = {("sidecar", "image"), ("sidecar", "shmSize"), ("sidecar", 
 # Optional fields the complete example leaves out because setting them changes
 # what it does: a pinned table version or tag must exist in the user's table, and
 # resumeFrom names another job's UID.
-NOT_IN_THE_EXAMPLE = {("spec", "data", "version"), ("spec", "checkpoint", "resumeFrom")}
+NOT_IN_THE_EXAMPLE = {("spec", "data", "version"), ("spec", "checkpoint", "resumeFrom"),
+                      ("spec", "data", "transform"), ("spec", "data", "transformArgs"),
+                      ("spec", "data", "packSequences")}
 
 # The spec-level transition rule that is not about immutability.
 STORE_RULE_PATH = ".checkpoint.uri"
@@ -454,6 +456,7 @@ class TestImmutability:
         assert immutable_fields() == {
             "numSplits", "shuffleSeed", "table", "uri", "filter",
             "shuffle", "shuffleClumpSize", "globalBatchSize", "columns", "version",
+            "transform", "transformArgs", "onTransformError", "packSequences",
         }
 
 

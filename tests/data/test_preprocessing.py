@@ -11,6 +11,7 @@ next good row of its split" applied by the test itself.
 from __future__ import annotations
 
 import contextlib
+import json
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -84,7 +85,7 @@ class Memo:
     def ref(self, data: specs.DataSpec, epoch: int, rank: int, world_size: int) -> list[Any]:
         key = (repr(data), epoch, rank, world_size)
         if key not in self.refs:
-            transform = functools.partial(transforms.features, **dict(data.transform_args))
+            transform = functools.partial(transforms.features, **data.transform_kwargs)
             self.refs[key] = reference(data, transform, epoch=epoch, rank=rank, world_size=world_size)
         return self.refs[key]
 
@@ -95,7 +96,7 @@ def memo() -> Memo:
 
 
 def transform_job(db_uri: str, **overrides: Any) -> specs.DataSpec:
-    fields: dict[str, Any] = dict(transform=FEATURES, transform_args={"scale": 0.5},
+    fields: dict[str, Any] = dict(transform=FEATURES, transform_args='{"scale": 0.5}',
                                   filter="label != 3")
     return data_spec(db_uri, **{**fields, **overrides})
 
@@ -146,17 +147,17 @@ def test_a_transform_that_cannot_be_imported_fails_naming_it(db_uri: str) -> Non
         with pytest.raises(errors.UserError, match=r"spec.data.transform='tests.data.no_such_module:f': "
                                                      r"cannot import module"):
             run(data, 0, 2)
-    data = transform_job(db_uri, transform="tests.data.transforms:NOT_CALLABLE", transform_args={})
+    data = transform_job(db_uri, transform="tests.data.transforms:NOT_CALLABLE", transform_args=None)
     with pytest.raises(errors.UserError, match=r"NOT_CALLABLE' is not callable"):
         run(data, 0, 1)
-    data = transform_job(db_uri, transform="tests.data.transforms:missing", transform_args={})
+    data = transform_job(db_uri, transform="tests.data.transforms:missing", transform_args=None)
     with pytest.raises(errors.UserError, match=r"has no attribute 'missing'"):
         run(data, 0, 1)
 
 
 @pytest.mark.parametrize("num_workers", [1, 2], ids=lambda k: f"K={k}")
 def test_a_transform_returning_the_wrong_row_count_fails_naming_it(db_uri: str, num_workers: int) -> None:
-    data = transform_job(db_uri, transform="tests.data.transforms:one_short", transform_args={},
+    data = transform_job(db_uri, transform="tests.data.transforms:one_short", transform_args=None,
                          num_workers=num_workers)
     with pytest.raises(errors.UserError, match=r"one_short' returned \d+ rows for a batch of \d+"):
         run(data, 1, 2)
@@ -183,7 +184,7 @@ def bad_ids(db_uri: str) -> list[int]:
 
 def fragile_job(db_uri: str, bad: list[int], mode: str, **overrides: Any) -> specs.DataSpec:
     return transform_job(db_uri, transform="tests.data.transforms:fragile",
-                         transform_args={"bad": bad}, on_transform_error=mode, **overrides)
+                         transform_args=json.dumps({"bad": bad}), on_transform_error=mode, **overrides)
 
 
 def test_raise_fails_naming_the_transform_the_row_and_the_error(db_uri: str, bad_ids: list[int]) -> None:
