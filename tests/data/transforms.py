@@ -43,3 +43,21 @@ def one_short(batch: pa.RecordBatch) -> list[dict[str, Any]]:
 
 
 NOT_CALLABLE = 42
+
+
+def image(batch: pa.RecordBatch, scale: float = 1.0) -> list[dict[str, Any]]:
+    """For the data-plane table (vec float32[8]): a (2, 2, 2) float32 image, an int64
+    label, a string tag (which the trainer receives copied)."""
+    ids = batch.column("id").to_pylist()
+    vecs = batch.column("vec").flatten().to_numpy().reshape(-1, 8)
+    return [
+        {"image": (vec * np.float32(scale)).reshape(2, 2, 2), "label": int(i) % 7, "tag": f"t{i}"}
+        for i, vec in zip(ids, vecs)
+    ]
+
+
+def image_fragile(batch: pa.RecordBatch, bad: int = -1) -> list[dict[str, Any]]:
+    """`image`, raising for a batch that holds id `bad`."""
+    if bad in batch.column("id").to_pylist():
+        raise ValueError(f"corrupt JPEG in row id {bad}")
+    return image(batch)
