@@ -280,7 +280,7 @@ def sidecar_container(
         **({"SPLITFEED_TABLE_VERSION": table_version} if table_version is not None else {}),
         "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
     }
-    if any(m.get("name") == VOLUME_TRANSFORMS for m in mounts):
+    if any(m.get("name") == VOLUME_TRANSFORMS for m in extra_mounts or []):
         env["PYTHONPATH"] = TRANSFORMS_DIR
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,

@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lancedb
 import pyarrow as pa
@@ -322,7 +322,7 @@ def blocks_per_epoch(table: Any, data: specs.DataSpec) -> int:
         return int(pack.blocks_per_epoch)
     dataset = _streaming_dataset(table, data, epoch=0, rank=0, world_size=1, transform=None,
                                  blocks="auto")
-    return int(dataset._blocks_per_epoch)
+    return int(cast(int, dataset._blocks_per_epoch))  # lancedb's __init__ resolved "auto"
 
 
 def _packed_steps(table: Any, data: specs.DataSpec) -> int:

@@ -329,7 +329,7 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
     if kind == "importPath":
         return _import_path(path, value)
     if kind == "jsonObject":
-        text = _convert(path, "str", value, None)
+        text: str = _convert(path, "str", value, None)
         try:
             decoded = json.loads(text)
         except ValueError as exc:
@@ -364,7 +364,7 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
 
 def _import_path(path: str, value: Any) -> str:
     """Check "package.module:function" syntax; importing happens in the sidecar."""
-    text = _convert(path, "str", value, None)
+    text: str = _convert(path, "str", value, None)
     module, sep, attr = text.partition(":")
     if not sep or not all(part.isidentifier() for part in module.split(".")) or not all(
         part.isidentifier() for part in attr.split(".")
