@@ -61,3 +61,15 @@ def image_fragile(batch: pa.RecordBatch, bad: int = -1) -> list[dict[str, Any]]:
     if bad in batch.column("id").to_pylist():
         raise ValueError(f"corrupt JPEG in row id {bad}")
     return image(batch)
+
+
+def passthrough_plus(batch: pa.RecordBatch) -> list[dict[str, Any]]:
+    """Keeps id, label and vec (what tests/e2e/trainer.py trains on) as per-row numpy
+    values and adds a (2, 4) image: the rows' order must not change."""
+    ids = batch.column("id").to_pylist()
+    labels = batch.column("label").to_pylist()
+    vecs = batch.column("vec").flatten().to_numpy().reshape(-1, 8)
+    return [
+        {"id": np.int64(i), "label": np.int32(label), "vec": vec.copy(), "image": vec.reshape(2, 4) * 2}
+        for i, label, vec in zip(ids, labels, vecs)
+    ]

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from splitfeed.sidecar import reading
 from splitfeed.trainer_client import errors, specs, topology
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.data import transforms
-from tests.dataplane.harness import coordinator_address, manifest
+from tests.dataplane.harness import coordinator_address, manifest, reference_batches
 
 IMAGE = {"transform": "tests.data.transforms:image", "transformArgs": '{"scale": 2.0}'}
 
@@ -90,3 +94,46 @@ def test_fill_counts_substituted_rows_in_the_report(pods, table_uri):
     assert steps == client.total_steps
     assert pod.wait() == 0
     assert json.loads(pod.termination_log.read_text())["filledRows"] == 1
+
+
+E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
+
+
+def splitfeed(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "splitfeed.trainer_client.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_live_rescale_2_to_4_to_3_of_a_transform_job_with_ddp_trainers_is_exact(table_uri, tmp_path):
+    """`splitfeed local --scale-at` with a transform: real DDP trainers (gloo) train on the
+    transformed columns; every global step holds the reference rows exactly once."""
+    from tests.e2e import exactness
+
+    logs, store = tmp_path / "logs", tmp_path / "ckpt"
+    job = manifest(table_uri, str(store), transform="tests.data.transforms:passthrough_plus",
+                   numWorkers=2)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    done = splitfeed("local", "-f", str(path), "--replicas", "2", "--resume", "none",
+                     "--scale-at", "4:4", "--scale-at", "10:3",
+                     "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.25", timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("; 0 steps redone") == 2, done.stderr
+    summary = exactness.check(
+        logs, exactness.complete_checkpoints(store / "test" / "job"),
+        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
+        lambda world, rank: reference_batches(table_uri, {}, world, rank))
+    assert [w.size for w in summary.worlds] == [2, 4, 3], summary
+    assert summary.replayed == 0, summary
+
+
+def test_plan_imports_the_transform_and_prints_the_packing_budget(table_uri, tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(table_uri, transform="tests.data.no_such:f")))
+    done = splitfeed("plan", "-f", str(path), "--read-table")
+    assert done.returncode == 2
+    assert "spec.data.transform='tests.data.no_such:f': cannot import module 'tests.data.no_such'" in done.stderr
+    path.write_text(yaml.safe_dump(manifest(table_uri, transform="tests.data.transforms:image")))
+    done = splitfeed("plan", "-f", str(path), "--read-table")
+    assert done.returncode == 0, done.stderr
+    assert "transform tests.data.transforms:image: imports here" in done.stdout
