@@ -339,6 +339,12 @@ def _packed_steps(table: Any, data: specs.DataSpec) -> int:
     return steps
 
 
+TRANSFORM_QUEUE_DEPTH = 4
+"""Transformed read batches a split may hold ahead of the step being assembled: without
+a bound lancedb keeps transforming while the ring is full, and decoded images are
+many times the size of the rows they came from. It changes nothing in the order."""
+
+
 def _streaming_dataset(
     table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int,
     transform: Any, blocks: int | str | None,
@@ -365,6 +371,7 @@ def _streaming_dataset(
             shuffle_clump_size=data.shuffle_clump_size or None,
             read_batch_size=data.read_batch_size,
             transform=transform,
+            transform_queue_depth=TRANSFORM_QUEUE_DEPTH,
             **extra,
         )
     except ValueError as exc:  # lancedb's checks of packing arguments against the table

@@ -187,9 +187,12 @@ def fragile_job(db_uri: str, bad: list[int], mode: str, **overrides: Any) -> spe
                          transform_args=json.dumps({"bad": bad}), on_transform_error=mode, **overrides)
 
 
-def test_raise_fails_naming_the_transform_the_row_and_the_error(db_uri: str, bad_ids: list[int]) -> None:
-    data = fragile_job(db_uri, bad_ids, "raise")
-    with pytest.raises(errors.DataError) as info:
+@pytest.mark.parametrize("num_workers", [1, 2], ids=lambda k: f"K={k}")
+def test_raise_fails_naming_the_transform_the_row_and_the_error(
+    db_uri: str, bad_ids: list[int], num_workers: int
+) -> None:
+    data = fragile_job(db_uri, bad_ids, "raise", num_workers=num_workers)
+    with pytest.raises(errors.DataError) as info:  # a DataError from a loader worker too
         run(data, 0, 2)
     message = str(info.value)
     assert "spec.data.transform='tests.data.transforms:fragile' failed on the row at position 2 " \
