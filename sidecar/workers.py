@@ -179,7 +179,7 @@ def _receive(
     process: multiprocessing.process.BaseProcess,
     worker: int,
     rank: int,
-    filled_seen: dict[int, int],
+    filled_seen: dict[int, int] | None = None,
 ) -> tuple[int, int, memoryview]:
     try:
         raw = conn.recv_bytes()
@@ -190,8 +190,9 @@ def _receive(
             "without a result"
         ) from None
     kind, step, filled = _HEADER.unpack_from(raw)
-    reading.FILLED_ROWS[0] += filled - filled_seen.get(worker, 0)  # onTransformError=fill, reported
-    filled_seen[worker] = filled
+    if filled_seen is not None:  # onTransformError=fill: counted into this process's report
+        reading.FILLED_ROWS[0] += filled - filled_seen.get(worker, 0)
+        filled_seen[worker] = filled
     payload = memoryview(raw)[_HEADER.size :]
     if kind == _DATA_ERROR:
         raise errors.DataError(bytes(payload).decode())

@@ -333,3 +333,19 @@ def test_packing_auto_budget_is_lancedbs_epoch_0_estimate(token_uri: str) -> Non
                                     blocks_per_epoch="auto")._blocks_per_epoch
         assert reading.blocks_per_epoch(reading.open_table(data), data) == estimate
         assert reading.steps_per_epoch(reading.open_table(data), data) == estimate // 24
+
+
+def test_a_checkpoint_of_other_preprocessing_is_not_resumed(db_uri: str) -> None:
+    from splitfeed.sidecar import checkpoints
+
+    def provenance(data: specs.DataSpec) -> dict[str, Any]:
+        return checkpoints.provenance(data, table_version=1, job_uid="u", world_epoch=0)
+
+    plain, ours = provenance(data_spec(db_uri)), provenance(transform_job(db_uri))
+    assert plain["preprocessing"] is None  # records of jobs without preprocessing stay as they were
+    checkpoints.check_provenance(ours, provenance(transform_job(db_uri)))
+    for other in (data_spec(db_uri, filter="label != 3"),
+                  transform_job(db_uri, transform_args='{"scale": 0.25}'),
+                  transform_job(db_uri, on_transform_error="fill")):
+        with pytest.raises(checkpoints.ProvenanceMismatch, match="spec.data.transform, transformArgs"):
+            checkpoints.check_provenance(ours, provenance(other))
