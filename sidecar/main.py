@@ -341,13 +341,13 @@ def serve(sidecar: Sidecar) -> int:
                      [f.rank for f in server.feeds], settings.world_size, settings.socket_dir,
                      server.resume_step, server.total_steps)
             server.run(tick=RequestWatcher(server, settings.podinfo_dir))
-            failure = next((f.failure for f in server.feeds if f.failure), None)
+            failure = next((f.session.failure for f in server.feeds if f.session.failure), None)
     except Exception as exc:  # a bug or a broken environment: still say why, in the report
         log.exception("the sidecar failed")
         failure = f"{type(exc).__name__}: {exc}"
     finally:
         global_step = min((f.control.acked + 1 for f in server.feeds), default=0)
-        drained = bool(server.feeds) and all(f.drained for f in server.feeds)
+        drained = bool(server.feeds) and all(f.session.drained for f in server.feeds)
         epoch, step = divmod(global_step, max(1, sidecar.steps_per_epoch))
         report = {
             "globalStep": global_step, "epoch": epoch, "step": step,

@@ -11,9 +11,9 @@ the sidecar only when nothing the trainer got from it is referenced any more:
 every array handed out is a view of one per-batch root array, and a weakref
 callback on that root frees the slot. Acknowledgements (the consumer commit
 behind checkpoints), slot states and "I am waiting" flags live in shared
-memory; a ZeroMQ message is sent only to wake a peer that sleeps, so a
-pipeline that keeps up sends none (the trainer polls the ring for SPIN_S
-before it sleeps).
+memory; a ZeroMQ message is sent only to wake a peer that sleeps (the rules
+are in `slots`), so a pipeline that keeps up sends none (the trainer polls
+the ring for SPIN_S before it sleeps).
 
 Holding every slot's batch (ring.MAX_SLOTS) while asking for another can never
 be served; after `timeout_s` that is an error that says so. A slot whose
@@ -32,7 +32,6 @@ import collections
 import functools
 import json
 import logging
-import mmap
 import os
 import signal
 import struct
@@ -45,10 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import zmq
 
-from . import protocol, ring
+from . import protocol, ring, slots
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -98,31 +96,6 @@ class Batch(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Batch(global_step={self.global_step}, epoch={self.epoch}, step={self.step}, columns={list(self._columns)})"
-
-
-_View = tuple[int, int, np.dtype, tuple[int, ...]]
-"""Where a column lies in its slot: (start, stop, dtype, shape)."""
-
-
-def _view_of(array: pa.Array, base_address: int) -> _View | None:
-    """Where `array`'s values lie in the slot, if numpy can view them as they are.
-
-    Views are made from the slot's root array (not by pyarrow) so that they are
-    writable, torch accepts them without copying, and each one keeps the root
-    (and so the slot) alive exactly as long as it lives.
-    """
-    typ = array.type
-    if array.null_count == 0 and (pa.types.is_integer(typ) or pa.types.is_floating(typ)):
-        dtype = np.dtype(typ.to_pandas_dtype())
-        start = array.buffers()[1].address - base_address + array.offset * dtype.itemsize
-        return start, start + len(array) * dtype.itemsize, dtype, (len(array),)
-    if pa.types.is_fixed_size_list(typ) and array.null_count == 0:
-        flat = array.flatten()
-        inner = _view_of(flat, base_address) if flat.null_count == 0 else None
-        if inner is not None:
-            return inner[0], inner[1], inner[2], (len(array), typ.list_size)
-    # Strings, nested lists, booleans (bit-packed), nulls: no zero-copy numpy form.
-    return None
 
 
 def _to_tensor(value: Any) -> Any:
@@ -227,8 +200,8 @@ class StreamClient:
         self._sock.setsockopt(zmq.IDENTITY, f"t{self.local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
         self._sock.connect(f"ipc://{self._dir / protocol.SOCKET_NAME}")
         self._inbox: collections.deque[dict[str, Any]] = collections.deque()
-        self._slot_files: dict[tuple[str, int, int], ring.SlotFile] = {}
-        self._layouts: dict[bytes, tuple[pa.Schema, int, list[tuple[str, _View | None]]]] = {}
+        self._slot_files: dict[tuple[str, int, int], slots.SlotFile] = {}
+        self._reader = slots.Reader()
         self._holds: dict[int, weakref.ref[np.ndarray]] = {}  # keeps the release callbacks alive
         self._control: ring.Control | None = None
         self._waiting = False  # this process set the control block's trainer_waiting
@@ -306,7 +279,7 @@ class StreamClient:
                     index, spun = self._spin(control, step), True
                 if index is None:
                     if not self._waiting:
-                        self._waits = self._waits % 0x7FFFFFFF + 1
+                        self._waits = slots.next_trainer_wait(self._waits)
                         control.trainer_waiting, self._waiting = self._waits, True
                     index = control.find(step, scan=True)  # it may have landed meanwhile
                 if index is not None:
@@ -541,9 +514,8 @@ class StreamClient:
 
     def _why_torn(self, control: ring.Control, slot: int, step: int) -> str:
         expected = (step, int(control.seq[slot]))
-        path = ring.slot_path(self._dir, self._instance, self.local_rank, slot, int(control.gen[slot]))
         try:
-            found = ring.SlotFile(path, os.path.getsize(path), create=False)
+            found = slots.open_slot(self._dir, self._instance, self.local_rank, slot, int(control.gen[slot]))
             marks = found.marks(int(control.nbytes[slot]))
             found.close()
         except (OSError, ValueError, struct.error) as exc:
@@ -564,17 +536,16 @@ class StreamClient:
         if slot_file is None:
             for key in [k for k in self._slot_files if k[:2] == (self._instance, slot)]:
                 self._slot_files.pop(key).close()  # the sidecar replaced that slot's file
-            path = ring.slot_path(self._dir, self._instance, self.local_rank, slot, gen)
-            slot_file = ring.SlotFile(path, os.path.getsize(path), create=False)
+            slot_file = slots.open_slot(self._dir, self._instance, self.local_rank, slot, gen)
             self._slot_files[(self._instance, slot, gen)] = slot_file
-        root = np.frombuffer(slot_file._mm, dtype=np.uint8, count=nbytes, offset=ring.SLOT_HEADER)
+        root = slots.root_of(slot_file, nbytes)
         try:
-            columns, rows = self._columns(slot_file._mm, root)
+            columns, rows = self._reader.columns(slot_file._mm, root)
             broken: Exception | None = None
         except Exception as exc:  # a torn stream may not parse; the marks below decide
             broken = exc
         # After the views: the marks before and after the payload name this step and write.
-        if slot_file.marks(nbytes) != ((step, seq), (step, seq)):
+        if not slots.intact(slot_file, nbytes, step, seq):
             control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
             return None
         if broken is not None:
@@ -591,47 +562,6 @@ class StreamClient:
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         return Batch(columns, epoch=epoch, step=in_epoch, global_step=step, rows=rows)
 
-    def _columns(self, mm: mmap.mmap, root: np.ndarray) -> tuple[dict[str, Any], int]:
-        """The slot's columns as views of `root` (copies where numpy cannot view), and the row count.
-
-        A slot is an IPC stream: schema message, batch message (metadata, then
-        body), end marker. Two slots whose metadata bytes are equal lay out
-        their bodies identically, so the views' offsets are worked out once per
-        distinct metadata (one per schema and batch length, in practice) and
-        parsing the flatbuffers leaves the per-batch path (make bench).
-        """
-        at = ring.SLOT_HEADER  # where the stream starts; offsets below are the stream's
-        schema_end = 8 + int.from_bytes(mm[at + 4:at + 8], "little")  # continuation marker, metadata length
-        body = schema_end + 8 + int.from_bytes(mm[at + schema_end + 4:at + schema_end + 8], "little")
-        key = mm[at:at + body]
-        known = self._layouts.get(key)
-        record_batch: pa.RecordBatch | None = None
-        if known is None:
-            if len(self._layouts) > 16:
-                self._layouts.clear()
-            buffer = pa.py_buffer(root)
-            schema = pa.ipc.read_schema(buffer.slice(0, schema_end))
-            record_batch = self._read_batch(buffer, schema_end, schema)
-            known = self._layouts[key] = (schema, record_batch.num_rows, [
-                (name, _view_of(array, buffer.address))
-                for name, array in zip(schema.names, record_batch.columns)])
-        schema, rows, layout = known
-        columns: dict[str, Any] = {}
-        for name, view in layout:
-            if view is not None:
-                start, stop, dtype, shape = view
-                value = root[start:stop].view(dtype)
-                columns[name] = value.reshape(shape) if len(shape) > 1 else value
-            else:
-                if record_batch is None:
-                    record_batch = self._read_batch(pa.py_buffer(root), schema_end, schema)
-                columns[name] = record_batch.column(name).to_numpy(zero_copy_only=False)
-        return columns, rows
-
-    @staticmethod
-    def _read_batch(buffer: pa.Buffer, schema_end: int, schema: pa.Schema) -> pa.RecordBatch:
-        return pa.ipc.read_record_batch(pa.ipc.read_message(buffer.slice(schema_end)), schema)
-
     def _flush_releases(self) -> None:
         """Batches freed since the last call may unblock a waiting sidecar."""
         control = self._control
@@ -639,20 +569,8 @@ class StreamClient:
             self._wake_if_due(control)
 
     def _wake_if_due(self, control: ring.Control) -> None:
-        """Wake the sidecar once per wait, when what it waits for has happened: at most
-        half of `prefetch` filled (ROOM), or a free slot (SLOT).
-
-        An RMW read of its flag after our own change of a state: of the two
-        sides, one always sees the other's change (ring's module doc). A `wake`
-        costs ~100 us of ZeroMQ on a busy machine: one per wait, not per batch.
-        """
+        """Wake the sidecar once per wait, when what it waits for has happened (slots, rule 3)."""
         waiting = control.sidecar_waiting
-        if not waiting or waiting == self._woken:
-            return
-        kind = waiting & ring.Waiting.KIND
-        if kind == ring.Waiting.ROOM and control.filled() > control.prefetch // 2:
-            return
-        if kind == ring.Waiting.SLOT and ring.SlotState.FREE not in control.states():
-            return
-        self._woken = waiting
-        self._sock.send(protocol.encode("wake"))
+        if slots.wake_due(control, waiting, self._woken):
+            self._woken = waiting
+            self._sock.send(protocol.encode("wake"))
