@@ -287,9 +287,9 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             address = address or coordinator.address
         member = agreement.Member(address, replica, instance)
         joined = member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)
-        start_step = int(joined["resume_step"])
+        start_step = joined.resume_step
         if replica != 0:
-            table, data = reading.pin(job.data, storage_options, pinned=joined["table_version"])
+            table, data = reading.pin(job.data, storage_options, pinned=joined.table_version)
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
             steps_per_epoch = reading.layout_epoch(table, data, 0).steps_per_epoch

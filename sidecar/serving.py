@@ -30,7 +30,10 @@ from typing import Any
 import pyarrow as pa
 import zmq
 
-from splitfeed.trainer_client import errors, protocol, ring, slots
+from splitfeed.trainer_client import errors, messages, ring, slots
+from splitfeed.trainer_client.messages import (
+    Bye, Checkpoint, Commit, CommitAt, Complete, Drain, Error, Freeze, Hello, Wake,
+)
 
 from . import agreement
 
@@ -87,7 +90,8 @@ class Publisher:
         self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
         self._waits = 0  # numbers this publisher's waits in sidecar_waiting
         self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
-        self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[messages.Ready | messages.End | BaseException] = queue.SimpleQueue()
+        """What the loop should say: a `ready`, the `end`, or the exception that stopped the publisher."""
         # The gate between the publisher and the world's agreement: frozen while the
         # coordinator fixes the drain step, then no step at or past `_limit`.
         self._gate = threading.Condition()
@@ -165,8 +169,8 @@ class Publisher:
             signal.setsockopt(zmq.LINGER, 0)
             signal.connect(self._signal[1])
 
-        def tell(kind: str, value: Any) -> None:
-            self.outbox.put((kind, value))
+        def tell(news: messages.Ready | messages.End | BaseException) -> None:
+            self.outbox.put(news)
             if signal is not None:
                 signal.send(b"", zmq.NOBLOCK)
 
@@ -181,12 +185,12 @@ class Publisher:
                 waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
                 if slots.ready_due(waiting, self._readied):
                     self._readied = waiting
-                    tell("ready", global_step)
+                    tell(messages.Ready(global_step))
             if not stop.is_set():
-                tell("end", next_step)
+                tell(messages.End(next_step))
         except BaseException as exc:  # the loop reports it to the trainer
             if not stop.is_set():
-                tell("error", exc)
+                tell(exc)
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
@@ -410,9 +414,9 @@ class Server:
         # disconnects its sender before it is buffered.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"ipc://{self.directory / protocol.SOCKET_NAME}")
+        self.sock.bind(f"ipc://{self.directory / messages.SOCKET_NAME}")
         signal_address = f"inproc://sources-{self.instance}"
         self._signals = self._ctx.socket(zmq.PULL)
         self._signals.setsockopt(zmq.LINGER, 0)
@@ -456,23 +460,25 @@ class Server:
     def _coordinate(self) -> None:
         assert self.member is not None
         for message in self.member.receive():
-            kind = message["type"]
-            if kind == "freeze":
-                published = max(feed.publisher.freeze() for feed in self.feeds)
-                self.member.published = published
-                self.member.send("frozen", round=message["round"], replica=self.member.replica,
-                                 published=published)
-            elif kind == "commit_at":
-                step = message["step"]
-                if self.drain_step != step:
-                    log.info("the world drains at global step %d (%s)", step, message["reason"])
-                self.drain_step, self.drain_reason = step, message["reason"]
-                for feed in self.feeds:
-                    feed.publisher.commit_at(step, drain=message["drain"])
-            elif kind == "complete":
-                self.world_complete = max(self.world_complete or -1, message["step"])
-            elif kind == "error":
-                log.warning("coordinator: %s", message["message"])
+            match message:
+                case Freeze():
+                    published = max(feed.publisher.freeze() for feed in self.feeds)
+                    self.member.published = published
+                    self.member.send(messages.Frozen(round=message.round, replica=self.member.replica,
+                                                     published=published))
+                case CommitAt():
+                    step = message.step
+                    if self.drain_step != step:
+                        log.info("the world drains at global step %d (%s)", step, message.reason)
+                    self.drain_step, self.drain_reason = step, message.reason
+                    for feed in self.feeds:
+                        feed.publisher.commit_at(step, drain=message.drain)
+                case Complete():
+                    self.world_complete = max(self.world_complete or -1, message.step)
+                case Error():
+                    log.warning("coordinator: %s", message.message)
+                case _:
+                    pass  # Joined (a late answer to a heartbeat) changes nothing here
 
     def fail_all(self, message: str, *, grace_s: float) -> None:
         """Tell every trainer that says hello why this sidecar cannot serve, then stop."""
@@ -544,16 +550,16 @@ class Server:
         self.sock.close(linger=0)
         self._signals.close(linger=0)
         try:
-            os.unlink(self.directory / protocol.SOCKET_NAME)
+            os.unlink(self.directory / messages.SOCKET_NAME)
         except FileNotFoundError:
             pass
 
-    def _send(self, peer: bytes, kind: str, **fields: Any) -> None:
+    def _send(self, peer: bytes, message: messages.Message) -> None:
         """Never blocks: a peer that does not read (SEND_HWM answers queued) loses the answer."""
         try:
-            self.sock.send_multipart([peer, protocol.encode(kind, **fields)], zmq.NOBLOCK)
+            self.sock.send_multipart([peer, message.encode()], zmq.NOBLOCK)
         except zmq.Again:
-            self._complain(peer, f"does not read its socket; its {kind} message is dropped")
+            self._complain(peer, f"does not read its socket; its {message.kind} message is dropped")
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that trainer is gone
             log.debug("cannot reach trainer %r: %s", peer, exc)
 
@@ -572,24 +578,22 @@ class Server:
         session = feed.session
         while True:
             try:
-                kind, value = feed.publisher.outbox.get_nowait()
+                news = feed.publisher.outbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "error":
-                self._fail(session, value)
+            if isinstance(news, BaseException):
+                self._fail(session, news)
             elif session.peer is not None and not session.failure:
-                if kind == "end":
-                    self._send(session.peer, "end", next_step=value)
+                self._send(session.peer, news)
+                if isinstance(news, messages.End):
                     session.end_sent = True
-                else:
-                    self._send(session.peer, "ready", global_step=value)
 
     def _fail(self, session: Session, exc: BaseException) -> None:
         user = isinstance(exc, (errors.UserError, errors.SidecarFailed))
         session.failure = str(exc) if user else f"{type(exc).__name__}: {exc}"
         log.error("rank %d cannot continue: %s", session.rank, session.failure, exc_info=not user)
         if session.peer is not None:
-            self._send(session.peer, "error", code="source", message=session.failure, fatal=True)
+            self._send(session.peer, Error(code="source", message=session.failure, fatal=True))
         # Linger a moment rather than stop: a trainer mid-handshake still maps
         # this sidecar's files and must hear why, not find them gone.
         if self._failed_at is None:
@@ -605,11 +609,11 @@ class Server:
             try:
                 if len(body) != 1:
                     raise errors.ProtocolError(f"expected 1 frame, got {len(body)}")
-                message = protocol.decode(body[0])
+                message = messages.decode(body[0])
                 self._handle(peer, message)
             except errors.ProtocolError as exc:
                 self._complain(peer, f"sent a bad message: {exc}")
-                self._send(peer, "error", code="protocol", message=str(exc), fatal=False)
+                self._send(peer, Error(code="protocol", message=str(exc), fatal=False))
 
     def _feed_for(self, peer: bytes) -> Feed:
         for feed in self.feeds:
@@ -617,26 +621,26 @@ class Server:
                 return feed
         raise errors.ProtocolError("say hello first")
 
-    def _handle(self, peer: bytes, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "hello":
-            self._hello(peer, message)
-        elif kind == "checkpoint":
-            self._checkpoint_rank(self._feed_for(peer), message["step"])
-        elif kind == "commit":
-            self._commit_rank(self._feed_for(peer), message["step"])
-        elif kind == "drain":
-            feed = self._feed_for(peer)
-            self.request_drain(f"{message['reason']}-{self.instance}-r{feed.rank}", message["reason"])
-        elif kind == "bye":
-            self._feed_for(peer).session.said_bye = True
-        elif kind == "wake":
-            self._feed_for(peer).publisher.wake()
-        else:
-            raise errors.ProtocolError(f"a trainer does not send {kind!r}")
+    def _handle(self, peer: bytes, message: messages.Message) -> None:
+        match message:
+            case Hello():
+                self._hello(peer, message)
+            case Checkpoint():
+                self._checkpoint_rank(self._feed_for(peer), message.step)
+            case Commit():
+                self._commit_rank(self._feed_for(peer), message.step)
+            case Drain():
+                feed = self._feed_for(peer)
+                self.request_drain(f"{message.reason}-{self.instance}-r{feed.rank}", message.reason)
+            case Bye():
+                self._feed_for(peer).session.said_bye = True
+            case Wake():
+                self._feed_for(peer).publisher.wake()
+            case _:
+                raise errors.ProtocolError(f"a trainer does not send {message.kind!r}")
 
-    def _hello(self, peer: bytes, message: dict[str, Any]) -> None:
-        local_rank = message["local_rank"]
+    def _hello(self, peer: bytes, message: Hello) -> None:
+        local_rank = message.local_rank
         if not 0 <= local_rank < len(self.feeds):
             raise errors.ProtocolError(
                 f"local_rank {local_rank} is not served here (0..{len(self.feeds) - 1})")
@@ -644,11 +648,11 @@ class Server:
         session, control = feed.session, feed.control
         if session.failure:
             session.peer = peer
-            self._send(peer, "error", code="source", message=session.failure, fatal=True)
+            self._send(peer, Error(code="source", message=session.failure, fatal=True))
             return
-        new_trainer = message["pid"] != session.trainer_pid
+        new_trainer = message.pid != session.trainer_pid
         acked = control.acked
-        wanted = message["next_step"]
+        wanted = message.next_step
         if wanted is None:
             # A new trainer process starts from a model it saved: the world's newest
             # complete step (docs/agreement.md), never after its predecessor's last batch.
@@ -662,18 +666,18 @@ class Server:
             # trainer has moved on. Answer it without rewinding anything.
             wanted = acked + 1
         in_step = same_trainer and acked + 1 == wanted
-        session.peer, session.trainer_pid, session.said_bye = peer, message["pid"], False
+        session.peer, session.trainer_pid, session.said_bye = peer, message.pid, False
         if not in_step:
             log.info("rank %d: trainer pid %d continues at global step %d",
-                     session.rank, message["pid"], wanted)
+                     session.rank, message.pid, wanted)
             control.acked = wanted - 1
             session.end_sent = False
             # A drained rank publishes nothing more (its trainer stops after saving).
             feed.publisher.reset(wanted, trainer_gone=new_trainer, restart=not session.drained)
-        self._send(peer, "welcome", instance=self.instance, rank=session.rank,
-                   world_size=self.world_size, ctl=str(control.path),
-                   resume_step=session.resume_step, next_step=wanted,
-                   total_steps=session.total_steps, steps_per_epoch=self.steps_per_epoch)
+        self._send(peer, messages.Welcome(
+            instance=self.instance, rank=session.rank, world_size=self.world_size, ctl=str(control.path),
+            resume_step=session.resume_step, next_step=wanted, total_steps=session.total_steps,
+            steps_per_epoch=self.steps_per_epoch))
 
     def _checkpoint_rank(self, feed: Feed, step: int) -> None:
         """Phase one: write the rank's data position for `step` (not yet resumable)."""
@@ -683,19 +687,19 @@ class Server:
             raise errors.ProtocolError(
                 f"checkpoint of step {step}, but the trainer has received {acked + 1} steps")
         if self._checkpoint is None:
-            self._send(session.peer or b"", "error", code="checkpoint", fatal=False,
-                       message="checkpoints are disabled: set spec.checkpoint.uri")
+            self._send(session.peer or b"", Error(code="checkpoint", fatal=False,
+                                                  message="checkpoints are disabled: set spec.checkpoint.uri"))
             return
         try:
             uri = self._checkpoint(session.rank, step)
         except Exception as exc:  # storage errors: the trainer decides what to do
             log.error("checkpoint of step %d failed: %s", step, exc)
-            self._send(session.peer or b"", "error", code="checkpoint", fatal=False,
-                       message=f"checkpoint of step {step} failed: {exc}")
+            self._send(session.peer or b"", Error(code="checkpoint", fatal=False,
+                                                  message=f"checkpoint of step {step} failed: {exc}"))
             return
         session.prepared = step
-        self._send(session.peer or b"", "checkpointed", step=step,
-                   drained=feed.control.drain_at == step, uri=uri)
+        self._send(session.peer or b"", messages.Checkpointed(
+            step=step, drained=feed.control.drain_at == step, uri=uri))
 
     def _commit_rank(self, feed: Feed, step: int) -> None:
         """Phase two: the trainer saved its model for `step`; the step may now be resumed."""
@@ -708,8 +712,8 @@ class Server:
             self._commit(session.rank, step)
         except Exception as exc:
             log.error("commit of step %d failed: %s", step, exc)
-            self._send(session.peer or b"", "error", code="checkpoint", fatal=False,
-                       message=f"commit of step {step} failed: {exc}")
+            self._send(session.peer or b"", Error(code="checkpoint", fatal=False,
+                                                  message=f"commit of step {step} failed: {exc}"))
             return
         session.committed = step
         if not session.drained and feed.control.drain_at == step:
@@ -718,9 +722,9 @@ class Server:
         epoch = step // max(1, self.steps_per_epoch)
         self.last_checkpoint = {"step": step, "epoch": epoch, "worldSize": self.world_size,
                                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self._send(session.peer or b"", "committed", step=step)
+        self._send(session.peer or b"", messages.Committed(step))
         if self.member is not None and all(f.session.committed == step for f in self.feeds):
-            self.member.send("committed_world", replica=self.member.replica, step=step)
+            self.member.send(messages.CommittedWorld(replica=self.member.replica, step=step))
 
 
 def tune_interpreter() -> None:
@@ -737,7 +741,7 @@ def sweep(directory: Path) -> None:
     """Remove ring files and sockets a crashed sidecar left behind."""
     directory.mkdir(parents=True, exist_ok=True)
     for path in directory.iterdir():
-        if path.name.startswith(("ctl-", "slot-")) or path.name == protocol.SOCKET_NAME:
+        if path.name.startswith(("ctl-", "slot-")) or path.name == messages.SOCKET_NAME:
             try:
                 path.unlink()
             except FileNotFoundError:

@@ -41,12 +41,12 @@ import uuid
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
 
-from . import protocol, ring, slots
+from . import messages, ring, slots
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
 
 _torch: Any = None
+
+_WAKE = messages.Wake().encode()
+"""Encoded once: `wake` has no fields."""
+
+_Answer = TypeVar("_Answer", messages.Checkpointed, messages.Committed)
 
 
 def _torch_module() -> Any:
@@ -196,10 +201,10 @@ class StreamClient:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.IDENTITY, f"t{self.local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
-        self._sock.connect(f"ipc://{self._dir / protocol.SOCKET_NAME}")
-        self._inbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._sock.connect(f"ipc://{self._dir / messages.SOCKET_NAME}")
+        self._inbox: collections.deque[messages.Message] = collections.deque()
         self._slot_files: dict[tuple[str, int, int], slots.SlotFile] = {}
         self._reader = slots.Reader()
         self._holds: dict[int, weakref.ref[np.ndarray]] = {}  # keeps the release callbacks alive
@@ -299,7 +304,7 @@ class StreamClient:
                     raise SidecarUnavailable(self._why_no_batch())
                 self._ask_drain_on_sigterm()
                 message = self._receive(deadline)
-                if message["type"] == "welcome":
+                if isinstance(message, messages.Welcome):
                     self._welcome(message)
                 # ready / end are wake-ups: look at the ring again
         finally:
@@ -331,9 +336,9 @@ class StreamClient:
         its model.
         """
         step = self._next_step or 0
-        reply = self._request("checkpoint", "checkpointed", step)
+        reply = self._request(messages.Checkpoint(step), messages.Checkpointed)
         self._prepared = step
-        self.drained = reply["drained"]
+        self.drained = reply.drained
         return step
 
     def commit(self, step: int | None = None) -> None:
@@ -346,29 +351,30 @@ class StreamClient:
             step = self._prepared
         if step is None or step != self._prepared:
             raise CheckpointError(f"commit of step {step}, but the last checkpoint() was of step {self._prepared}")
-        self._request("commit", "committed", step)
+        self._request(messages.Commit(step), messages.Committed)
         self._prepared = None
 
     def _commit_implicitly(self) -> None:
         if self._prepared is not None:
             self.commit(self._prepared)
 
-    def _request(self, kind: str, answer: str, step: int) -> dict[str, Any]:
-        """Send `kind` for `step` and wait for its `answer`; an error reply raises CheckpointError."""
-        self._sock.send(protocol.encode(kind, step=step))
+    def _request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer]) -> _Answer:
+        """Send `request` and wait for its `answer` (of the same step); an error reply raises CheckpointError."""
+        self._sock.send(request.encode())
+        step = request.step
         deadline = time.monotonic() + self._timeout_s
-        held: list[dict[str, Any]] = []
+        held: list[messages.Message] = []
         try:
             while time.monotonic() < deadline:
                 message = self._receive_raw(self._heartbeat_s)
                 if message is None:
                     continue
-                if message["type"] == answer and message["step"] == step:
+                if isinstance(message, answer) and message.step == step:
                     return message
-                if message["type"] == "error":
-                    raise CheckpointError(message["message"])
+                if isinstance(message, messages.Error):
+                    raise CheckpointError(message.message)
                 held.append(message)
-            raise CheckpointError(f"no answer to {kind} of step {step} in {self._timeout_s} s")
+            raise CheckpointError(f"no answer to {request.kind} of step {step} in {self._timeout_s} s")
         finally:
             self._inbox.extendleft(reversed(held))
 
@@ -398,7 +404,7 @@ class StreamClient:
         if self._sigterm and not self._drain_asked:
             self._drain_asked = True
             log.warning("SIGTERM: asking the world to checkpoint at one step and stop")
-            self._sock.send(protocol.encode("drain", reason="preempt"))
+            self._sock.send(messages.Drain(reason="preempt").encode())
 
     def close(self) -> None:
         if self._sock.closed:
@@ -411,7 +417,7 @@ class StreamClient:
             log.error("the last checkpoint was not committed: %s", exc)
         self.stats.write(final=True)
         try:
-            self._sock.send(protocol.encode("bye"), zmq.NOBLOCK)
+            self._sock.send(messages.Bye().encode(), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         self._sock.close(linger=100)
@@ -426,73 +432,70 @@ class StreamClient:
 
     # -- handshake --------------------------------------------------------------
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self) -> messages.Welcome:
         """Send hello until a welcome arrives; the sidecar may be (re)starting."""
         deadline = time.monotonic() + self._timeout_s
         while True:
-            self._sock.send(protocol.encode(
-                "hello", local_rank=self.local_rank, pid=os.getpid(), next_step=self._next_step))
+            self._say_hello()
             while True:
                 message = self._receive_raw(self._heartbeat_s)
                 if message is None:
                     break  # no answer yet: say hello again
-                if message["type"] == "welcome":
+                if isinstance(message, messages.Welcome):
                     return message
-                if message["type"] == "error" and message["fatal"]:
-                    raise SidecarFailed(message["message"])
                 # a stale ready/end from before the resync: drop it
             if time.monotonic() > deadline:
                 raise SidecarUnavailable(
-                    f"no sidecar answered at {self._dir / protocol.SOCKET_NAME} "
+                    f"no sidecar answered at {self._dir / messages.SOCKET_NAME} "
                     f"within {self._timeout_s} s")
 
-    def _welcome(self, message: dict[str, Any]) -> None:
+    def _welcome(self, message: messages.Welcome) -> None:
         self._inbox.clear()
         previous = self._instance
-        if message["instance"] != self._instance:
+        if message.instance != self._instance:
             if self._control is not None:
                 log.warning("sidecar restarted (instance %s -> %s); continuing at step %s",
-                            self._instance, message["instance"], message["next_step"])
+                            self._instance, message.instance, message.next_step)
             try:
-                control = ring.Control(Path(message["ctl"]), create=False)
+                control = ring.Control(Path(message.ctl), create=False)
             except FileNotFoundError:
                 raise SidecarUnavailable(
                     f"the sidecar at {self._dir} went away during the handshake") from None
-            self._instance = message["instance"]
+            self._instance = message.instance
             self._control = control  # the old one is unmapped with its last batch (they reference it)
             self._waiting, self._woken = False, 0
             for key in [k for k in self._slot_files if k[0] != self._instance]:
                 self._slot_files.pop(key).close()  # unmapped now, or when its last batch is freed
-        self.rank = message["rank"]
-        self.world_size = message["world_size"]
-        self.resume_step = message["resume_step"]
-        self.steps_per_epoch = self.stats.steps_per_epoch = message["steps_per_epoch"]
-        self.total_steps = self.stats.total_steps = message["total_steps"]
-        if self._next_step is None or message["instance"] != previous:
+        self.rank = message.rank
+        self.world_size = message.world_size
+        self.resume_step = message.resume_step
+        self.steps_per_epoch = self.stats.steps_per_epoch = message.steps_per_epoch
+        self.total_steps = self.stats.total_steps = message.total_steps
+        if self._next_step is None or message.instance != previous:
             # Only the first welcome decides where a fresh process starts; later
             # ones answer our own hello (heartbeats may be answered late).
-            self._next_step = message["next_step"]
+            self._next_step = message.next_step
 
     # -- receiving ----------------------------------------------------------------
 
-    def _receive_raw(self, timeout_s: float) -> dict[str, Any] | None:
+    def _receive_raw(self, timeout_s: float) -> messages.Message | None:
         if self._inbox:
             return self._inbox.popleft()
         if not self._sock.poll(int(timeout_s * 1000)):
             return None
         frame = self._sock.recv()
         try:
-            message = protocol.decode(frame)
+            message = messages.decode(frame)
         except ProtocolError as exc:
             log.error("sidecar sent a malformed message (%s); resynchronising", exc)
             return None
-        if message["type"] == "error":
-            if message["fatal"]:
-                raise SidecarFailed(message["message"])
-            log.warning("sidecar: %s", message["message"])
+        if isinstance(message, messages.Error):
+            if message.fatal:
+                raise SidecarFailed(message.message)
+            log.warning("sidecar: %s", message.message)
         return message
 
-    def _receive(self, deadline: float) -> dict[str, Any]:
+    def _receive(self, deadline: float) -> messages.Message:
         """The next message; a silent sidecar gets a hello (it may have restarted)."""
         while True:
             message = self._receive_raw(self._heartbeat_s)
@@ -500,8 +503,11 @@ class StreamClient:
                 return message
             if time.monotonic() > deadline:
                 raise SidecarUnavailable(self._why_no_batch())
-            self._sock.send(protocol.encode(
-                "hello", local_rank=self.local_rank, pid=os.getpid(), next_step=self._next_step))
+            self._say_hello()
+
+    def _say_hello(self) -> None:
+        self._sock.send(messages.Hello(local_rank=self.local_rank, pid=os.getpid(),
+                                       next_step=self._next_step).encode())
 
     def _why_no_batch(self) -> str:
         control = self._control
@@ -573,4 +579,4 @@ class StreamClient:
         waiting = control.sidecar_waiting
         if slots.wake_due(control, waiting, self._woken):
             self._woken = waiting
-            self._sock.send(protocol.encode("wake"))
+            self._sock.send(_WAKE)

@@ -27,7 +27,7 @@ import pytest
 import zmq
 
 from splitfeed.sidecar import serving
-from splitfeed.trainer_client import SidecarFailed, UserError, protocol, ring, slots
+from splitfeed.trainer_client import SidecarFailed, UserError, messages, ring, slots
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.dataplane.harness import manifest, reference_batches, wait_for
@@ -45,7 +45,7 @@ def dealer(socket_dir: Path, **options: int) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     for name, value in options.items():
         sock.setsockopt(getattr(zmq, name), value)
-    sock.connect(f"ipc://{socket_dir / protocol.SOCKET_NAME}")
+    sock.connect(f"ipc://{socket_dir / messages.SOCKET_NAME}")
     return sock
 
 
@@ -67,9 +67,9 @@ def test_hostile_frames_get_error_replies_and_the_trainer_still_gets_its_referen
         for frame, words in HOSTILE:
             sock.send(frame)
             assert sock.poll(10_000), f"no reply to {frame[:40]!r}..."
-            reply = protocol.decode(sock.recv())
-            assert reply["type"] == "error" and not reply["fatal"], reply
-            assert words in reply["message"], reply
+            reply = messages.decode(sock.recv())
+            assert isinstance(reply, messages.Error) and not reply.fatal, reply
+            assert words in reply.message, reply
         # Over MAX_MESSAGE_BYTES: ZeroMQ drops the frame (and the connection) before
         # buffering it, so there is no reply; the sidecar serves on.
         sock.send(b"x" * (4 << 20))
