@@ -28,6 +28,8 @@ from typing import Any
 import kubernetes
 import urllib3
 
+from splitfeed.trainer_client import errors
+
 from . import planning
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -38,7 +40,7 @@ USER_AGENT = "splitfeed-operator/0.1.0"
 log = logging.getLogger(__name__)
 
 
-class KubeError(RuntimeError):
+class KubeError(errors.SplitfeedError, RuntimeError):
     """An API call failed for a reason the caller cannot treat as success."""
 
     def __init__(self, status: int, message: str, reason: str = "") -> None:
