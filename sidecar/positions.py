@@ -23,9 +23,6 @@ class Position:
     epoch: int
     step: int
 
-    def global_step(self, steps_per_epoch: int) -> int:
-        return self.epoch * steps_per_epoch + self.step
-
 
 def position_of(global_step: int, steps_per_epoch: int) -> Position:
     if steps_per_epoch < 1:
