@@ -89,12 +89,11 @@ class SlotState:
 
 
 class Waiting:
-    """What the sidecar waits for (the low bits of `sidecar_waiting`), so the
-    trainer wakes it only when that has happened (not on every batch)."""
+    """What the sidecar waits for: the low bits of `sidecar_waiting` (when to wake it: slots.wake_due)."""
 
     NO = 0
-    ROOM = 1    # `prefetch` slots are FILLED: wake when at most prefetch // 2 are
-    SLOT = 2    # every slot is held (MAX_SLOTS): wake when one is freed
+    ROOM = 1    # `prefetch` slots are FILLED
+    SLOT = 2    # every slot is held (MAX_SLOTS)
     KIND = 3    # the mask; the bits above count the sidecar's waits
 
     @staticmethod
