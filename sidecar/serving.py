@@ -352,6 +352,8 @@ class Session:
         self.all_taken_at: float | None = None
         """When the loop first saw that the trainer took the last batch."""
         self.failure: str | None = None
+        self.permanent = False
+        """The failure is a DataError (a transform that fails on a row, say): permanent."""
         self.resume_step = start_step
         """Where this rank's current trainer process started (its model's step)."""
         self.prepared: int | None = None
@@ -591,6 +593,7 @@ class Server:
     def _fail(self, session: Session, exc: BaseException) -> None:
         user = isinstance(exc, (errors.UserError, errors.SidecarFailed))
         session.failure = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        session.permanent = isinstance(exc, errors.DataError)  # the same data fails in any world
         log.error("rank %d cannot continue: %s", session.rank, session.failure, exc_info=not user)
         if session.peer is not None:
             self._send(session.peer, Error(code="source", message=session.failure, fatal=True))
