@@ -12,9 +12,12 @@ import argparse
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import configs, planning
+
+if TYPE_CHECKING:
+    from . import kube, leader
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +167,7 @@ async def _main(config: configs.OperatorConfig) -> int:
     elector = leader.Elector(client, config.leader)
     leading = False
     try:
-        await elector.acquire()
+        await _stand_by(config, client, elector)
         leading = True
         stop = asyncio.Event()
         running = asyncio.create_task(operator(stop))
@@ -183,3 +186,22 @@ async def _main(config: configs.OperatorConfig) -> int:
         if leading:
             await elector.release()  # a successor need not wait the Lease out
         client.close()
+
+
+async def _stand_by(config: configs.OperatorConfig, client: "kube.Kube", elector: "leader.Elector") -> None:
+    """Wait for the Lease, answering the liveness probe meanwhile (Kopf serves it only once it runs)."""
+    if config.liveness is None or config.leader is None:
+        await elector.acquire()
+        return
+    from . import standby
+
+    # An attempt is at most a read and a write, each bounded by the client's request timeout.
+    max_quiet_s = config.leader.renew_s + 3 * sum(client.timeout)
+    probe = standby.StandbyProbe(config.liveness, lambda: elector.attempted_at, lambda: elector.holder,
+                                 f"{config.leader.namespace}/{config.leader.name}", max_quiet_s,
+                                 clock=elector.clock)
+    await probe.start()
+    try:
+        await elector.acquire()
+    finally:
+        await probe.stop()  # Kopf's own health server binds the same address next

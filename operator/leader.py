@@ -66,6 +66,13 @@ class Elector:
         self._seen: tuple[Any, ...] | None = None
         self._seen_at = 0.0
         self._renewed_at: float | None = None
+        self.attempted_at = clock()
+        """When the last attempt to take the Lease ended (either way): a standby's liveness."""
+
+    @property
+    def holder(self) -> str | None:
+        """Who held the Lease when it was last read."""
+        return str(self._seen[0]) if self._seen and self._seen[0] else None
 
     def _free(self, lease: Mapping[str, Any]) -> bool:
         """Nobody holds it, we do, or the holder's record has not changed for duration_s."""
@@ -102,6 +109,8 @@ class Elector:
                     return
             except kube.KubeError as exc:
                 log.warning("leader election: %s", exc)
+            finally:
+                self.attempted_at = self.clock()
             if not waiting_logged:
                 log.info("leader election: Lease %s/%s is held by %s; waiting", self.config.namespace,
                          self.config.name, self._seen[0] if self._seen else "?")
