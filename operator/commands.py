@@ -48,6 +48,12 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
                     help="namespace of the Lease (default: $SPLITFEED_OPERATOR_NAMESPACE)")
     le.add_argument("--leader-election-lease", default="splitfeed-operator", metavar="NAME",
                     help="name of the Lease (default: splitfeed-operator)")
+    t = p.add_argument_group("API timeouts (a half-open connection ends in an error and a reconnect)")
+    t.add_argument("--api-timeout", type=float, default=configs.ApiTimeouts.request_s, metavar="S",
+                   help="read timeout of every short API call (default 30)")
+    t.add_argument("--watch-timeout", type=float, default=configs.ApiTimeouts.watch_inactivity_s, metavar="S",
+                   help="a watch that delivers nothing, not even a bookmark, for this long is dropped "
+                        "and started again (default 70; the apiserver sends a bookmark every minute)")
     f = p.add_argument_group("failure policy")
     f.add_argument("--restart-backoff", type=float, default=planning.Settings.restart_backoff_s, metavar="S",
                    help="seconds before a failed world's successor starts, doubled per restart "
@@ -102,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> configs.OperatorConfig:
         peering=None if args.standalone else args.peering,
         kubeconfig=args.kubeconfig,
         leader=leader,
+        timeouts=configs.ApiTimeouts(request_s=args.api_timeout, watch_inactivity_s=args.watch_timeout),
     )
 
 
@@ -163,7 +170,7 @@ async def _main(config: configs.OperatorConfig) -> int:
         return 0
     from . import kube, leader
 
-    client = kube.Kube.connect(config.kubeconfig)
+    client = kube.Kube.connect(config.kubeconfig, (config.timeouts.connect_s, config.timeouts.request_s))
     elector = leader.Elector(client, config.leader)
     leading = False
     try:

@@ -118,17 +118,25 @@ class Elector:
             await asyncio.sleep(self.config.renew_s)
 
     async def hold(self) -> None:
-        """Renew until a renewal is overdue by renew_deadline_s; returns when leadership is lost."""
+        """Renew until a renewal is overdue by renew_deadline_s; returns when leadership is lost.
+
+        Each attempt is cut off at the deadline: a call hanging on a half-open connection
+        (its own timeout may be longer than duration_s) must not keep this holder acting
+        after a candidate may have taken the Lease.
+        """
         while True:
             await asyncio.sleep(self.config.renew_s)
+            since = self.clock() - self._renewed_at if self._renewed_at is not None else self.config.renew_deadline_s
             try:
-                if await self.try_once():
+                if await asyncio.wait_for(self.try_once(), timeout=max(0.1, self.config.renew_deadline_s - since)):
                     continue
                 log.error("leader election: %s took Lease %s/%s", self._seen[0] if self._seen else "someone",
                           self.config.namespace, self.config.name)
                 return
             except kube.KubeError as exc:
                 log.warning("leader election: renewing failed: %s", exc)
+            except asyncio.TimeoutError:
+                log.warning("leader election: no answer to the renewal before the deadline")
             if self._renewed_at is None or self.clock() - self._renewed_at >= self.config.renew_deadline_s:
                 log.error("leader election: no renewal for %.0fs; giving up the lead", self.config.renew_deadline_s)
                 return
