@@ -143,10 +143,10 @@ def first_world_epoch(job: specs.JobSpec, storage_options_dir: Path | None) -> i
     """Number this run's worlds after every earlier run's, so checkpoint fencing holds."""
     if not job.checkpoint.uri:
         return 0
-    from . import checkpoints, main
+    from . import checkpoints, storage_options
 
     store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name,
-                              main.read_storage_options(storage_options_dir), uid=LOCAL_JOB_UID)
+                              storage_options.read_storage_options(storage_options_dir), uid=LOCAL_JOB_UID)
     newest = store.newest_world()
     return 0 if newest is None else newest + 1
 
