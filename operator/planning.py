@@ -40,6 +40,11 @@ VOLUME_SHM = "splitfeed-shm"
 VOLUME_CONFIG = "splitfeed-config"
 VOLUME_PODINFO = "splitfeed-podinfo"
 VOLUME_STORAGE = "splitfeed-storage"
+VOLUME_TRANSFORMS = "splitfeed-transforms"
+"""A volume of this name in the trainer template (a ConfigMap of small transform modules,
+say) is mounted read-only into the sidecar at TRANSFORMS_DIR, which is put on its
+PYTHONPATH so that spec.data.transform can name a module there (README, Preprocessing)."""
+TRANSFORMS_DIR = "/etc/splitfeed/transforms"
 RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE)
 
 SidecarMode = Literal["native", "container"]
@@ -275,6 +280,8 @@ def sidecar_container(
         **({"SPLITFEED_TABLE_VERSION": table_version} if table_version is not None else {}),
         "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
     }
+    if any(m.get("name") == VOLUME_TRANSFORMS for m in extra_mounts or []):
+        env["PYTHONPATH"] = TRANSFORMS_DIR
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": settings.sidecar_image or job.sidecar.image,
@@ -390,6 +397,8 @@ def pod(
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
                 {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
             ]
+    if any(v.get("name") == VOLUME_TRANSFORMS for v in spec.get("volumes") or []):
+        shared = shared + [{"name": VOLUME_TRANSFORMS, "mountPath": TRANSFORMS_DIR, "readOnly": True}]
     sidecar = sidecar_container(job, world_epoch, replica, settings, shared, resume_step, owner.uid,
                                 table_version)
     if settings.sidecar_mode == "native":

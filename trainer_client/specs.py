@@ -33,6 +33,24 @@ class SpecError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """lancedb's pack_sequences, eos_id, pad_id, blocks_per_epoch and the token column."""
+
+    column: str
+    block_size: int
+    eos_id: int
+    pad_id: int
+    blocks_per_epoch: int | str
+    """A multiple of numSplits, or "auto" (estimated once, from epoch 0, for the job)."""
+
+
+ON_TRANSFORM_ERROR = ("raise", "fill")
+"""Accepted spec.data.onTransformError values. lancedb's skip/warn make splits (and so
+ranks) end an epoch at different steps; splitfeed does not offer them yet (fill keeps
+every split's length instead, docs/preprocessing.md)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSpec:
     uri: str
     """Anything `lancedb.connect` accepts: a local path, s3://bucket/db, ..."""
@@ -61,11 +79,26 @@ class DataSpec:
     """The table version to read from start to end (lancedb time travel): a version
     number or a tag. None: the version current when the job first starts, which the
     sidecar then fixes here (as a number) so that every reader opens the same one."""
+    transform: str | None = None
+    """"package.module:function", applied by the sidecar to each read batch exactly as
+    lancedb's StreamingDataset(transform=...) does (docs/preprocessing.md)."""
+    transform_args: str | None = None
+    """A JSON object: keyword arguments bound to the transform (see transform_kwargs)."""
+    on_transform_error: str = "raise"
+    """raise | fill (ON_TRANSFORM_ERROR): what a row whose transform fails becomes."""
+    pack_sequences: PackSpec | None = None
+    """Sequence packing (lancedb's pack_sequences) of one token-list column."""
+
+    @property
+    def transform_kwargs(self) -> dict[str, Any]:
+        """transformArgs decoded (checked to be a JSON object when parsed)."""
+        return dict(json.loads(self.transform_args)) if self.transform_args else {}
 
 
 ORDER_FIELDS = (
     "uri", "table", "version", "columns", "filter", "numSplits", "shuffle", "shuffleSeed",
-    "shuffleClumpSize", "globalBatchSize",
+    "shuffleClumpSize", "globalBatchSize", "transform", "transformArgs", "onTransformError",
+    "packSequences",
 )
 """spec.data fields that decide which row is delivered at which global step: fixed
 for the life of a job (CRD rules, the admission webhook) and checked against a
@@ -185,6 +218,17 @@ _DATA_FIELDS: dict[str, _Field] = {
     "numWorkers": ("num_workers", "int", False, 1),
     "readBatchSize": ("read_batch_size", "int", False, 1),
     "version": ("version", "version", False, 1),
+    "transform": ("transform", "importPath", False, None),
+    "transformArgs": ("transform_args", "jsonObject", False, None),
+    "onTransformError": ("on_transform_error", "onTransformError", False, None),
+    "packSequences": ("pack_sequences", "packSequences", False, None),
+}
+_PACK_FIELDS: dict[str, _Field] = {
+    "column": ("column", "str", True, None),
+    "blockSize": ("block_size", "int", True, 1),
+    "eosId": ("eos_id", "int", True, None),
+    "padId": ("pad_id", "int", True, None),
+    "blocksPerEpoch": ("blocks_per_epoch", "blocksPerEpoch", True, 1),
 }
 _CHECKPOINT_FIELDS: dict[str, _Field] = {
     "uri": ("uri", "str", False, None),
@@ -282,12 +326,84 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
             if part is not None and ("/" in part or part in (".", "..")):
                 raise SpecError(f"{path}.{key}", f"names a checkpoint directory and cannot be {part!r}")
         return source
+    if kind == "importPath":
+        return _import_path(path, value)
+    if kind == "jsonObject":
+        text: str = _convert(path, "str", value, None)
+        try:
+            decoded = json.loads(text)
+        except ValueError as exc:
+            raise SpecError(path, f"must be a JSON object such as '{{\"size\": 224}}': {exc}") from None
+        if not isinstance(decoded, dict):
+            raise SpecError(path, f"must be a JSON object of keyword arguments, got {text!r}")
+        return text
+    if kind == "onTransformError":
+        if value not in ON_TRANSFORM_ERROR:
+            extra = (
+                "; skip and warn would end the epoch at different steps on different ranks, "
+                "use fill (a deterministic substitute row from the same split)"
+                if value in ("skip", "warn") else ""
+            )
+            raise SpecError(path, f"must be one of {', '.join(ON_TRANSFORM_ERROR)}, got {value!r}{extra}")
+        return value
+    if kind == "blocksPerEpoch":
+        if value == "auto":
+            return value
+        if isinstance(value, str):
+            raise SpecError(path, f"must be a positive integer or 'auto', got {value!r}")
+        return _convert(path, "int", value, minimum)
+    if kind == "packSequences":
+        return PackSpec(**_section(path, value, _PACK_FIELDS))
     if kind == "quantity":
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise SpecError(path, f"must be a Kubernetes quantity such as 2Gi, got {value!r}")
         parse_quantity_bytes(str(value), path)
         return str(value)
     raise AssertionError(f"unknown kind {kind}")  # a bug in the tables above
+
+
+def _import_path(path: str, value: Any) -> str:
+    """Check "package.module:function" syntax; importing happens in the sidecar."""
+    text: str = _convert(path, "str", value, None)
+    module, sep, attr = text.partition(":")
+    if not sep or not all(part.isidentifier() for part in module.split(".")) or not all(
+        part.isidentifier() for part in attr.split(".")
+    ):
+        raise SpecError(
+            path, f"must be an import path 'package.module:function', got {text!r}"
+        )
+    return text
+
+
+def _check_preprocessing(data: DataSpec) -> None:
+    """Rules between the preprocessing fields (lancedb's own, made manifest errors)."""
+    pack = data.pack_sequences
+    if data.transform_args and not data.transform:
+        raise SpecError("spec.data.transformArgs", "needs spec.data.transform")
+    if pack is None:
+        return
+    if data.transform:
+        raise SpecError(
+            "spec.data.packSequences",
+            "cannot be combined with spec.data.transform (lancedb packs raw token lists); "
+            "tokenise into a column first, or drop one of them",
+        )
+    if data.columns is not None and list(data.columns) != [pack.column]:
+        raise SpecError(
+            "spec.data.columns",
+            f"with packSequences must be [{pack.column!r}] or absent, got {list(data.columns)!r}",
+        )
+    bpe = pack.blocks_per_epoch
+    if isinstance(bpe, int) and bpe % data.num_splits:
+        raise SpecError(
+            "spec.data.packSequences.blocksPerEpoch",
+            f"must be a multiple of spec.data.numSplits={data.num_splits}, got {bpe}",
+        )
+    if pack.pad_id == pack.eos_id:
+        raise SpecError(
+            "spec.data.packSequences.padId",
+            "must differ from eosId (padding is masked by input_ids == padId)",
+        )
 
 
 def _section(path: str, raw: Any, fields: dict[str, _Field]) -> dict[str, Any]:
@@ -353,7 +469,7 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
     job = JobSpec(
         name=name,
         namespace=str(metadata.get("namespace") or "default"),
-        data=DataSpec(**_section("spec.data", raw_spec["data"], _DATA_FIELDS)),
+        data=_data_spec(raw_spec["data"]),
         checkpoint=CheckpointSpec(
             **_section("spec.checkpoint", raw_spec.get("checkpoint"), _CHECKPOINT_FIELDS)
         ),
@@ -366,14 +482,30 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
     return job
 
 
+def _data_spec(raw: Any) -> DataSpec:
+    data = DataSpec(**_section("spec.data", raw, _DATA_FIELDS))
+    _check_preprocessing(data)
+    return data
+
+
+def _wire_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, PackSpec):
+        return {key: getattr(value, name) for key, (name, *_rest) in _PACK_FIELDS.items()}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value
+
+
 def _data_to_wire(data: DataSpec) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, (name, _kind, _req, _min) in _DATA_FIELDS.items():
-        value = getattr(data, name)
-        if isinstance(value, tuple):
-            value = list(value)
+        value = _wire_value(getattr(data, name))
         if value is None or (key == "storageOptions" and not value):
             continue
+        if key == "onTransformError" and value == "raise" and not data.transform:
+            continue  # the default, kept off configs of jobs without a transform
         out[key] = value
     return out
 
@@ -390,8 +522,7 @@ def order_fields(data: DataSpec) -> dict[str, Any]:
     """The ORDER_FIELDS of `data` by wire name (columns as a list, absent ones None)."""
     out: dict[str, Any] = {}
     for key in ORDER_FIELDS:
-        value = getattr(data, _DATA_FIELDS[key][0])
-        out[key] = list(value) if isinstance(value, tuple) else value
+        out[key] = _wire_value(getattr(data, _DATA_FIELDS[key][0]))
     return out
 
 
