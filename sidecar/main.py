@@ -20,6 +20,7 @@ from typing import Any
 from splitfeed.trainer_client import errors, specs
 
 from . import agreement, checkpoints, identity, positions, reading, serving, workers
+from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +95,6 @@ def load_job(settings: SidecarSettings) -> specs.JobSpec:
     except ValueError as exc:
         raise errors.UserError(str(exc)) from exc
     return job
-
-
-def read_storage_options(directory: Path | None) -> dict[str, str]:
-    """One option per file, as a Secret volume lays them out."""
-    if directory is None or not directory.is_dir():
-        return {}
-    return {p.name: p.read_text().strip() for p in sorted(directory.iterdir())
-            if p.is_file() and not p.name.startswith(".")}
 
 
 def read_annotations(podinfo_dir: Path | None) -> dict[str, str]:
