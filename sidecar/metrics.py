@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitfeed.trainer_client import ring, stalls
+from splitfeed.trainer_client import messages, ring, stalls
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class ProgressReporter:
         self._next = now + self._every_s
         try:
             ranks = [read_rank(feed) for feed in self._server.feeds]
-            member.send("progress", **progress_fields(ranks, member.replica, self._steps_per_epoch))
+            member.send(messages.Progress(**progress_fields(ranks, member.replica, self._steps_per_epoch)))
         except (ValueError, AttributeError):
             return  # a control block closed meanwhile
         except Exception:  # a bug here must never stop the world: report it and stop reporting

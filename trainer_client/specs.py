@@ -19,12 +19,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import topology
+from .errors import SplitfeedError
 
 API_VERSION = "splitfeed.io/v1alpha1"
 KIND = "StreamingJob"
 
 
-class SpecError(ValueError):
+class SpecError(SplitfeedError, ValueError):
     """A manifest that does not describe a valid StreamingJob; names the field."""
 
     def __init__(self, field: str, message: str) -> None:
