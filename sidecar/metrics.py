@@ -74,13 +74,13 @@ class RankProgress:
 
 
 def read_rank(feed: Any) -> RankProgress:
-    """A RankFeed's progress (serving.RankFeed: control block, rank, published bytes)."""
+    """A serving.Feed's progress (its control block, rank, and its publisher's bytes)."""
     control: ring.Control = feed.control
     counts, words = control.read_progress()
     return RankProgress(rank=feed.rank, global_step=control.acked + 1, counts=counts,
                         wait_s=words["wait_ns"] / 1e9, wall_s=words["wall_ns"] / 1e9,
                         rows=words["rows"], batches=words["batches"],
-                        bytes=int(getattr(feed, "bytes_published", 0)),
+                        bytes=int(feed.publisher.bytes_published),
                         filled=control.filled(), slots=control.num_slots)
 
 

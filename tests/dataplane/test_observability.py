@@ -95,7 +95,8 @@ def test_a_trainer_behind_a_slowed_reader_reports_a_stall_share_near_the_injecte
 @pytest.mark.slow
 def test_a_trainer_behind_a_fast_reader_reports_a_stall_share_near_zero(pods, table_uri, tmp_path):
     pod = start(pods, table_uri, "fast")
-    trainer = run_trainer(pod, tmp_path, 0.03)
+    # 80 ms a step: prefetch (2 batches) covers even the new epoch's first read.
+    trainer = run_trainer(pod, tmp_path, 0.08)
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 0, err
     stall = json.loads((tmp_path / "stall.json").read_text())

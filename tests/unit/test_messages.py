@@ -36,14 +36,14 @@ def test_a_frame_decodes_to_its_typed_message_and_encodes_back_to_the_same_json(
 
 
 def test_every_message_type_has_a_distinct_wire_name_and_survives_a_round_trip():
-    samples = {int: 5, str: "x", bool: True}
+    samples = {int: 5, str: "x", bool: True, float: 0.5, list: [1, 2]}
     names = set()
     for cls in messages._TYPES.values():
         fields = {name: samples[types[0]] for name, types in cls._schema.items()}
         message = cls(**fields)
         assert messages.decode(message.encode()) == message
         names.add(cls.kind)
-    assert len(names) == len(messages._TYPES) == 21
+    assert len(names) == len(messages._TYPES) == 24
 
 
 @pytest.mark.parametrize("frame,words", [
