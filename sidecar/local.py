@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from splitfeed.trainer_client import errors, specs, worlds
+from splitfeed.trainer_client import contract, errors, specs, worlds
 
 STOP_GRACE_S = 10.0
 
@@ -102,24 +102,17 @@ class Process:
 
 def rank_env(job: specs.JobSpec, replica: int, local_rank: int, socket_dir: Path,
              master_port: int, world_epoch: int = 0) -> dict[str, str]:
-    g = job.gpus_per_replica
+    """This process's environment plus a pod's (contract.rank_env), on one machine."""
     env = dict(os.environ)
-    env.update({
-        "RANK": str(replica * g + local_rank),
-        "WORLD_SIZE": str(job.world_size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(g),
-        "NODE_RANK": str(replica),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        "SPLITFEED_SOCKET_DIR": str(socket_dir),
-        "SPLITFEED_WORLD_EPOCH": str(world_epoch),
-        "SPLITFEED_JOB_UID": LOCAL_JOB_UID,
-    })
+    env.update(contract.rank_env(
+        world_size=job.world_size, gpus_per_replica=job.gpus_per_replica, replica=replica,
+        local_rank=local_rank, master_addr="127.0.0.1", master_port=master_port,
+        socket_dir=str(socket_dir), world_epoch=world_epoch))
+    env[contract.JOB_UID_ENV] = LOCAL_JOB_UID
     return env
 
 
-LOCAL_JOB_UID = "local"
+LOCAL_JOB_UID = contract.LOCAL_JOB_UID
 """The job UID of every `splitfeed local` run: a run resumes what earlier runs of the same
 manifest (name, namespace, checkpoint.uri) saved, as a re-applied StreamingJob would not."""
 
@@ -189,10 +182,8 @@ def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, log
         socket_dir = work / f"w{epoch}-replica-{replica}"
         socket_dir.mkdir()
         env = rank_env(job, replica, 0, socket_dir, master_port, epoch)
-        env["SPLITFEED_RESUME"] = resume
-        env["SPLITFEED_COORDINATOR"] = coordinator
-        if resume_step is not None:
-            env["SPLITFEED_RESUME_STEP"] = str(resume_step)
+        env.update(contract.sidecar_env(coordinator=coordinator, job_uid=LOCAL_JOB_UID,
+                                        resume_step=resume_step, resume=resume))
         report = work / f"w{epoch}-report-{replica}.json"
         sidecar_argv = [sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
                         "--config", str(config), "--termination-log", str(report)]
@@ -202,10 +193,10 @@ def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, log
         world.sidecars.append(Process(f"w{epoch}-sidecar-{replica}", sidecar_argv, env, logs))
         for local_rank in range(job.gpus_per_replica):
             env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)
-            stats = work / f"w{epoch}-stats-{env['RANK']}.json"
-            env["SPLITFEED_STATS_FILE"] = str(stats)
+            stats = work / f"w{epoch}-stats-{env[contract.RANK]}.json"
+            env[contract.STATS_FILE_ENV] = str(stats)
             world.stats.append(stats)
-            world.trainers.append(Process(f"w{epoch}-trainer-{env['RANK']}", argv, env, logs))
+            world.trainers.append(Process(f"w{epoch}-trainer-{env[contract.RANK]}", argv, env, logs))
     return world
 
 

@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
-from . import protocol, ring
+from . import contract, protocol, ring
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -168,10 +168,11 @@ class _Stats:
         now = time.perf_counter()
         self._written = now
         elapsed = now - self.first if self.first is not None else 0.0
-        blob = json.dumps({"batches": self.batches, "rows": self.rows, "wait_s": self.wait_s,
-                           "elapsed_s": elapsed, "last_step": self.last_step, "total_steps": self.total_steps,
-                           "steps_per_epoch": self.steps_per_epoch,
-                           "final": final})
+        record: contract.StatsRecord = {
+            "batches": self.batches, "rows": self.rows, "wait_s": self.wait_s, "elapsed_s": elapsed,
+            "last_step": self.last_step, "total_steps": self.total_steps,
+            "steps_per_epoch": self.steps_per_epoch, "final": final}
+        blob = json.dumps(record)
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             f.write(blob)
@@ -209,7 +210,7 @@ class StreamClient:
         as_tensors: bool = True,
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        directory = socket_dir or os.environ.get("SPLITFEED_SOCKET_DIR")
+        directory = socket_dir or os.environ.get(contract.SOCKET_DIR_ENV)
         if not directory:
             raise SidecarUnavailable(
                 "no sidecar socket directory: set SPLITFEED_SOCKET_DIR "
@@ -245,7 +246,7 @@ class StreamClient:
         self._previous_sigterm: Any = None
         self.drained = False
         """The world is draining and this rank's checkpoint was of the drain step: stop after saving."""
-        self.stats = _Stats(os.environ.get("SPLITFEED_STATS_FILE"))
+        self.stats = _Stats(os.environ.get(contract.STATS_FILE_ENV))
         try:
             self._welcome(self._hello())
         except BaseException:

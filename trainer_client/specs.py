@@ -18,10 +18,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from . import topology
+from . import contract, topology
 
-API_VERSION = "splitfeed.io/v1alpha1"
-KIND = "StreamingJob"
+API_VERSION = contract.API_VERSION
+KIND = contract.KIND
 
 
 class SpecError(ValueError):
