@@ -1,7 +1,7 @@
 """Whether a StreamingJob (or a new replica count for one) may be admitted.
 
 Pure. Called by the validating webhooks (create/update and the scale subresource)
-and again by `rescaling` before every reshape, so both say the same thing. On
+and again by `lifecycle` before every reshape, so both say the same thing. On
 UPDATE it also refuses what the CRD's transition rules refuse (order-defining
 fields changed; a scale or suspend with nowhere to checkpoint), for clusters
 where those rules do not run.

@@ -1,7 +1,7 @@
 """The objects of a world, built from a StreamingJob: pods, headless Service, ConfigMap.
 
 Pure: a JobSpec, a world epoch and the operator's settings in, plain dicts out.
-Called by `rescaling` (which decides *when* a world starts) and by the tests,
+Called by the life cycle (`lifecycle`, which decides *when* a world starts) and by the tests,
 which validate every object against the Kubernetes schemas. What goes into a pod
 is docs/pod-contract.md; change that document and this module together.
 """
