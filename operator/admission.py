@@ -209,8 +209,6 @@ def parse(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | Non
         return specs.parse_job(with_defaults(manifest, sidecar_defaults or {}), check_replicas=False)
     except specs.SpecError as exc:
         raise Rejected(f"field {exc.field}", str(exc)) from exc
-    except topology.TopologyError as exc:  # pragma: no cover - parse_job does not check here
-        raise Rejected("topology", str(exc), exc.allowed) from exc
 
 
 def review_job(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | None = None) -> specs.JobSpec:
