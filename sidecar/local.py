@@ -50,8 +50,14 @@ def trainer_command(job: specs.JobSpec) -> list[str]:
         "named \"trainer\" of spec.trainer.template")
 
 
+SHM_ROOT_ENV = "SPLITFEED_SHM_ROOT"
+"""Overrides where a run's sockets and ring files go (the test suite gives each session its own)."""
+
+
 def shm_root() -> str | None:
     """Memory-backed like the pod's emptyDir, where the machine has one."""
+    if os.environ.get(SHM_ROOT_ENV):
+        return os.environ[SHM_ROOT_ENV]
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 

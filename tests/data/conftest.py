@@ -1,21 +1,14 @@
-"""Fixtures of the data-plane read tests (helpers live in tables.py)."""
+"""Fixtures of the data-plane read tests (helpers live in tables.py).
+
+What a test leaves running (loader workers, reader threads) is checked for every
+test by tests/conftest.py."""
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import pathlib
-import socket
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Iterator
-
-import boto3
 import pytest
 
-from tests.data.tables import BUCKET, CREDENTIALS, write_table
+from tests.data.tables import write_table
+from tests.support.s3 import s3_bucket, s3_endpoint  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -24,67 +17,3 @@ def db_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     uri = str(tmp_path_factory.mktemp("db"))
     write_table(uri)
     return uri
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_running() -> Iterator[None]:
-    """Fail a test that leaves loader worker processes or reader threads behind."""
-    yield
-    children = multiprocessing.active_children()
-    threads = [t.name for t in threading.enumerate() if t.name.startswith("splitfeed-")]
-    for child in children:  # clean up for the next test, then fail this one
-        child.kill()
-        child.join()
-    assert not children, f"worker processes left running: {children}"
-    assert not threads, f"reader threads left running: {threads}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An S3 endpoint served by moto_server on a free loopback port; the process is
-    stopped by PID when the session ends, also after a failure."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
-    moto_server = pathlib.Path(sys.executable).parent / "moto_server"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            [str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"moto_server exited with {server.returncode}: {log_path.read_text()}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"moto_server did not listen on port {port} within 30 s")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-@pytest.fixture(scope="session")
-def s3_bucket(s3_endpoint: str) -> str:
-    """BUCKET, created once on the moto endpoint."""
-    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1",
-                          aws_access_key_id=CREDENTIALS["aws_access_key_id"],
-                          aws_secret_access_key=CREDENTIALS["aws_secret_access_key"])
-    try:
-        client.create_bucket(Bucket=BUCKET)
-    finally:
-        client.close()
-    return BUCKET

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from splitfeed.sidecar import reading
 from splitfeed.trainer_client import specs
+from tests.support import s3, tables
 
 TABLE = "frames"
 NUM_ROWS = 1000
@@ -26,30 +27,16 @@ NUM_ROWS = 1000
 multiple of the rows a step takes per split: both truncations are exercised."""
 DIM = 4
 
-BUCKET = "splitfeed-test"
-CREDENTIALS = {"aws_access_key_id": "splitfeed", "aws_secret_access_key": "not-a-secret"}
-"""moto's: credentials reach lancedb and pyarrow only as storage options."""
-
-
-def endpoint_options(endpoint: str) -> dict[str, str]:
-    """The non-secret storage options of the moto endpoint (spec.data.storageOptions)."""
-    return {"aws_endpoint": endpoint, "aws_region": "us-east-1", "allow_http": "true"}
+BUCKET, CREDENTIALS, endpoint_options = s3.BUCKET, s3.CREDENTIALS, s3.endpoint_options
 
 
 def frames(num_rows: int = NUM_ROWS) -> pa.Table:
     """int64 `id` (= row number), int32 `label` (id % 10), float32[DIM] `vec` (id*DIM ..)."""
-    ids = np.arange(num_rows, dtype=np.int64)
-    values = pa.array(np.arange(num_rows * DIM, dtype=np.float32))
-    return pa.table({
-        "id": pa.array(ids),
-        "label": pa.array((ids % 10).astype(np.int32)),
-        "vec": pa.FixedSizeListArray.from_arrays(values, DIM),
-    })
+    return tables.frames(num_rows, DIM)
 
 
 def write_table(uri: str, storage_options: Mapping[str, str] | None = None) -> None:
-    db = lancedb.connect(uri, storage_options=dict(storage_options or {}) or None)
-    db.create_table(TABLE, frames(), mode="overwrite")
+    tables.write_table(uri, NUM_ROWS, TABLE, dim=DIM, storage_options=storage_options)
 
 
 def data_spec(uri: str, **overrides: Any) -> specs.DataSpec:

@@ -16,32 +16,19 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-import lancedb
-import numpy as np
-import pyarrow as pa
 import pytest
 
 from splitfeed.sidecar import main as sidecar_main
-from splitfeed.sidecar import reading
-from splitfeed.trainer_client import specs, topology
+from splitfeed.trainer_client import specs
+from tests.support import guards, manifests, ports, tables, waiting
 
 ROWS = 1000
 JOB_UID = "0b5e55ed-0000-4000-8000-000000000001"
 """The test job's metadata.uid: its checkpoints live under <uri>/test/job/<uid>/."""
-DIM = 8
-
-
-def write_table(uri: str, rows: int = ROWS, name: str = "frames") -> None:
-    rng = np.random.default_rng(1)
-    vectors = rng.standard_normal((rows, DIM)).astype(np.float32)
-    lancedb.connect(uri).create_table(name, pa.table({
-        "id": pa.array(np.arange(rows), pa.int64()),
-        "label": pa.array(np.arange(rows) % 10, pa.int32()),
-        "vec": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), DIM),
-    }), mode="overwrite")
+DIM = tables.TRAINING_DIM
+write_table = tables.write_training_table
 
 
 @pytest.fixture(scope="session")
@@ -51,39 +38,14 @@ def table_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     return uri
 
 
-def manifest(uri: str, checkpoint_uri: str | None = None, **data: object) -> dict:
-    spec_data = {"uri": uri, "table": "frames", "numSplits": 24, "globalBatchSize": 48,
-                 "shuffleSeed": 3, "epochs": 1}
-    spec_data.update(data)
-    spec: dict = {"data": spec_data, "sidecar": {"prefetchBatches": 2}}
-    if checkpoint_uri:
-        spec["checkpoint"] = {"uri": checkpoint_uri}
-    return {"apiVersion": specs.API_VERSION, "kind": specs.KIND,
-            "metadata": {"name": "job", "namespace": "test"}, "spec": spec}
-
-
-def reference_batches(uri: str, data_overrides: dict, world: int, rank: int) -> list[list[int]]:
-    """Rank `rank`'s batches of ids, every epoch, from StreamingDataset in-process."""
-    job = specs.parse_job(manifest(uri, **data_overrides), check_replicas=False)
-    data = job.data
-    table = reading.open_table(data)
-    b = topology.rank_batch_size(data.global_batch_size, world)
-    out: list[list[int]] = []
-    for epoch in range(data.epochs):
-        ids = [row["id"] for row in reading.reference_dataset(
-            table, data, epoch=epoch, rank=rank, world_size=world)]
-        out.extend(ids[k * b:(k + 1) * b] for k in range(len(ids) // b))
-    return out
-
-
-def reference_global_steps(uri: str, data_overrides: dict) -> list[set[int]]:
-    """The set of ids in each global step: one rank's order at world size 1."""
-    return [set(batch) for batch in reference_batches(uri, data_overrides, 1, 0)]
+manifest = manifests.data_manifest
+reference_batches = tables.reference_batches
+reference_global_steps = tables.reference_global_steps
 
 
 @pytest.fixture
 def socket_root():
-    root = Path(tempfile.mkdtemp(prefix="sf-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    root = Path(tempfile.mkdtemp(prefix="sf-test-", dir=guards.shm_root()))
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -198,19 +160,8 @@ def pods(socket_root: Path):
         pod.stop()
 
 
-def coordinator_address() -> str:
-    """Where a test world's replica 0 runs its coordinator (docs/agreement.md)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+coordinator_address = ports.tcp_address
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    waiting.wait_for(predicate, timeout, what, interval=0.05)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.data.conftest import s3_bucket, s3_endpoint  # noqa: F401 - fixtures
-from tests.data.tables import CREDENTIALS, endpoint_options, write_table
+from tests.support.s3 import CREDENTIALS, endpoint_options, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
+from tests.support.tables import write_table
 from tests.dataplane.harness import manifest
 
 CLI = [sys.executable, "-m", "splitfeed.trainer_client.cli"]
@@ -45,7 +45,7 @@ def error_line(done: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def s3_table(s3_bucket: str, s3_endpoint: str) -> str:  # noqa: F811 - the fixtures above
     uri = f"s3://{s3_bucket}/errors-db"
-    write_table(uri, {**CREDENTIALS, **endpoint_options(s3_endpoint)})
+    write_table(uri, storage_options={**CREDENTIALS, **endpoint_options(s3_endpoint)})
     return uri
 
 

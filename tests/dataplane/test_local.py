@@ -157,7 +157,7 @@ def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_ste
     The trainers are real DDP trainers (gloo, a backward pass every step) that follow
     the README's loop; output goes to a pipe, so progress comes as plain lines.
     """
-    from tests.e2e import exactness
+    from tests.support import exactness
 
     logs = tmp_path / "logs"
     store = tmp_path / "ckpt"
@@ -198,7 +198,7 @@ def test_the_demo_check_fails_on_a_single_wrong_batch(capsys):
 def test_sigterm_to_one_trainer_drains_the_world_at_one_step_and_the_next_run_resumes_there(
         table_uri, tmp_path):
     """Preemption: the pod's trainer gets SIGTERM; every rank checkpoints at one agreed step."""
-    from tests.e2e import exactness
+    from tests.support import exactness
 
     store = tmp_path / "ckpt"
     path = job_file(tmp_path, manifest(table_uri, str(store)))

@@ -6,7 +6,7 @@ import pytest
 
 from splitfeed.operator import admission
 from splitfeed.trainer_client import specs
-from tests.operator.builders import manifest
+from tests.support.builders import manifest
 
 ALLOWED_48_960 = [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
 
@@ -349,7 +349,7 @@ def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
     import time
 
     from splitfeed.operator import lifecycle, planning
-    from tests.operator.builders import OWNER, T0
+    from tests.support.builders import OWNER, T0
 
     n = admission.MAXIMA["spec.data.numSplits"]
     m = manifest(replicas=10)
@@ -429,7 +429,7 @@ MALFORMED = {
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_a_malformed_template_is_rejected_and_the_reconciler_says_so_without_crashing(case):
     from splitfeed.operator import lifecycle, planning
-    from tests.operator.builders import OWNER, T0
+    from tests.support.builders import OWNER, T0
 
     m = template_with(MALFORMED[case])
     with pytest.raises(admission.Rejected) as info:

@@ -10,7 +10,7 @@ import pytest
 
 from splitfeed.operator import lifecycle, planning
 from splitfeed.trainer_client import specs
-from tests.operator.builders import OWNER, T0, manifest
+from tests.support.builders import OWNER, T0, manifest
 
 SETTINGS = planning.Settings()
 

@@ -7,7 +7,7 @@ import json
 
 from splitfeed.operator import planning, views
 from splitfeed.trainer_client import specs
-from tests.operator.builders import OWNER, T0, manifest, pod_dict
+from tests.support.builders import OWNER, T0, manifest, pod_dict
 
 NATIVE = planning.Settings()
 

@@ -12,7 +12,7 @@ import pytest
 from splitfeed.operator import planning
 from splitfeed.sidecar import local
 from splitfeed.trainer_client import client, contract, specs
-from tests.operator.builders import manifest
+from tests.support.builders import manifest
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "pod-contract.md").read_text()
 

@@ -33,6 +33,9 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tests.support import processes
+from tests.support.ports import free_port
+
 __all__ = ["ControlPlane", "ControlPlaneError", "KubectlError", "find_assets", "cache_bin_dir",
            "MISSING_ASSETS_HINT"]
 
@@ -78,12 +81,6 @@ def find_assets() -> Path | None:
     if _has_binaries(cached):
         return cached.resolve()
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -139,17 +136,6 @@ def _supports_flag(binary: Path, flag: str) -> bool:
         except (OSError, subprocess.TimeoutExpired):
             _flag_cache[key] = False
     return _flag_cache[key]
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """preexec_fn: SIGTERM the child when the thread that started it dies (Linux)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 class ControlPlane:
@@ -310,7 +296,7 @@ class ControlPlane:
             stderr=subprocess.STDOUT,
             cwd=self.workdir,
             env=env if env is not None else os.environ.copy(),
-            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+            preexec_fn=processes.die_with_parent(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None,
         )
         self.processes[name] = proc
         return proc
@@ -455,7 +441,7 @@ def strip_cel(node: Any) -> Any:
     return node
 
 
-if __name__ == "__main__":  # manual use: python -m tests.envtest.controlplane [controllers]
+if __name__ == "__main__":  # manual use: python -m tests.support.controlplane [controllers]
     import tempfile
 
     assets = find_assets()

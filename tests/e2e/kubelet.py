@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import datetime
 import errno
 import fcntl
@@ -92,6 +91,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.support import guards, processes
+
 __all__ = ["Kubelet", "ApiError", "HostsFile", "host_ip"]
 
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -112,18 +113,6 @@ def host_ip() -> str:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-try:  # loaded here, not in the forked child (no imports between fork and exec)
-    _LIBC: Any = ctypes.CDLL(None, use_errno=True)
-except OSError:  # pragma: no cover - not Linux
-    _LIBC = None
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """preexec_fn: SIGKILL the child if the kubelet thread that started it dies (Linux)."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 HOSTS_FILE = Path("/etc/hosts")
@@ -326,7 +315,7 @@ class PodRun:
         self.uid: str = meta["uid"]
         self.namespace, self.name = meta["namespace"], meta["name"]
         self.dir = root / f"{self.namespace}_{self.name}_{self.uid[:8]}"
-        self.shm = Path("/dev/shm") / f"kubelet-{self.uid[:8]}" if os.path.isdir("/dev/shm") else self.dir / "shm"
+        self.shm = guards.shm_root() / f"kubelet-{self.uid[:8]}"
         self.pod = pod
         spec = pod["spec"]
         self.containers: list[Container] = [
@@ -744,7 +733,7 @@ class Kubelet:
             out.flush()
             c.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=processes.die_with_parent(signal.SIGKILL))
         c.started_at = _now()
         self.log(f"{run.namespace}/{run.name}/{c.name} started pid {c.proc.pid}: {argv}")
 

@@ -1,0 +1,102 @@
+"""The leak guard: a test must not leave child processes, threads or shared memory behind.
+
+A leaked loader worker, reader thread or ring file outlives the test that made it
+and makes a later test (or the machine) fail for a reason it did not cause, so
+tests/conftest.py runs `Snapshot` around every test. What exists before the test
+starts (including what session and module fixtures set up) is not the test's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import processes
+
+GRACE_S = 10.0
+"""How long a process or thread the test stopped may take to finish exiting."""
+SHM_ENV = "SPLITFEED_SHM_ROOT"
+"""Where `splitfeed local` and the test harnesses put their memory-backed files; the
+root conftest points it at a directory of its own for the session (see `session_shm`)."""
+
+
+def session_shm() -> Path:
+    """A fresh memory-backed directory for this test session, named in SPLITFEED_SHM_ROOT.
+
+    Its own directory, not /dev/shm itself: sessions run side by side on one
+    machine, and only what this session wrote may count against its tests.
+    """
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    root = Path(tempfile.mkdtemp(prefix=f"sf-pytest-{os.getpid()}-", dir=base))
+    os.environ[SHM_ENV] = str(root)
+    return root
+
+
+def shm_root() -> Path:
+    """This session's memory-backed directory (SPLITFEED_SHM_ROOT), made on first use."""
+    configured = os.environ.get(SHM_ENV)
+    return Path(configured) if configured else session_shm()
+
+
+def remove_session_shm() -> None:
+    root = os.environ.pop(SHM_ENV, None)
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _ours(thread: threading.Thread) -> bool:
+    """Threads the check counts: every non-daemon thread, and every daemon thread of ours.
+
+    A library's daemon pool thread (a thread pool kept for reuse) is not a leak.
+    """
+    return not thread.daemon or thread.name.startswith("splitfeed-")
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What runs and what is in the session's shared memory before a test."""
+
+    children: set[int]
+    threads: set[int]
+    shm: set[str]
+
+    @classmethod
+    def take(cls) -> Snapshot:
+        return cls(processes.children(), {t.ident or 0 for t in threading.enumerate()}, _shm_entries())
+
+    def leaks(self) -> list[str]:
+        """What the test left behind (after a grace for what is still exiting); cleans it up."""
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            kids = processes.children() - self.children
+            threads = [t for t in threading.enumerate()
+                       if (t.ident or 0) not in self.threads and t.is_alive() and _ours(t)]
+            if (not kids and not threads) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        found = [f"child process {pid} ({processes.command_line(pid)})" for pid in sorted(kids)]
+        for pid in kids:  # clean up for the next test, then fail this one
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        found += [f"thread {t.name!r}" for t in threads]
+        root = shm_root()
+        for name in sorted(_shm_entries() - self.shm):
+            found.append(f"shared memory {root / name}")
+            path = root / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        return found
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(shm_root()))
+    except OSError:
+        return set()
