@@ -50,6 +50,16 @@ def remove_session_shm() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _helpers() -> set[int]:
+    """The interpreter's own long-lived helper processes, started once on first use and kept
+    for the session: multiprocessing's resource tracker and fork server. Not a test's leak."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+    return {pid for pid in pids if isinstance(pid, int)}
+
+
 def _ours(thread: threading.Thread) -> bool:
     """Threads the check counts: every non-daemon thread, and every daemon thread of ours.
 
@@ -74,7 +84,7 @@ class Snapshot:
         """What the test left behind (after a grace for what is still exiting); cleans it up."""
         deadline = time.monotonic() + GRACE_S
         while True:
-            kids = processes.children() - self.children
+            kids = processes.children() - self.children - _helpers()
             threads = [t for t in threading.enumerate()
                        if (t.ident or 0) not in self.threads and t.is_alive() and _ours(t)]
             if (not kids and not threads) or time.monotonic() > deadline:

@@ -55,3 +55,11 @@ def test_a_library_daemon_thread_is_not_counted_but_a_zombie_is_gone():
         stop.set()
         pool.join()
         child.wait()
+
+
+def test_the_interpreters_resource_tracker_is_not_a_leak():
+    from multiprocessing import resource_tracker
+
+    before = guards.Snapshot.take()
+    resource_tracker.ensure_running()  # started once per interpreter, on first use
+    assert before.leaks() == []
