@@ -17,12 +17,24 @@ def session_shared_memory() -> Iterator[None]:
     guards.remove_session_shm()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[object]) -> Iterator[None]:
+    """What a fixture of wider scope than a test starts is that fixture's, whichever test
+    happened to set it up (also late, through `request.getfixturevalue`)."""
+    if fixturedef.scope == "function":
+        yield
+        return
+    before = guards.Snapshot.take()
+    yield
+    before.adopt()
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
     """Fail a test that leaves child processes, threads or shared-memory files behind.
 
-    Function scope, so session and module fixtures (a control plane, a moto server)
-    are set up before the snapshot and are not counted.
+    What session, package and module fixtures start (a control plane, a moto server)
+    is theirs, not the test's (pytest_fixture_setup).
     """
     before = guards.Snapshot.take()
     yield

@@ -68,6 +68,11 @@ def _ours(thread: threading.Thread) -> bool:
     return not thread.daemon or thread.name.startswith("splitfeed-")
 
 
+_LONG_LIVED = (set(), set(), set())  # type: tuple[set[int], set[int], set[str]]
+"""Processes, threads and shm entries that session, package or module fixtures started: they
+live on past the test that happened to set them up, and are stopped by their fixture."""
+
+
 @dataclasses.dataclass
 class Snapshot:
     """What runs and what is in the session's shared memory before a test."""
@@ -80,13 +85,22 @@ class Snapshot:
     def take(cls) -> Snapshot:
         return cls(processes.children(), {t.ident or 0 for t in threading.enumerate()}, _shm_entries())
 
+    def adopt(self) -> None:
+        """Everything new since this snapshot belongs to a fixture that outlives the test
+        (called around the setup of a fixture of wider scope, which a test may start late,
+        through `request.getfixturevalue`)."""
+        now = Snapshot.take()
+        _LONG_LIVED[0].update(now.children - self.children)
+        _LONG_LIVED[1].update(now.threads - self.threads)
+        _LONG_LIVED[2].update(now.shm - self.shm)
+
     def leaks(self) -> list[str]:
         """What the test left behind (after a grace for what is still exiting); cleans it up."""
         deadline = time.monotonic() + GRACE_S
         while True:
-            kids = processes.children() - self.children - _helpers()
-            threads = [t for t in threading.enumerate()
-                       if (t.ident or 0) not in self.threads and t.is_alive() and _ours(t)]
+            kids = processes.children() - self.children - _LONG_LIVED[0] - _helpers()
+            threads = [t for t in threading.enumerate() if (t.ident or 0) not in self.threads
+                       and (t.ident or 0) not in _LONG_LIVED[1] and t.is_alive() and _ours(t)]
             if (not kids and not threads) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -98,7 +112,7 @@ class Snapshot:
                 pass
         found += [f"thread {t.name!r}" for t in threads]
         root = shm_root()
-        for name in sorted(_shm_entries() - self.shm):
+        for name in sorted(_shm_entries() - self.shm - _LONG_LIVED[2]):
             found.append(f"shared memory {root / name}")
             path = root / name
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)

@@ -63,3 +63,17 @@ def test_the_interpreters_resource_tracker_is_not_a_leak():
     before = guards.Snapshot.take()
     resource_tracker.ensure_running()  # started once per interpreter, on first use
     assert before.leaks() == []
+
+
+def test_what_a_wider_fixture_starts_during_a_test_is_the_fixtures(monkeypatch):
+    monkeypatch.setattr(guards, "GRACE_S", 0.2)
+    before = guards.Snapshot.take()
+    setup = guards.Snapshot.take()
+    server = subprocess.Popen(["sleep", "60"])  # as a session fixture set up late would
+    setup.adopt()
+    try:
+        assert before.leaks() == []
+        assert server.poll() is None
+    finally:
+        server.kill()
+        server.wait()
