@@ -17,16 +17,25 @@ def session_shared_memory() -> Iterator[None]:
     guards.remove_session_shm()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef[object]) -> Iterator[None]:
+class _WiderFixtures:
     """What a fixture of wider scope than a test starts is that fixture's, whichever test
-    happened to set it up (also late, through `request.getfixturevalue`)."""
-    if fixturedef.scope == "function":
+    happened to set it up (also late, through `request.getfixturevalue`).
+
+    A plugin of its own, not a hook of this conftest: a conftest's hooks are not called
+    for session-scoped fixtures, whose node is the session."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[object]) -> Iterator[None]:
+        if fixturedef.scope == "function":
+            yield
+            return
+        before = guards.Snapshot.take()
         yield
-        return
-    before = guards.Snapshot.take()
-    yield
-    before.adopt()
+        before.adopt()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_WiderFixtures(), "splitfeed-wider-fixtures")
 
 
 @pytest.fixture(autouse=True)
