@@ -27,6 +27,7 @@ STORAGE_DIR, TERMINATION_LOG = contract.STORAGE_DIR, contract.TERMINATION_LOG
 MASTER_PORT, COORDINATOR_PORT = contract.MASTER_PORT, contract.COORDINATOR_PORT
 VOLUME_SHM, VOLUME_CONFIG = contract.VOLUME_SHM, contract.VOLUME_CONFIG
 VOLUME_PODINFO, VOLUME_STORAGE = contract.VOLUME_PODINFO, contract.VOLUME_STORAGE
+VOLUME_TRANSFORMS, TRANSFORMS_DIR = contract.VOLUME_TRANSFORMS, contract.TRANSFORMS_DIR
 RESERVED_VOLUMES = contract.RESERVED_VOLUMES
 
 SidecarMode = Literal["native", "container"]
@@ -251,6 +252,8 @@ def sidecar_container(
             coordinator=coordinator_address(job.name, world_epoch), job_uid=job_uid, resume_step=resume_step,
             table_version=table_version, config_checksum=config_checksum(job)),
     }
+    if any(m.get("name") == VOLUME_TRANSFORMS for m in extra_mounts or []):
+        env["PYTHONPATH"] = TRANSFORMS_DIR
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": settings.sidecar_image or job.sidecar.image,
@@ -366,6 +369,8 @@ def pod(
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
                 {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
             ]
+    if any(v.get("name") == VOLUME_TRANSFORMS for v in spec.get("volumes") or []):
+        shared = shared + [{"name": VOLUME_TRANSFORMS, "mountPath": TRANSFORMS_DIR, "readOnly": True}]
     sidecar = sidecar_container(job, world_epoch, replica, settings, shared, resume_step, owner.uid,
                                 table_version)
     if settings.sidecar_mode == "native":

@@ -66,6 +66,7 @@ CHECKED: dict[str, str] = {
     "tableVersion": "the table version (spec.data.version; status.data.tableVersion)",
     "columns": "spec.data.columns",
     "filter": "spec.data.filter",
+    "preprocessing": "spec.data.transform, transformArgs, onTransformError, packSequences",
     "numSplits": "spec.data.numSplits",
     "shuffle": "spec.data.shuffle",
     "shuffleSeed": "spec.data.shuffleSeed",
@@ -109,6 +110,7 @@ def provenance(
         "tableVersion": int(table_version),
         "columns": list(job_data.columns) if job_data.columns else None,
         "filter": job_data.filter,
+        "preprocessing": _preprocessing(job_data),
         "numSplits": job_data.num_splits,
         "shuffle": job_data.shuffle,
         "shuffleSeed": job_data.shuffle_seed,
@@ -118,6 +120,14 @@ def provenance(
         "jobUid": job_uid,
         "worldEpoch": int(world_epoch),
     }
+
+
+def _preprocessing(job_data: specs.DataSpec) -> dict[str, Any] | None:
+    """The preprocessing fields, None without any (so older records still compare equal)."""
+    if not job_data.transform and job_data.pack_sequences is None:
+        return None
+    fields = specs.order_fields(job_data)
+    return {k: fields[k] for k in ("transform", "transformArgs", "onTransformError", "packSequences")}
 
 
 def check_provenance(expected: Mapping[str, Any], found: Mapping[str, Any], where: str = "the store") -> None:

@@ -78,18 +78,34 @@ def _plan(args: argparse.Namespace) -> int:
     for rank in range(w):
         splits = topology.rank_splits(rank, w, data.num_splits)
         print(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}")
+    if data.transform:
+        print(f"transform {data.transform} with {data.transform_kwargs or 'no arguments'}, "
+              f"onTransformError {data.on_transform_error}")
+    pack = data.pack_sequences
+    if pack is not None:
+        print(f"packing {pack.column!r} into blocks of {pack.block_size} tokens (eos {pack.eos_id}, "
+              f"pad {pack.pad_id}), {pack.blocks_per_epoch} blocks per epoch; a global step is "
+              f"{data.global_batch_size} blocks")
     if not args.read_table:
         print(f"table {data.table} at {data.uri}: not read (add --read-table for rows and steps per epoch)")
         return 0
     from . import main, reading
 
     options = plan_storage_options(data.uri, main.read_storage_options(args.storage_options_dir))
+    if data.transform:
+        from . import preprocessing
+
+        preprocessing.load_transform(data)  # a UserError (exit 2, one line) if it does not import
+        print(f"transform {data.transform}: imports here")
     table = reading.open_table(data, options)
     layout = reading.layout_epoch(table, data, 0)
     rows = layout.permutation_table.count_rows()
     print(f"table {data.table}: {rows} rows{' after filter' if data.filter else ''}, "
           f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
           f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
+    if pack is not None:
+        print(f"packing: {reading.blocks_per_epoch(table, data)} blocks per epoch"
+              f"{' (auto: estimated by lancedb from epoch 0, fixed for the job)' if pack.blocks_per_epoch == 'auto' else ''}")
     return 0
 
 

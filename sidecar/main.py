@@ -359,7 +359,10 @@ def serve(sidecar: Sidecar) -> int:
             "resumeStep": server.resume_step,
             "tableVersion": sidecar.table_version,
             "error": failure,
-            "permanent": bool(failure) and sidecar.permanent and failure == sidecar.failure,
+            "permanent": bool(failure) and (
+                (sidecar.permanent and failure == sidecar.failure)
+                or any(f.permanent and f.failure == failure for f in server.feeds)),
+            "filledRows": reading.FILLED_ROWS[0],
         }
         server.close()
         if sidecar.coordinator is not None:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lancedb
 import pyarrow as pa
@@ -26,7 +27,7 @@ from lancedb.streaming import StreamingDataset
 
 from splitfeed.trainer_client import errors, specs, topology
 
-from . import batching, positions, storage_errors
+from . import batching, positions, preprocessing, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,8 @@ def _layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
     num_rows = perm_table.count_rows()
     split_size = topology.split_size(num_rows, data.num_splits)
     steps = topology.steps_per_epoch(num_rows, data.num_splits, data.global_batch_size)
+    if data.pack_sequences is not None:
+        steps = _packed_steps(table, data)
     if num_rows < data.num_splits:
         raise errors.DataError(
             f"table {data.table!r} has {num_rows} rows{where}, fewer than "
@@ -271,7 +274,10 @@ def iter_blocks(
     Runs through every epoch of the job unless `stop_global_step` comes first.
     """
     with _version_guard(table, data):
-        yield from _iter_blocks(table, data, splits, start_global_step, stop_global_step)
+        if data.transform or data.pack_sequences is not None:
+            yield from _iter_preprocessed(table, data, splits, start_global_step, stop_global_step)
+        else:
+            yield from _iter_blocks(table, data, splits, start_global_step, stop_global_step)
 
 
 def _iter_blocks(
@@ -297,6 +303,197 @@ def _iter_blocks(
             parts = [c.take(per_step) for c in cursors]
             yield global_step, batching.interleave(parts, per_step)
             global_step += 1
+
+
+# --- transforms and packing: lancedb's StreamingDataset does the work ---------------
+
+
+def blocks_per_epoch(table: Any, data: specs.DataSpec) -> int:
+    """packSequences.blocksPerEpoch, with "auto" estimated by lancedb from epoch 0.
+
+    lancedb re-estimates "auto" for each epoch's permutation; splitfeed fixes the
+    epoch-0 estimate for the whole job, so that every epoch has the same number
+    of steps and a global step maps to one (epoch, step).
+    """
+    pack = data.pack_sequences
+    if pack is None:
+        raise ValueError("the job does not pack sequences")
+    if pack.blocks_per_epoch != "auto":
+        return int(pack.blocks_per_epoch)
+    dataset = _streaming_dataset(table, data, epoch=0, rank=0, world_size=1, transform=None,
+                                 blocks="auto")
+    return int(cast(int, dataset._blocks_per_epoch))  # lancedb's __init__ resolved "auto"
+
+
+def _packed_steps(table: Any, data: specs.DataSpec) -> int:
+    blocks = blocks_per_epoch(table, data)
+    steps = (blocks // data.num_splits) // topology.rows_per_split_per_step(
+        data.global_batch_size, data.num_splits
+    )
+    if steps < 1:
+        raise errors.DataError(
+            f"spec.data.packSequences.blocksPerEpoch={blocks}: {blocks // data.num_splits} "
+            f"blocks per split cannot fill one global step of spec.data.globalBatchSize="
+            f"{data.global_batch_size} blocks"
+        )
+    return steps
+
+
+TRANSFORM_QUEUE_DEPTH = 4
+"""Transformed read batches a split may hold ahead of the step being assembled: without
+a bound lancedb keeps transforming while the ring is full, and decoded images are
+many times the size of the rows they came from. It changes nothing in the order."""
+
+
+def _streaming_dataset(
+    table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int,
+    transform: Any, blocks: int | str | None,
+) -> StreamingDataset:
+    """reference_dataset plus the job's transform or packing."""
+    pack = data.pack_sequences
+    extra: dict[str, Any] = {}
+    columns = list(data.columns) if data.columns else None
+    if pack is not None:
+        columns = [pack.column]
+        extra = dict(pack_sequences=pack.block_size, eos_id=pack.eos_id, pad_id=pack.pad_id,
+                     blocks_per_epoch=blocks)
+    try:
+        return StreamingDataset(
+            table,
+            num_splits=data.num_splits,
+            shuffle=data.shuffle,
+            shuffle_seed=data.shuffle_seed,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            columns=columns,
+            filter=data.filter,
+            shuffle_clump_size=data.shuffle_clump_size or None,
+            read_batch_size=data.read_batch_size,
+            transform=transform,
+            transform_queue_depth=TRANSFORM_QUEUE_DEPTH,
+            **extra,
+        )
+    except ValueError as exc:  # lancedb's checks of packing arguments against the table
+        raise errors.DataError(f"spec.data.packSequences: {exc}") from exc
+
+
+def _iter_preprocessed(
+    table: Any, data: specs.DataSpec, splits: Sequence[int], start_global_step: int,
+    stop_global_step: int | None,
+) -> Generator[tuple[int, pa.RecordBatch], None, None]:
+    """iter_blocks for a job with a transform or packing: StreamingDataset's own rows.
+
+    `splits` (a rank's block or a worker's sub-block) is exactly what rank
+    splits[0]/m of a world of N/m ranks owns (m = len(splits)), so that
+    StreamingDataset yields the block's rows, transformed in its thread pool, in
+    the reference order; a step is the next G/N cycles of them. A transform job
+    resumes with load_state_dict at the step boundary; a packing job replays the
+    epoch's packing up to it (packing state is token buffers, not a position).
+    """
+    m = len(splits)
+    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    per_step = cycles * m
+    name = data.transform or ""
+    guarded = (
+        preprocessing.Guarded(preprocessing.load_transform(data), name) if data.transform else None
+    )
+    blocks = blocks_per_epoch(table, data) if data.pack_sequences is not None else None
+    layout = layout_epoch(table, data, 0)
+    spe = layout.steps_per_epoch
+    end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
+    global_step = start_global_step
+    while global_step < end:
+        pos = positions.position_of(global_step, spe)
+        if layout.epoch != pos.epoch:
+            layout = layout_epoch(table, data, pos.epoch)
+        dataset = _streaming_dataset(
+            table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
+            transform=guarded, blocks=blocks,
+        )
+        if guarded is not None and pos.step:
+            dataset.load_state_dict(positions.state_dict(data, pos))
+        rows_iter = iter(dataset)
+        try:
+            if guarded is None and pos.step:
+                for _ in itertools.islice(rows_iter, pos.step * per_step):
+                    pass  # replay the packing of the epoch's earlier steps
+            for step in range(pos.step, spe):
+                if global_step >= end:
+                    return
+                rows = list(itertools.islice(rows_iter, per_step))
+                if len(rows) != per_step:
+                    raise errors.SidecarFailed(
+                        f"StreamingDataset ended at step {step} of epoch {pos.epoch} "
+                        f"for splits {list(splits)} ({len(rows)} of {per_step} rows)"
+                    )
+                if guarded is not None:
+                    rows = _settle_failures(table, data, layout, splits, guarded, rows,
+                                            step=step, global_step=global_step)
+                yield global_step, preprocessing.collate(rows, name or "packSequences")
+                global_step += 1
+        finally:
+            close = getattr(rows_iter, "close", None)
+            if close is not None:
+                close()
+
+
+FILLED_ROWS = [0]
+"""Rows substituted by onTransformError=fill in this process (reported by the sidecar)."""
+
+
+def _settle_failures(
+    table: Any, data: specs.DataSpec, layout: EpochLayout, splits: Sequence[int],
+    guarded: preprocessing.Guarded, rows: list[Any], *, step: int, global_step: int,
+) -> list[Any]:
+    """Raise for a failed row (raise), or replace it by its substitute (fill).
+
+    Row j of a step is cycle j // m of split splits[j % m], which sits at
+    position step*G/N + j // m of its split (no row is ever dropped).
+    """
+    m = len(splits)
+    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    for j, row in enumerate(rows):
+        if not isinstance(row, preprocessing.Failed):
+            continue
+        split, position = splits[j % m], step * cycles + j // m
+        if data.on_transform_error != "fill":
+            raise preprocessing.failure_error(
+                guarded.name, row, epoch=layout.epoch, split=split, position=position,
+                global_step=global_step,
+            ) from row.error
+        rows[j] = _substitute(table, data, layout, split, position, guarded)
+        FILLED_ROWS[0] += 1
+        log.warning(
+            "spec.data.transform=%r failed on position %d of split %d in epoch %d (%s: %s); "
+            "filled with the next good row of the split",
+            guarded.name, position, split, layout.epoch, type(row.error).__name__, row.error,
+        )
+    return rows
+
+
+def _substitute(
+    table: Any, data: specs.DataSpec, layout: EpochLayout, split: int, position: int,
+    guarded: preprocessing.Guarded,
+) -> Any:
+    """The fill row for `position` of `split`: the output of the split's next row whose
+    transform succeeds, wrapping to the split's start. It depends on the position alone
+    (not on read batches, ranks or workers), so every topology and resume sees the same."""
+    perm = Permutation.from_tables(table, layout.permutation_table, split=split)
+    if data.columns:
+        perm = perm.select_columns(list(data.columns))
+    perm = perm.with_transform(Transforms.arrow2arrow)
+    size = perm.num_rows
+    order = [(position + k) % size for k in range(1, size)]
+    for start in range(0, len(order), data.read_batch_size):
+        batch = perm.__getitems__(order[start:start + data.read_batch_size])
+        for row in guarded(batch):
+            if not isinstance(row, preprocessing.Failed):
+                return row
+    raise errors.DataError(
+        f"spec.data.transform={guarded.name!r} fails on every row of split {split} in epoch "
+        f"{layout.epoch}: onTransformError=fill has no row to substitute"
+    )
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:

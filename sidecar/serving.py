@@ -116,6 +116,8 @@ class RankFeed:
         self.said_bye = False
         self.all_taken_at: float | None = None  # when the trainer took the last batch
         self.failure: str | None = None
+        self.permanent = False
+        """The failure is a DataError (a transform that fails on a row, say): permanent."""
         self.resume_step = start_step
         """Where this rank's current trainer process started (its model's step)."""
         self.prepared: int | None = None
@@ -575,6 +577,7 @@ class Server:
     def _fail(self, feed: RankFeed, exc: BaseException) -> None:
         user = isinstance(exc, (errors.UserError, errors.SidecarFailed))
         feed.failure = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        feed.permanent = isinstance(exc, errors.DataError)  # the same data fails in any world
         log.error("rank %d cannot continue: %s", feed.rank, feed.failure, exc_info=not user)
         if feed.peer is not None:
             self._send(feed.peer, "error", code="source", message=feed.failure, fatal=True)

@@ -104,14 +104,14 @@ def _iter_in_process(
 
 # --- numWorkers = K > 1: worker processes ------------------------------------------
 
-# A frame is a header (kind, global step) and a payload: Arrow IPC for a block,
-# UTF-8 text for an error.
-_HEADER = struct.Struct("<Bq")
-_BLOCK, _END, _USER_ERROR, _FAILURE = 1, 2, 3, 4
+# A frame is a header (kind, global step, rows the worker filled so far) and a payload:
+# Arrow IPC for a block, UTF-8 text for an error.
+_HEADER = struct.Struct("<Bqq")
+_BLOCK, _END, _USER_ERROR, _FAILURE, _DATA_ERROR = 1, 2, 3, 4, 5
 
 
 def _frame(kind: int, step: int = -1, payload: bytes = b"") -> bytes:
-    return _HEADER.pack(kind, step) + payload
+    return _HEADER.pack(kind, step, reading.FILLED_ROWS[0]) + payload
 
 
 def _to_ipc(batch: pa.RecordBatch) -> bytes:
@@ -162,7 +162,9 @@ def _worker_main(
     except (BrokenPipeError, ConnectionResetError):
         pass  # the parent stopped listening; nothing left to tell it
     except BaseException as exc:
-        if isinstance(exc, errors.UserError):
+        if isinstance(exc, errors.DataError):
+            kind, text = _DATA_ERROR, str(exc)
+        elif isinstance(exc, errors.UserError):
             kind, text = _USER_ERROR, str(exc)
         else:
             kind, text = _FAILURE, "".join(traceback.format_exception(exc)).rstrip()
@@ -177,6 +179,7 @@ def _receive(
     process: multiprocessing.process.BaseProcess,
     worker: int,
     rank: int,
+    filled_seen: dict[int, int] | None = None,
 ) -> tuple[int, int, memoryview]:
     try:
         raw = conn.recv_bytes()
@@ -186,8 +189,13 @@ def _receive(
             f"loader worker {worker} of rank {rank} exited (code {process.exitcode}) "
             "without a result"
         ) from None
-    kind, step = _HEADER.unpack_from(raw)
+    kind, step, filled = _HEADER.unpack_from(raw)
+    if filled_seen is not None:  # onTransformError=fill: counted into this process's report
+        reading.FILLED_ROWS[0] += filled - filled_seen.get(worker, 0)
+        filled_seen[worker] = filled
     payload = memoryview(raw)[_HEADER.size :]
+    if kind == _DATA_ERROR:
+        raise errors.DataError(bytes(payload).decode())
     if kind == _USER_ERROR:
         raise errors.UserError(bytes(payload).decode())
     if kind == _FAILURE:
@@ -224,6 +232,7 @@ def _iter_in_processes(
     cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []
+    filled_seen: dict[int, int] = {}
     try:
         for worker in range(data.num_workers):
             receiver, sender = context.Pipe(duplex=False)
@@ -242,7 +251,7 @@ def _iter_in_processes(
         expected = start
         while True:
             frames = [
-                _receive(conn, process, worker, rank)
+                _receive(conn, process, worker, rank, filled_seen)
                 for worker, (conn, process) in enumerate(zip(conns, processes))
             ]
             kinds = {kind for kind, _, _ in frames}

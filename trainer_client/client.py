@@ -121,6 +121,12 @@ def _view_of(array: pa.Array, base_address: int) -> _View | None:
         inner = _view_of(flat, base_address) if flat.null_count == 0 else None
         if inner is not None:
             return inner[0], inner[1], inner[2], (len(array), typ.list_size)
+    if isinstance(typ, pa.FixedShapeTensorType) and array.null_count == 0:
+        # A transform's fixed-shape output (docs/preprocessing.md): (rows, *shape).
+        storage = _view_of(array.storage, base_address)
+        row_major = not typ.permutation or list(typ.permutation) == sorted(typ.permutation)
+        if storage is not None and row_major:
+            return storage[0], storage[1], storage[2], (len(array), *typ.shape)
     # Strings, nested lists, booleans (bit-packed), nulls: no zero-copy numpy form.
     return None
 

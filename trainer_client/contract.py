@@ -37,6 +37,10 @@ VOLUME_CONFIG = "splitfeed-config"
 VOLUME_PODINFO = "splitfeed-podinfo"
 VOLUME_STORAGE = "splitfeed-storage"
 RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE)
+VOLUME_TRANSFORMS = "splitfeed-transforms"
+"""A volume of this name in the trainer template (a ConfigMap of small transform modules,
+say) is mounted read-only into the sidecar at TRANSFORMS_DIR, which is put on its
+PYTHONPATH so that spec.data.transform can name a module there (README, Preprocessing)."""
 
 # --- paths and ports -----------------------------------------------------------
 SOCKET_DIR = "/var/run/splitfeed"
@@ -47,6 +51,7 @@ PODINFO_DIR = "/etc/splitfeed/podinfo"
 PODINFO_ANNOTATIONS = "annotations"
 PODINFO_LABELS = "labels"
 STORAGE_DIR = "/etc/splitfeed/storage"
+TRANSFORMS_DIR = "/etc/splitfeed/transforms"
 TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
 """torch.distributed's rendezvous on replica 0."""
@@ -149,6 +154,8 @@ class Report(TypedDict, total=False):
     tableVersion: int | None
     error: str | None
     permanent: bool
+    filledRows: int
+    """Rows whose transform failed and were replaced (spec.data.onTransformError: fill)."""
 
 
 REPORT_FIELDS: tuple[str, ...] = tuple(Report.__annotations__)

@@ -44,7 +44,8 @@ class Rule:
     """
 
     kind: str
-    """str, int, bool, strlist, strmap, map, version, quantity, resumeFrom or section."""
+    """str, int, bool, strlist, strmap, map, version, quantity, resumeFrom, importPath,
+    jsonObject, onTransformError, blocksPerEpoch, packSequences or section."""
     minimum: int | None = None
     maximum: int | None = None
     """The CRD's `maximum` (MAXIMA): keeps every piece of per-job work small."""
@@ -55,6 +56,24 @@ class Rule:
 def _rule(kind: str, minimum: int | None = None, maximum: int | None = None,
           model: type | None = None) -> dict[str, Rule]:
     return {"rule": Rule(kind, minimum, maximum, model)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """lancedb's pack_sequences, eos_id, pad_id, blocks_per_epoch and the token column."""
+
+    column: str = dataclasses.field(metadata=_rule("str"))
+    block_size: int = dataclasses.field(metadata=_rule("int", 1))
+    eos_id: int = dataclasses.field(metadata=_rule("int"))
+    pad_id: int = dataclasses.field(metadata=_rule("int"))
+    blocks_per_epoch: int | str = dataclasses.field(metadata=_rule("blocksPerEpoch", 1))
+    """A multiple of numSplits, or "auto" (estimated once, from epoch 0, for the job)."""
+
+
+ON_TRANSFORM_ERROR = ("raise", "fill")
+"""Accepted spec.data.onTransformError values. lancedb's skip/warn make splits (and so
+ranks) end an epoch at different steps; splitfeed does not offer them yet (fill keeps
+every split's length instead, docs/preprocessing.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +105,27 @@ class DataSpec:
     """The table version to read from start to end (lancedb time travel): a version
     number or a tag. None: the version current when the job first starts, which the
     sidecar then fixes here (as a number) so that every reader opens the same one."""
+    transform: str | None = dataclasses.field(default=None, metadata=_rule("importPath"))
+    """"package.module:function", applied by the sidecar to each read batch exactly as
+    lancedb's StreamingDataset(transform=...) does (docs/preprocessing.md)."""
+    transform_args: str | None = dataclasses.field(default=None, metadata=_rule("jsonObject"))
+    """A JSON object: keyword arguments bound to the transform (see transform_kwargs)."""
+    on_transform_error: str = dataclasses.field(default="raise", metadata=_rule("onTransformError"))
+    """raise | fill (ON_TRANSFORM_ERROR): what a row whose transform fails becomes."""
+    pack_sequences: PackSpec | None = dataclasses.field(
+        default=None, metadata=_rule("packSequences", model=PackSpec))
+    """Sequence packing (lancedb's pack_sequences) of one token-list column."""
+
+    @property
+    def transform_kwargs(self) -> dict[str, Any]:
+        """transformArgs decoded (checked to be a JSON object when parsed)."""
+        return dict(json.loads(self.transform_args)) if self.transform_args else {}
 
 
 ORDER_FIELDS = (
     "uri", "table", "version", "columns", "filter", "numSplits", "shuffle", "shuffleSeed",
-    "shuffleClumpSize", "globalBatchSize",
+    "shuffleClumpSize", "globalBatchSize", "transform", "transformArgs", "onTransformError",
+    "packSequences",
 )
 """spec.data fields that decide which row is delivered at which global step: fixed
 for the life of a job (CRD rules, the admission webhook) and checked against a
@@ -293,12 +328,84 @@ def _convert(path: str, rule: Rule, value: Any) -> Any:
             if part is not None and ("/" in part or part in (".", "..")):
                 raise SpecError(f"{path}.{key}", f"names a checkpoint directory and cannot be {part!r}")
         return source
+    if kind == "importPath":
+        return _import_path(path, value)
+    if kind == "jsonObject":
+        text: str = _convert(path, Rule("str"), value)
+        try:
+            decoded = json.loads(text)
+        except ValueError as exc:
+            raise SpecError(path, f"must be a JSON object such as '{{\"size\": 224}}': {exc}") from None
+        if not isinstance(decoded, dict):
+            raise SpecError(path, f"must be a JSON object of keyword arguments, got {text!r}")
+        return text
+    if kind == "onTransformError":
+        if value not in ON_TRANSFORM_ERROR:
+            extra = (
+                "; skip and warn would end the epoch at different steps on different ranks, "
+                "use fill (a deterministic substitute row from the same split)"
+                if value in ("skip", "warn") else ""
+            )
+            raise SpecError(path, f"must be one of {', '.join(ON_TRANSFORM_ERROR)}, got {value!r}{extra}")
+        return value
+    if kind == "blocksPerEpoch":
+        if value == "auto":
+            return value
+        if isinstance(value, str):
+            raise SpecError(path, f"must be a positive integer or 'auto', got {value!r}")
+        return _convert(path, Rule("int", minimum, maximum), value)
+    if kind == "packSequences":
+        return PackSpec(**_section(path, value, PackSpec))
     if kind == "quantity":
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise SpecError(path, f"must be a Kubernetes quantity such as 2Gi, got {value!r}")
         parse_quantity_bytes(str(value), path)
         return str(value)
     raise AssertionError(f"unknown kind {kind}")  # a bug in the tables above
+
+
+def _import_path(path: str, value: Any) -> str:
+    """Check "package.module:function" syntax; importing happens in the sidecar."""
+    text: str = _convert(path, Rule("str"), value)
+    module, sep, attr = text.partition(":")
+    if not sep or not all(part.isidentifier() for part in module.split(".")) or not all(
+        part.isidentifier() for part in attr.split(".")
+    ):
+        raise SpecError(
+            path, f"must be an import path 'package.module:function', got {text!r}"
+        )
+    return text
+
+
+def _check_preprocessing(data: DataSpec) -> None:
+    """Rules between the preprocessing fields (lancedb's own, made manifest errors)."""
+    pack = data.pack_sequences
+    if data.transform_args and not data.transform:
+        raise SpecError("spec.data.transformArgs", "needs spec.data.transform")
+    if pack is None:
+        return
+    if data.transform:
+        raise SpecError(
+            "spec.data.packSequences",
+            "cannot be combined with spec.data.transform (lancedb packs raw token lists); "
+            "tokenise into a column first, or drop one of them",
+        )
+    if data.columns is not None and list(data.columns) != [pack.column]:
+        raise SpecError(
+            "spec.data.columns",
+            f"with packSequences must be [{pack.column!r}] or absent, got {list(data.columns)!r}",
+        )
+    bpe = pack.blocks_per_epoch
+    if isinstance(bpe, int) and bpe % data.num_splits:
+        raise SpecError(
+            "spec.data.packSequences.blocksPerEpoch",
+            f"must be a multiple of spec.data.numSplits={data.num_splits}, got {bpe}",
+        )
+    if pack.pad_id == pack.eos_id:
+        raise SpecError(
+            "spec.data.packSequences.padId",
+            "must differ from eosId (padding is masked by input_ids == padId)",
+        )
 
 
 def _section(path: str, raw: Any, model: type) -> dict[str, Any]:
@@ -321,7 +428,10 @@ def _section(path: str, raw: Any, model: type) -> dict[str, Any]:
                 if field.required:
                     raise SpecError(f"{path}.{key}", "is required")
                 continue
-            out[field.name] = rule.model(**_section(f"{path}.{key}", raw[key], rule.model))
+            section = rule.model(**_section(f"{path}.{key}", raw[key], rule.model))
+            if isinstance(section, DataSpec):
+                _check_preprocessing(section)  # rules between its fields, before later sections
+            out[field.name] = section
             continue
         if key not in raw or raw[key] is None:
             if field.required:
@@ -378,14 +488,24 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
     return job
 
 
+def _wire_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, PackSpec):
+        return {key: getattr(value, field.name) for key, field in wire_fields(PackSpec).items()}
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value
+
+
 def _data_to_wire(data: DataSpec) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, field in _DATA_FIELDS.items():
-        value = getattr(data, field.name)
-        if isinstance(value, tuple):
-            value = list(value)
+        value = _wire_value(getattr(data, field.name))
         if value is None or (key == "storageOptions" and not value):
             continue
+        if key == "onTransformError" and value == "raise" and not data.transform:
+            continue  # the default, kept off configs of jobs without a transform
         out[key] = value
     return out
 
@@ -400,11 +520,7 @@ def _checkpoint_to_wire(checkpoint: CheckpointSpec) -> dict[str, Any]:
 
 def order_fields(data: DataSpec) -> dict[str, Any]:
     """The ORDER_FIELDS of `data` by wire name (columns as a list, absent ones None)."""
-    out: dict[str, Any] = {}
-    for key in ORDER_FIELDS:
-        value = getattr(data, _DATA_FIELDS[key].name)
-        out[key] = list(value) if isinstance(value, tuple) else value
-    return out
+    return {key: _wire_value(getattr(data, _DATA_FIELDS[key].name)) for key in ORDER_FIELDS}
 
 
 def parse_data_config(config: Mapping[str, Any]) -> JobSpec:

@@ -9,6 +9,8 @@ otherwise).
 end_to_end: rows/s a trainer receives through a `splitfeed sidecar` process
 reading a LanceDB table, against lancedb's StreamingDataLoader iterated in the
 trainer's own process (the better of num_workers 0 and 2).
+preprocessing: the same with a JPEG decode-and-normalise transform, and with
+sequence packing (tests/bench/preprocessing.py); reported, not a pass/fail goal.
 """
 
 from __future__ import annotations
@@ -204,7 +206,11 @@ def main() -> int:
     transport = bench_transport()
     print("end to end (LanceDB -> trainer):", flush=True)
     end_to_end = bench_end_to_end()
-    results = {"transport": transport, "end_to_end": end_to_end,
+    print("preprocessing (image decode; sequence packing):", flush=True)
+    from tests.bench import preprocessing
+
+    prep = {"image": preprocessing.bench_image(), "packing": preprocessing.bench_packing()}
+    results = {"transport": transport, "end_to_end": end_to_end, "preprocessing": prep,
                "machine": {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2)}}
     out = ROOT / "bench" / "results.json"
     out.parent.mkdir(exist_ok=True)
@@ -219,6 +225,10 @@ def main() -> int:
     e = end_to_end
     print(f"{'end to end':<22}{e['rows_per_s']:>9,} rows/s{'':>14}{e['inprocess_rows_per_s']:>7,} rows/s"
           f"{e['ratio']:>13.2f}{'>=5':>8}")
+    for case in ("image", "packing"):
+        p = prep[case]
+        print(f"{case + ' preprocessing':<22}rows/s {p['throughput_ratio']:.2f} x in-process, "
+              f"trainer CPU per row {p['trainer_cpu_ratio']:.2f} x lower")
     print(f"\nwritten to {out.relative_to(ROOT)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     missed = [row for row in transport if not row["goal_met"]]
     for row in missed:

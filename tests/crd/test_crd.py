@@ -44,7 +44,11 @@ OPERATOR_DEFAULTED = {("sidecar", "image"), ("sidecar", "shmSize"), ("sidecar", 
 # Optional fields the complete example leaves out because setting them changes
 # what it does: a pinned table version or tag must exist in the user's table, and
 # resumeFrom names another job's UID.
-NOT_IN_THE_EXAMPLE = {("spec", "data", "version"), ("spec", "checkpoint", "resumeFrom")}
+NOT_IN_THE_EXAMPLE = {("spec", "data", "version"), ("spec", "checkpoint", "resumeFrom"),
+                      ("spec", "data", "transform"), ("spec", "data", "transformArgs"),
+                      ("spec", "data", "packSequences")}
+
+PACK = {"column": "tokens", "blockSize": 512, "eosId": 2, "padId": 0, "blocksPerEpoch": 96}
 
 # The spec-level transition rule that is not about immutability.
 STORE_RULE_PATH = ".checkpoint.uri"
@@ -330,6 +334,15 @@ class TestDivisibilityRules:
                           "data__globalBatchSize": 12}, [], id="small-valid"),
             pytest.param({"replicas": 1, "gpusPerReplica": 8, "data__numWorkers": 1, "data__numSplits": 8,
                           "data__globalBatchSize": 8}, [], id="one-pod-eight-gpus"),
+            pytest.param({"data__transform": "m:f", "data__transformArgs": "{}"}, [], id="transform"),
+            pytest.param({"data__transformArgs": "{}"}, ["has(self.transform)"], id="args-without-transform"),
+            pytest.param({"data__transform": "m:f", "data__packSequences": PACK}, ["!has(self.transform)"],
+                         id="transform-and-packing"),
+            pytest.param({"data__packSequences": {**PACK, "padId": 2}}, ["self.padId != self.eosId"],
+                         id="pad-equals-eos"),
+            pytest.param({"data__packSequences": {**PACK, "blocksPerEpoch": "many"}}, ['self == "auto"'],
+                         id="blocks-neither-number-nor-auto"),
+            pytest.param({"data__packSequences": {**PACK, "blocksPerEpoch": "auto"}}, [], id="blocks-auto"),
         ],
     )
     def test_each_rule_fails_exactly_when_it_should(self, changes, breaks):
@@ -422,7 +435,8 @@ class TestImmutability:
         old = job(data__filter=_DELETE)
         assert failing_rules(old, old) == []
 
-    @pytest.mark.parametrize("field,value", [("columns", ["id"]), ("version", 3), ("version", "snap")])
+    @pytest.mark.parametrize("field,value", [("columns", ["id"]), ("version", 3), ("version", "snap"),
+                                             ("transform", "m:f"), ("packSequences", PACK)])
     def test_adding_an_order_field_is_refused(self, field, value):
         old = job(**{f"data__{field}": _DELETE})
         new = job(**{f"data__{field}": value})
@@ -454,6 +468,7 @@ class TestImmutability:
         assert immutable_fields() == {
             "numSplits", "shuffleSeed", "table", "uri", "filter",
             "shuffle", "shuffleClumpSize", "globalBatchSize", "columns", "version",
+            "transform", "transformArgs", "onTransformError", "packSequences",
         }
 
 

@@ -137,7 +137,17 @@ ORDER_CHANGES = [
     pytest.param("shuffleSeed", 5, id="shuffleSeed"),
     pytest.param("shuffleClumpSize", 16, id="shuffleClumpSize"),
     pytest.param("globalBatchSize", 1920, id="globalBatchSize"),
+    pytest.param("transform", "pkg.mod:decode", id="transform"),
+    pytest.param("transformArgs", '{"size": 64}', id="transformArgs"),
+    pytest.param("onTransformError", "fill", id="onTransformError"),
+    pytest.param("packSequences", {"column": "tokens", "blockSize": 512, "eosId": 2, "padId": 0,
+                                   "blocksPerEpoch": 4800}, id="packSequences"),
 ]
+# What an order field needs beside it on the job before and after the change.
+ORDER_CONTEXT = {
+    "transformArgs": {"transform": "pkg.mod:decode", "transformArgs": '{"size": 32}'},
+    "onTransformError": {"transform": "pkg.mod:decode"},
+}
 
 
 def with_data(m, **data):
@@ -148,7 +158,7 @@ def with_data(m, **data):
 
 @pytest.mark.parametrize("field, value", ORDER_CHANGES)
 def test_an_update_of_an_order_defining_field_is_refused_naming_it(field, value):
-    old = with_data(manifest(), version=7)
+    old = with_data(manifest(), version=7, **ORDER_CONTEXT.get(field, {}))
     new = with_data(old, **{field: value})
     admission.review_job(new)  # a fine job to create...
     with pytest.raises(admission.Rejected) as info:

@@ -338,3 +338,20 @@ def test_controller_uid_reads_the_controlling_owner_reference():
     assert planning.controller_uid(planning.config_map(job(), OWNER)) == "uid-1"
     assert planning.controller_uid({"metadata": {"ownerReferences": [{"uid": "x", "controller": False}]}}) is None
     assert planning.controller_uid({"metadata": {}}) is None
+
+
+def test_a_transforms_volume_of_the_template_is_mounted_into_the_sidecar_on_its_pythonpath():
+    m = manifest()
+    m["spec"]["data"]["transform"] = "my_transforms:decode"
+    m["spec"]["trainer"]["template"]["spec"]["volumes"] = [
+        {"name": "splitfeed-transforms", "configMap": {"name": "resnet-transforms"}}]
+    pod = planning.pod(specs.parse_job(m), 0, 1, OWNER, NATIVE)
+    kubernetes_validate.validate(pod, "1.30.0", strict=True)
+    sidecar = containers(pod)["splitfeed-sidecar"]
+    assert {"name": "splitfeed-transforms", "mountPath": "/etc/splitfeed/transforms",
+            "readOnly": True} in sidecar["volumeMounts"]
+    assert env_of(sidecar)["PYTHONPATH"] == "/etc/splitfeed/transforms"
+    assert "PYTHONPATH" not in env_of(containers(pod)["trainer"])
+    plain = containers(planning.pod(job(), 0, 1, OWNER, NATIVE))["splitfeed-sidecar"]
+    assert "PYTHONPATH" not in env_of(plain)
+    assert all(v["name"] != "splitfeed-transforms" for v in plain["volumeMounts"])

@@ -57,9 +57,10 @@ def test_the_documented_labels_and_annotations_are_the_contracts():
 
 def test_the_documented_volumes_paths_and_ports_are_the_contracts():
     volumes = section("Volumes")
-    assert {n for row in first_column(volumes) for n in re.findall(r"`(splitfeed-[a-z]+)`", row)} == set(
-        contract.RESERVED_VOLUMES)
-    for path in (contract.SOCKET_DIR, contract.CONFIG_DIR, contract.PODINFO_DIR, contract.STORAGE_DIR):
+    assert {n for row in first_column(volumes) for n in re.findall(r"`(splitfeed-[a-z]+)`", row)} == {
+        *contract.RESERVED_VOLUMES, contract.VOLUME_TRANSFORMS}
+    for path in (contract.SOCKET_DIR, contract.CONFIG_DIR, contract.PODINFO_DIR, contract.STORAGE_DIR,
+                 contract.TRANSFORMS_DIR):
         assert f"`{path}`" in volumes, path
     assert contract.TERMINATION_LOG in section("Containers and commands")
     assert f"--config {contract.CONFIG_DIR}/{contract.CONFIG_FILE}" in section("Containers and commands")

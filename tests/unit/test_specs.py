@@ -143,9 +143,61 @@ def test_every_spec_field_is_declared_once_with_its_rule():
     """A field added to a section's dataclass without a Rule would never be parsed."""
     import dataclasses
 
-    for model in (specs.DataSpec, specs.CheckpointSpec, specs.SidecarSpec, specs.TrainerSpec, specs.ResumeFrom):
+    for model in (specs.DataSpec, specs.CheckpointSpec, specs.SidecarSpec, specs.TrainerSpec, specs.ResumeFrom,
+                  specs.PackSpec):
         assert {f.name for f in dataclasses.fields(model)} == {f.name for f in specs.wire_fields(model).values()}
     assert {f.name for f in dataclasses.fields(specs.JobSpec)} - {
         f.name for f in specs.wire_fields(specs.JobSpec).values()} == {"name", "namespace"}
     assert specs.wire_fields(specs.DataSpec)["numSplits"].rule == specs.Rule("int", 1, 1_000_000)
     assert specs.MAXIMA["spec.data.numSplits"] == 1_000_000
+
+
+# --- preprocessing fields ----------------------------------------------------------
+
+PACK = {"column": "tokens", "blockSize": 512, "eosId": 2, "padId": 0, "blocksPerEpoch": 96}
+
+
+def with_data(**fields):
+    manifest = copy.deepcopy(GOOD)
+    manifest["spec"]["data"].update(fields)
+    return manifest
+
+
+def test_preprocessing_fields_parse_and_survive_the_config_map():
+    job = specs.parse_job(with_data(transform="vision.transforms:decode", transformArgs='{"size": 224}',
+                                    onTransformError="fill"))
+    assert job.data.transform == "vision.transforms:decode"
+    assert job.data.transform_kwargs == {"size": 224} and job.data.on_transform_error == "fill"
+    assert specs.parse_data_config(job.data_config()).data == job.data
+    packed = specs.parse_job(with_data(packSequences={**PACK, "blocksPerEpoch": "auto"}))
+    assert packed.data.pack_sequences == specs.PackSpec("tokens", 512, 2, 0, "auto")
+    assert specs.parse_data_config(packed.data_config()).data == packed.data
+    assert specs.parse_job(GOOD).data.on_transform_error == "raise"
+
+
+@pytest.mark.parametrize(
+    "fields,field,words",
+    [
+        ({"transform": "vision.transforms"}, "spec.data.transform", "package.module:function"),
+        ({"transform": "a-b:c"}, "spec.data.transform", "package.module:function"),
+        ({"transform": "m:f", "transformArgs": "[1]"}, "spec.data.transformArgs", "JSON object"),
+        ({"transform": "m:f", "transformArgs": "{size"}, "spec.data.transformArgs", "JSON object"),
+        ({"transformArgs": '{"a": 1}'}, "spec.data.transformArgs", "needs spec.data.transform"),
+        ({"transform": "m:f", "onTransformError": "skip"}, "spec.data.onTransformError", "use fill"),
+        ({"transform": "m:f", "onTransformError": "ignore"}, "spec.data.onTransformError", "raise, fill"),
+        ({"transform": "m:f", "packSequences": PACK}, "spec.data.packSequences", "cannot be combined"),
+        ({"packSequences": {**PACK, "blocksPerEpoch": 100}}, "spec.data.packSequences.blocksPerEpoch",
+         "multiple of spec.data.numSplits=48"),
+        ({"packSequences": {**PACK, "blocksPerEpoch": "lots"}}, "spec.data.packSequences.blocksPerEpoch",
+         "or 'auto'"),
+        ({"packSequences": {**PACK, "padId": 2}}, "spec.data.packSequences.padId", "differ from eosId"),
+        ({"packSequences": {k: v for k, v in PACK.items() if k != "eosId"}},
+         "spec.data.packSequences.eosId", "is required"),
+        ({"packSequences": PACK, "columns": ["text"]}, "spec.data.columns", "['tokens']"),
+    ],
+)
+def test_bad_preprocessing_fields_name_the_field(fields, field, words):
+    with pytest.raises(specs.SpecError) as info:
+        specs.parse_job(with_data(**fields))
+    assert info.value.field == field
+    assert words in str(info.value)
