@@ -13,7 +13,7 @@
    ReplicaSet controllers turn it into the operator's pod, which the kubelet runs
    (`splitfeed operator ...` from the chart) with its service account's token,
    so the chart's RBAC is what the apiserver enforces;
-5. a LanceDB table of 1000 rows (as tests/dataplane/harness.py writes it).
+5. a LanceDB table of 1000 rows (tests/support/tables.py: write_training_table).
 
 StreamingJobs go to namespace `e2e`; their trainers run tests/e2e/trainer.py, a
 real DDP trainer (torch.distributed, gloo on CPU) whose rendezvous goes to

@@ -1,7 +1,7 @@
 """Transforms through real sidecars and the ring: what a trainer receives.
 
 Expected batches come from lancedb's StreamingDataset with the same transform,
-iterated in-process (tests/data/test_preprocessing.py covers every world size,
+iterated in-process (tests/reading/test_preprocessing.py covers every world size,
 numWorkers, fill and packing at the reader; this file covers the ring's tensors
 and how a failing transform reaches the trainer and the termination report).
 """
@@ -23,10 +23,10 @@ from splitfeed.sidecar import reading
 from splitfeed.trainer_client import errors, specs, topology
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.data import transforms
-from tests.dataplane.harness import coordinator_address, manifest, reference_batches
+from tests.support import transforms
+from tests.streaming.harness import coordinator_address, manifest, reference_batches
 
-IMAGE = {"transform": "tests.data.transforms:image", "transformArgs": '{"scale": 2.0}'}
+IMAGE = {"transform": "tests.support.transforms:image", "transformArgs": '{"scale": 2.0}'}
 
 
 def reference(uri: str, data_overrides: dict, world: int, rank: int) -> list[list[dict]]:
@@ -68,14 +68,14 @@ def test_a_failing_row_under_raise_fails_the_trainer_and_the_report_naming_it(po
     data = specs.parse_job(manifest(table_uri), check_replicas=False).data
     table = reading.open_table(data)
     bad = list(reading.reference_dataset(table, data, epoch=0, rank=0, world_size=1))[100]["id"]
-    job = manifest(table_uri, transform="tests.data.transforms:image_fragile",
+    job = manifest(table_uri, transform="tests.support.transforms:image_fragile",
                    transformArgs=json.dumps({"bad": bad}))
     pod = pods("pod", job, replicas=1, replica=0).start_process()
     with pytest.raises(errors.SidecarFailed) as info:
         with StreamClient(pod.socket_dir, 0, timeout_s=60) as client:
             for _ in client:
                 pass
-    assert "tests.data.transforms:image_fragile' failed on the row at position" in str(info.value)
+    assert "tests.support.transforms:image_fragile' failed on the row at position" in str(info.value)
     assert pod.wait() == 2
     report = json.loads(pod.termination_log.read_text())
     assert report["permanent"] is True
@@ -86,7 +86,7 @@ def test_fill_counts_substituted_rows_in_the_report(pods, table_uri):
     data = specs.parse_job(manifest(table_uri), check_replicas=False).data
     table = reading.open_table(data)
     bad = list(reading.reference_dataset(table, data, epoch=0, rank=0, world_size=1))[5]["id"]
-    job = manifest(table_uri, transform="tests.data.transforms:image_fragile",
+    job = manifest(table_uri, transform="tests.support.transforms:image_fragile",
                    transformArgs=json.dumps({"bad": bad}), onTransformError="fill", numWorkers=2)
     pod = pods("pod", job, replicas=1, replica=0).start_process()
     with StreamClient(pod.socket_dir, 0, timeout_s=60) as client:
@@ -110,7 +110,7 @@ def test_a_live_rescale_2_to_4_to_3_of_a_transform_job_with_ddp_trainers_is_exac
     from tests.support import exactness
 
     logs, store = tmp_path / "logs", tmp_path / "ckpt"
-    job = manifest(table_uri, str(store), transform="tests.data.transforms:passthrough_plus",
+    job = manifest(table_uri, str(store), transform="tests.support.transforms:passthrough_plus",
                    numWorkers=2)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -129,11 +129,11 @@ def test_a_live_rescale_2_to_4_to_3_of_a_transform_job_with_ddp_trainers_is_exac
 
 def test_plan_imports_the_transform_and_prints_the_packing_budget(table_uri, tmp_path):
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest(table_uri, transform="tests.data.no_such:f")))
+    path.write_text(yaml.safe_dump(manifest(table_uri, transform="tests.reading.no_such:f")))
     done = splitfeed("plan", "-f", str(path), "--read-table")
     assert done.returncode == 2
-    assert "spec.data.transform='tests.data.no_such:f': cannot import module 'tests.data.no_such'" in done.stderr
-    path.write_text(yaml.safe_dump(manifest(table_uri, transform="tests.data.transforms:image")))
+    assert "spec.data.transform='tests.reading.no_such:f': cannot import module 'tests.reading.no_such'" in done.stderr
+    path.write_text(yaml.safe_dump(manifest(table_uri, transform="tests.support.transforms:image")))
     done = splitfeed("plan", "-f", str(path), "--read-table")
     assert done.returncode == 0, done.stderr
-    assert "transform tests.data.transforms:image: imports here" in done.stdout
+    assert "transform tests.support.transforms:image: imports here" in done.stdout

@@ -23,7 +23,7 @@ from lancedb.streaming import StreamingDataset
 from splitfeed.sidecar import positions, reading, workers
 from splitfeed.trainer_client import errors, specs, topology
 
-from tests.data.tables import (
+from tests.reading.tables import (
     NUM_ROWS,
     as_rows,
     data_spec,

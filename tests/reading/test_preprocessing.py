@@ -26,11 +26,11 @@ from lancedb.streaming import StreamingDataset
 from splitfeed.sidecar import reading, workers
 from splitfeed.trainer_client import errors, specs
 
-from tests.data import transforms
-from tests.data.tables import data_spec, open_reference_table
+from tests.support import transforms
+from tests.reading.tables import data_spec, open_reference_table
 
 N, G = 24, 48
-FEATURES = "tests.data.transforms:features"
+FEATURES = "tests.support.transforms:features"
 
 
 def reference(data: specs.DataSpec, transform: Callable[..., Any] | None, *, epoch: int,
@@ -143,21 +143,21 @@ def test_elastic_resume_4_then_2_then_3_mid_epoch_gives_every_global_step_once(
 
 def test_a_transform_that_cannot_be_imported_fails_naming_it(db_uri: str) -> None:
     for num_workers in (1, 2):
-        data = transform_job(db_uri, transform="tests.data.no_such_module:f", num_workers=num_workers)
-        with pytest.raises(errors.UserError, match=r"spec.data.transform='tests.data.no_such_module:f': "
+        data = transform_job(db_uri, transform="tests.reading.no_such_module:f", num_workers=num_workers)
+        with pytest.raises(errors.UserError, match=r"spec.data.transform='tests.reading.no_such_module:f': "
                                                      r"cannot import module"):
             run(data, 0, 2)
-    data = transform_job(db_uri, transform="tests.data.transforms:NOT_CALLABLE", transform_args=None)
+    data = transform_job(db_uri, transform="tests.support.transforms:NOT_CALLABLE", transform_args=None)
     with pytest.raises(errors.UserError, match=r"NOT_CALLABLE' is not callable"):
         run(data, 0, 1)
-    data = transform_job(db_uri, transform="tests.data.transforms:missing", transform_args=None)
+    data = transform_job(db_uri, transform="tests.support.transforms:missing", transform_args=None)
     with pytest.raises(errors.UserError, match=r"has no attribute 'missing'"):
         run(data, 0, 1)
 
 
 @pytest.mark.parametrize("num_workers", [1, 2], ids=lambda k: f"K={k}")
 def test_a_transform_returning_the_wrong_row_count_fails_naming_it(db_uri: str, num_workers: int) -> None:
-    data = transform_job(db_uri, transform="tests.data.transforms:one_short", transform_args=None,
+    data = transform_job(db_uri, transform="tests.support.transforms:one_short", transform_args=None,
                          num_workers=num_workers)
     with pytest.raises(errors.UserError, match=r"one_short' returned \d+ rows for a batch of \d+"):
         run(data, 1, 2)
@@ -183,7 +183,7 @@ def bad_ids(db_uri: str) -> list[int]:
 
 
 def fragile_job(db_uri: str, bad: list[int], mode: str, **overrides: Any) -> specs.DataSpec:
-    return transform_job(db_uri, transform="tests.data.transforms:fragile",
+    return transform_job(db_uri, transform="tests.support.transforms:fragile",
                          transform_args=json.dumps({"bad": bad}), on_transform_error=mode, **overrides)
 
 
@@ -195,7 +195,7 @@ def test_raise_fails_naming_the_transform_the_row_and_the_error(
     with pytest.raises(errors.DataError) as info:  # a DataError from a loader worker too
         run(data, 0, 2)
     message = str(info.value)
-    assert "spec.data.transform='tests.data.transforms:fragile' failed on the row at position 2 " \
+    assert "spec.data.transform='tests.support.transforms:fragile' failed on the row at position 2 " \
            "of split 3 in epoch 0" in message
     assert f"ValueError: cannot decode ids [{bad_ids[0]}]" in message
     assert f"'id': {bad_ids[0]}" in message and "onTransformError=fill" in message

@@ -19,7 +19,7 @@ import pytest
 from splitfeed.trainer_client.client import StreamClient
 from splitfeed.trainer_client.worlds import request_drain
 
-from tests.dataplane.harness import coordinator_address, manifest, reference_batches
+from tests.streaming.harness import coordinator_address, manifest, reference_batches
 
 
 def run_ranks(started, gpus: int, *, request_at: int, request=None, slow_rank: int = 0) -> dict[int, dict]:

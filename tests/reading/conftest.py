@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.data.tables import write_table
+from tests.reading.tables import write_table
 from tests.support.s3 import s3_bucket, s3_endpoint  # noqa: F401 (fixtures)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from splitfeed.sidecar import checkpoints, identity, positions, reading
 from splitfeed.trainer_client import errors, specs, topology
-from tests.data.tables import (
+from tests.reading.tables import (
     CREDENTIALS,
     as_rows,
     data_spec,

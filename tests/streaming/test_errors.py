@@ -18,7 +18,7 @@ import yaml
 
 from tests.support.s3 import CREDENTIALS, endpoint_options, s3_bucket, s3_endpoint  # noqa: F401 - fixtures
 from tests.support.tables import write_table
-from tests.dataplane.harness import manifest
+from tests.streaming.harness import manifest
 
 CLI = [sys.executable, "-m", "splitfeed.trainer_client.cli"]
 

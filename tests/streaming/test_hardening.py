@@ -30,8 +30,8 @@ from splitfeed.sidecar import serving
 from splitfeed.trainer_client import SidecarFailed, UserError, protocol, ring
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.dataplane.harness import manifest, reference_batches, wait_for
-from tests.dataplane.ring_sidecar import pattern, size_of
+from tests.streaming.harness import manifest, reference_batches, wait_for
+from tests.streaming.ring_sidecar import pattern, size_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,7 +143,7 @@ def test_a_ring_that_cannot_fit_the_volume_is_a_clean_error_that_names_shm_size(
 
 
 def ring_sidecar(directory: Path, mode: str, steps: int, prefetch: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.dataplane.ring_sidecar", str(directory), mode,
+    return subprocess.Popen([sys.executable, "-m", "tests.streaming.ring_sidecar", str(directory), mode,
                              str(steps), str(prefetch)], cwd=ROOT)
 
 

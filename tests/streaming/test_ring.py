@@ -17,7 +17,7 @@ from splitfeed.sidecar import serving
 from splitfeed.trainer_client import ring
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.dataplane.harness import wait_for
+from tests.streaming.harness import wait_for
 
 ROWS = 8
 

@@ -13,7 +13,7 @@ import zmq
 from splitfeed.trainer_client import protocol, ring
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.dataplane.harness import coordinator_address, DIM, manifest, reference_batches, wait_for
+from tests.streaming.harness import coordinator_address, DIM, manifest, reference_batches, wait_for
 
 
 def ids(batch) -> list[int]:

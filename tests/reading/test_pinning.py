@@ -20,7 +20,7 @@ import pytest
 
 from splitfeed.sidecar import reading, workers
 from splitfeed.trainer_client import errors, specs, topology
-from tests.data.tables import TABLE, as_rows, data_spec, frames, reference_rows, whole_batches, write_table
+from tests.reading.tables import TABLE, as_rows, data_spec, frames, reference_rows, whole_batches, write_table
 
 W_BEFORE, W_AFTER = 2, 3
 RANK_AFTER = 1

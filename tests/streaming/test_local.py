@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.dataplane.harness import manifest, reference_batches
+from tests.streaming.harness import manifest, reference_batches
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 

@@ -15,8 +15,8 @@ import pytest
 
 from splitfeed.sidecar import workers
 from splitfeed.trainer_client import errors, specs
-from tests.data import dying
-from tests.data.tables import TABLE, data_spec, write_table
+from tests.reading import dying
+from tests.reading.tables import TABLE, data_spec, write_table
 
 
 def first_batch(data: specs.DataSpec, *, world_size: int = 2) -> object:

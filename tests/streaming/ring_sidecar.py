@@ -1,6 +1,6 @@
 """A sidecar process serving synthetic batches: the ring between two real processes.
 
-    python -m tests.dataplane.ring_sidecar SOCKET_DIR MODE STEPS PREFETCH
+    python -m tests.streaming.ring_sidecar SOCKET_DIR MODE STEPS PREFETCH
 
 MODE `stress`: batches of every size from 1 byte to 64 KiB (and a few of
 1 MiB, which grow slot files), whose bytes are `pattern(step, size)`.

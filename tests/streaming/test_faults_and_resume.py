@@ -14,7 +14,7 @@ from splitfeed.sidecar import checkpoints
 from splitfeed.trainer_client import SidecarFailed
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.dataplane.harness import JOB_UID, coordinator_address, manifest, reference_batches, reference_global_steps, wait_for
+from tests.streaming.harness import JOB_UID, coordinator_address, manifest, reference_batches, reference_global_steps, wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from splitfeed.sidecar import workers
-from tests.data.tables import (
+from tests.reading.tables import (
     CREDENTIALS,
     as_rows,
     data_spec,
