@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from splitfeed.trainer_client import specs, topology
+from splitfeed.trainer_client import errors, specs, topology
 
 from . import planning, redaction
 
@@ -27,7 +27,7 @@ MAX_NAME_LENGTH = 45
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-class Rejected(ValueError):
+class Rejected(errors.SplitfeedError, ValueError):
     """A job or scale request that breaks a rule; the message is for the user."""
 
     def __init__(self, rule: str, detail: str, allowed: list[int] | None = None) -> None:

@@ -12,9 +12,12 @@ import argparse
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import configs, planning
+
+if TYPE_CHECKING:
+    from . import kube, leader
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,12 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
                     help="namespace of the Lease (default: $SPLITFEED_OPERATOR_NAMESPACE)")
     le.add_argument("--leader-election-lease", default="splitfeed-operator", metavar="NAME",
                     help="name of the Lease (default: splitfeed-operator)")
+    t = p.add_argument_group("API timeouts (a half-open connection ends in an error and a reconnect)")
+    t.add_argument("--api-timeout", type=float, default=configs.ApiTimeouts.request_s, metavar="S",
+                   help="read timeout of every short API call (default 30)")
+    t.add_argument("--watch-timeout", type=float, default=configs.ApiTimeouts.watch_inactivity_s, metavar="S",
+                   help="a watch that delivers nothing, not even a bookmark, for this long is dropped "
+                        "and started again (default 70; the apiserver sends a bookmark every minute)")
     f = p.add_argument_group("failure policy")
     f.add_argument("--restart-backoff", type=float, default=planning.Settings.restart_backoff_s, metavar="S",
                    help="seconds before a failed world's successor starts, doubled per restart "
@@ -99,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> configs.OperatorConfig:
         peering=None if args.standalone else args.peering,
         kubeconfig=args.kubeconfig,
         leader=leader,
+        timeouts=configs.ApiTimeouts(request_s=args.api_timeout, watch_inactivity_s=args.watch_timeout),
     )
 
 
@@ -160,11 +170,11 @@ async def _main(config: configs.OperatorConfig) -> int:
         return 0
     from . import kube, leader
 
-    client = kube.Kube.connect(config.kubeconfig)
+    client = kube.Kube.connect(config.kubeconfig, (config.timeouts.connect_s, config.timeouts.request_s))
     elector = leader.Elector(client, config.leader)
     leading = False
     try:
-        await elector.acquire()
+        await _stand_by(config, client, elector)
         leading = True
         stop = asyncio.Event()
         running = asyncio.create_task(operator(stop))
@@ -183,3 +193,22 @@ async def _main(config: configs.OperatorConfig) -> int:
         if leading:
             await elector.release()  # a successor need not wait the Lease out
         client.close()
+
+
+async def _stand_by(config: configs.OperatorConfig, client: "kube.Kube", elector: "leader.Elector") -> None:
+    """Wait for the Lease, answering the liveness probe meanwhile (Kopf serves it only once it runs)."""
+    if config.liveness is None or config.leader is None:
+        await elector.acquire()
+        return
+    from . import standby
+
+    # An attempt is at most a read and a write, each bounded by the client's request timeout.
+    max_quiet_s = config.leader.renew_s + 3 * sum(client.timeout)
+    probe = standby.StandbyProbe(config.liveness, lambda: elector.attempted_at, lambda: elector.holder,
+                                 f"{config.leader.namespace}/{config.leader.name}", max_quiet_s,
+                                 clock=elector.clock)
+    await probe.start()
+    try:
+        await elector.acquire()
+    finally:
+        await probe.stop()  # Kopf's own health server binds the same address next

@@ -54,6 +54,23 @@ class LeaderElection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ApiTimeouts:
+    """How long the operator waits on the apiserver: a half-open connection (a proxy or a
+    node that vanished without a reset) must end in an error and a reconnect, not a hang."""
+
+    connect_s: float = 5.0
+    request_s: float = 30.0
+    """Read timeout of every short call (ours through the client; Kopf's patches and events
+    get connect_s + request_s in all)."""
+    watch_server_s: int = 300
+    """The apiserver ends each watch after this long and Kopf starts a new one. An int: it
+    goes into the watch URL as timeoutSeconds, which the apiserver parses as one."""
+    watch_inactivity_s: float = 70.0
+    """Kopf drops a watch that delivered nothing (no event, no bookmark) for this long and
+    lists and watches again: a dead stream is noticed within this bound."""
+
+
+@dataclasses.dataclass(frozen=True)
 class OperatorConfig:
     namespaces: tuple[str, ...] = ()
     """Namespaces to serve; empty means every namespace (cluster-wide)."""
@@ -68,3 +85,4 @@ class OperatorConfig:
     kubeconfig: str | None = None
     leader: LeaderElection | None = None
     """None: no leader election (one replica, or a development run)."""
+    timeouts: ApiTimeouts = dataclasses.field(default_factory=ApiTimeouts)

@@ -16,14 +16,8 @@ from . import configs, kube, lifecycle, planning, reconciling
 G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 TIMER_INTERVAL_S = 3.0
 """Every live job is looked at this often: pod phase changes arrive through it."""
-WATCH_SERVER_TIMEOUT_S = 300
-"""The apiserver ends each watch after this long and Kopf starts a new one (no silent stall).
-An int: it goes into the watch URL as timeoutSeconds, which the apiserver parses as one."""
-WATCH_CLIENT_TIMEOUT_S = 330.0
-"""...and Kopf drops a watch connection that stays open longer than that (a dead one)."""
-CONNECT_TIMEOUT_S = 10.0
-REQUEST_TIMEOUT_S = 60.0
-"""Kopf's own short API requests (patches, events, peering)."""
+WATCH_CLIENT_MARGIN_S = 30.0
+"""Kopf drops a watch connection still open this long after the apiserver should have ended it."""
 
 
 @kopf.on.startup()
@@ -35,11 +29,16 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=prefix, key="last-handled-configuration")
     settings.posting.level = 20  # logging.INFO: our events, not Kopf's debug chatter
-    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
-    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
-    settings.watching.connect_timeout = CONNECT_TIMEOUT_S
-    settings.networking.connect_timeout = CONNECT_TIMEOUT_S
-    settings.networking.request_timeout = REQUEST_TIMEOUT_S
+    t = config.timeouts
+    settings.watching.server_timeout = t.watch_server_s
+    settings.watching.client_timeout = t.watch_server_s + WATCH_CLIENT_MARGIN_S
+    settings.watching.connect_timeout = t.connect_s
+    # A silent stream (half-open: no event, no bookmark) is dropped after this, not after the
+    # client timeout above (the apiserver sends a bookmark every minute; a Kopf too old to know
+    # the setting ignores it, and the client timeout is the bound).
+    settings.watching.inactivity_timeout = t.watch_inactivity_s
+    settings.networking.connect_timeout = t.connect_s
+    settings.networking.request_timeout = t.connect_s + t.request_s
     if config.webhook is not None:
         w = config.webhook
         # Kopf re-reads the files every file_check_interval and restarts its server with new ones.
@@ -48,7 +47,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
             file_check_interval=w.cert_check_s)
         settings.admission.managed = w.managed
     if "ctx" not in memo:
-        memo["ctx"] = reconciling.Context(kube=memo.get("kube") or kube.Kube.connect(config.kubeconfig),
+        memo["ctx"] = reconciling.Context(kube=memo.get("kube") or kube.Kube.connect(
+            config.kubeconfig, (config.timeouts.connect_s, config.timeouts.request_s)),
                                           settings=config.planning)
 
 

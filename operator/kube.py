@@ -28,17 +28,24 @@ from typing import Any
 import kubernetes
 import urllib3
 
+from splitfeed.trainer_client import errors
+
 from . import planning
 
 MERGE_PATCH = "application/merge-patch+json"
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 """(connect, read) seconds for every API call."""
+RETRIES = urllib3.Retry(total=1, connect=1, read=0, status=0, redirect=0)
+"""urllib3 retries a GET three times by default, each attempt with the full read timeout: a
+half-open connection then held a call for four timeouts. Here a refused connection is tried
+once more and a read that timed out is never repeated (the reconcile loop retries), so a call
+ends within 2 x connect + read seconds."""
 USER_AGENT = "splitfeed-operator/0.1.0"
 
 log = logging.getLogger(__name__)
 
 
-class KubeError(RuntimeError):
+class KubeError(errors.SplitfeedError, RuntimeError):
     """An API call failed for a reason the caller cannot treat as success."""
 
     def __init__(self, status: int, message: str, reason: str = "") -> None:
@@ -92,18 +99,20 @@ class Kube:
         self._warned: set[str] = set()
 
     @classmethod
-    def connect(cls, kubeconfig: str | None = None) -> "Kube":
+    def connect(cls, kubeconfig: str | None = None, timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> "Kube":
         """From a kubeconfig (argument, $KUBECONFIG, ~/.kube/config), else in-cluster.
 
         The path is always explicit: the client would otherwise read whatever
         $KUBECONFIG said when it was first imported.
         """
         path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-        if os.path.exists(path):
-            return cls(kubernetes.config.new_client_from_config(config_file=path))
         config = kubernetes.client.Configuration()
+        config.retries = RETRIES  # read by the ApiClient's pool manager when it is made
+        if os.path.exists(path):
+            return cls(kubernetes.config.new_client_from_config(config_file=path, client_configuration=config),
+                       timeout)
         kubernetes.config.load_incluster_config(client_configuration=config)
-        return cls(kubernetes.client.ApiClient(config))
+        return cls(kubernetes.client.ApiClient(config), timeout)
 
     def close(self) -> None:
         self.api_client.close()

@@ -66,6 +66,13 @@ class Elector:
         self._seen: tuple[Any, ...] | None = None
         self._seen_at = 0.0
         self._renewed_at: float | None = None
+        self.attempted_at = clock()
+        """When the last attempt to take the Lease ended (either way): a standby's liveness."""
+
+    @property
+    def holder(self) -> str | None:
+        """Who held the Lease when it was last read."""
+        return str(self._seen[0]) if self._seen and self._seen[0] else None
 
     def _free(self, lease: Mapping[str, Any]) -> bool:
         """Nobody holds it, we do, or the holder's record has not changed for duration_s."""
@@ -102,6 +109,8 @@ class Elector:
                     return
             except kube.KubeError as exc:
                 log.warning("leader election: %s", exc)
+            finally:
+                self.attempted_at = self.clock()
             if not waiting_logged:
                 log.info("leader election: Lease %s/%s is held by %s; waiting", self.config.namespace,
                          self.config.name, self._seen[0] if self._seen else "?")
@@ -109,17 +118,25 @@ class Elector:
             await asyncio.sleep(self.config.renew_s)
 
     async def hold(self) -> None:
-        """Renew until a renewal is overdue by renew_deadline_s; returns when leadership is lost."""
+        """Renew until a renewal is overdue by renew_deadline_s; returns when leadership is lost.
+
+        Each attempt is cut off at the deadline: a call hanging on a half-open connection
+        (its own timeout may be longer than duration_s) must not keep this holder acting
+        after a candidate may have taken the Lease.
+        """
         while True:
             await asyncio.sleep(self.config.renew_s)
+            since = self.clock() - self._renewed_at if self._renewed_at is not None else self.config.renew_deadline_s
             try:
-                if await self.try_once():
+                if await asyncio.wait_for(self.try_once(), timeout=max(0.1, self.config.renew_deadline_s - since)):
                     continue
                 log.error("leader election: %s took Lease %s/%s", self._seen[0] if self._seen else "someone",
                           self.config.namespace, self.config.name)
                 return
             except kube.KubeError as exc:
                 log.warning("leader election: renewing failed: %s", exc)
+            except asyncio.TimeoutError:
+                log.warning("leader election: no answer to the renewal before the deadline")
             if self._renewed_at is None or self.clock() - self._renewed_at >= self.config.renew_deadline_s:
                 log.error("leader election: no renewal for %.0fs; giving up the lead", self.config.renew_deadline_s)
                 return

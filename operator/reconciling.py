@@ -19,7 +19,7 @@ import datetime
 import logging
 from typing import Any
 
-from splitfeed.trainer_client import worlds
+from splitfeed.trainer_client import errors, worlds
 
 from . import admission, kube, lifecycle, planning, redaction
 
@@ -125,7 +125,7 @@ async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[lifecycle.Decisio
     return decision, uids
 
 
-class _Refused(Exception):
+class _Refused(errors.SplitfeedError):
     def __init__(self, failure: lifecycle.CreationFailure) -> None:
         super().__init__(f"{failure.kind} {failure.name}: {failure.reason}")
         self.failure = failure

@@ -19,7 +19,10 @@ from typing import Any
 
 import zmq
 
-from splitfeed.trainer_client import errors, protocol
+from splitfeed.trainer_client import errors, messages
+from splitfeed.trainer_client.messages import (
+    CommitAt, Complete, CommittedWorld, DrainAck, DrainRequest, Error, Freeze, Frozen, Join, Joined,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +34,10 @@ IDLE, WAITING_FOR_MEMBERS, FREEZING, COMMITTED = "idle", "waiting-for-members", 
 
 @dataclasses.dataclass(frozen=True)
 class Out:
-    """One message to send: to `peer` (EVERY: each member), `kind` with `fields`."""
+    """One message to send: to `peer` (EVERY: each member)."""
 
     peer: bytes
-    kind: str
-    fields: dict[str, Any]
+    message: messages.Message
 
 
 def cut_step(published: list[int], total_steps: int) -> int:
@@ -71,16 +73,16 @@ class Coordinator:
         if not 0 <= replica < self.replicas:
             raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
         self.members[replica] = peer
-        out = [Out(peer, "joined", {"resume_step": self.resume_step, "table_version": self.table_version})]
+        out = [Out(peer, Joined(resume_step=self.resume_step, table_version=self.table_version))]
         if self.phase == WAITING_FOR_MEMBERS and len(self.members) == self.replicas:
             return out + self._freeze()
         if self.phase == FREEZING and replica not in self.answers:
-            out.append(Out(peer, "freeze", {"round": self.round}))
+            out.append(Out(peer, Freeze(round=self.round)))
         elif self.phase == COMMITTED:
             assert self.step is not None
-            out.append(Out(peer, "commit_at", self._commit_fields()))
+            out.append(Out(peer, self._commit_at()))
         if self.complete_step is not None:
-            out.append(Out(peer, "complete", {"step": self.complete_step}))
+            out.append(Out(peer, Complete(step=self.complete_step)))
         return out
 
     def on_request(self, peer: bytes, token: str, reason: str) -> list[Out]:
@@ -97,7 +99,7 @@ class Coordinator:
                 self.phase = WAITING_FOR_MEMBERS
                 log.info("waiting for %d of %d members before freezing",
                          self.replicas - len(self.members), self.replicas)
-        return out + [Out(peer, "drain_ack", {"token": token, "state": self.phase})]
+        return out + [Out(peer, DrainAck(token=token, state=self.phase))]
 
     def on_frozen(self, replica: int, round_: int, published: int) -> list[Out]:
         if self.phase != FREEZING or round_ != self.round:
@@ -109,10 +111,11 @@ class Coordinator:
         self.phase = COMMITTED
         log.info("the world drains at global step %d (highest published: %s)", self.step,
                  dict(sorted(self.answers.items())))
-        return [Out(EVERY, "commit_at", self._commit_fields())]
+        return [Out(EVERY, self._commit_at())]
 
-    def _commit_fields(self) -> dict[str, Any]:
-        return {"round": self.round, "step": self.step, "drain": True, "reason": self.reason or "drain"}
+    def _commit_at(self) -> CommitAt:
+        assert self.step is not None
+        return CommitAt(round=self.round, step=self.step, drain=True, reason=self.reason or "drain")
 
     def on_committed(self, replica: int, step: int) -> list[Out]:
         """Every local rank of `replica` committed `step`; a step every member committed is complete."""
@@ -123,13 +126,13 @@ class Coordinator:
         self.complete_step = step
         for old in [s for s in self.commits if s <= step]:
             del self.commits[old]
-        return [Out(EVERY, "complete", {"step": step})]
+        return [Out(EVERY, Complete(step=step))]
 
     def _freeze(self) -> list[Out]:
         self.phase = FREEZING
         self.round += 1
         self.answers = {}
-        return [Out(EVERY, "freeze", {"round": self.round})]
+        return [Out(EVERY, Freeze(round=self.round))]
 
 
 class CoordinatorThread:
@@ -146,7 +149,7 @@ class CoordinatorThread:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(bind)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -168,28 +171,29 @@ class CoordinatorThread:
             except (zmq.Again, ValueError):
                 continue  # a frame count we never send
             try:
-                self._send(self._handle(peer, protocol.decode(frame)))
+                self._send(self._handle(peer, messages.decode(frame)))
             except errors.ProtocolError as exc:
                 log.warning("coordinator: bad message from %r: %s", peer, exc)
-                self._send([Out(peer, "error", {"code": "protocol", "message": str(exc),
-                                                      "fatal": False})])
+                self._send([Out(peer, Error(code="protocol", message=str(exc), fatal=False))])
 
-    def _handle(self, peer: bytes, message: dict[str, Any]) -> list[Out]:
-        c, kind = self.coordinator, message["type"]
-        if kind == "join":
-            return c.on_join(peer, message["replica"])
-        if kind == "drain_request":
-            return c.on_request(peer, message["token"], message["reason"])
-        if kind == "frozen":
-            return c.on_frozen(message["replica"], message["round"], message["published"])
-        if kind == "committed_world":
-            return c.on_committed(message["replica"], message["step"])
-        raise errors.ProtocolError(f"the coordinator does not take {kind!r}")
+    def _handle(self, peer: bytes, message: messages.Message) -> list[Out]:
+        c = self.coordinator
+        match message:
+            case Join():
+                return c.on_join(peer, message.replica)
+            case DrainRequest():
+                return c.on_request(peer, message.token, message.reason)
+            case Frozen():
+                return c.on_frozen(message.replica, message.round, message.published)
+            case CommittedWorld():
+                return c.on_committed(message.replica, message.step)
+            case _:
+                raise errors.ProtocolError(f"the coordinator does not take {message.kind!r}")
 
     def _send(self, outs: list[Out]) -> None:
         for out in outs:
             targets = list(self.coordinator.members.values()) if out.peer == EVERY else [out.peer]
-            frame = protocol.encode(out.kind, **out.fields)
+            frame = out.message.encode()
             for target in targets:
                 try:
                     self._sock.send_multipart([target, frame], zmq.NOBLOCK)
@@ -217,25 +221,25 @@ class Member:
         self._ctx = context or zmq.Context.instance()
         self.socket = self._ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.socket.connect(address)
         self.published = -1
         self._last_join = 0.0
-        self._held: list[dict[str, Any]] = []
+        self._held: list[messages.Message] = []
 
-    def join(self, *, published: int, timeout_s: float) -> dict[str, Any]:
+    def join(self, *, published: int, timeout_s: float) -> Joined:
         """Say `join` until `joined` arrives; the coordinator's pod may still be starting."""
         self.published = published
         deadline = time.monotonic() + timeout_s
-        held: list[dict[str, Any]] = []
+        held: list[messages.Message] = []
         while time.monotonic() < deadline:
-            self.send("join", replica=self.replica, instance=self.instance, published=published)
+            self.send(Join(replica=self.replica, instance=self.instance, published=published))
             self._last_join = time.monotonic()
             while self.socket.poll(int(JOIN_RESEND_S * 1000)):
                 message = self._decode(self.socket.recv())
                 if message is None:
                     continue
-                if message["type"] == "joined":
+                if isinstance(message, Joined):
                     self._held = held
                     return message
                 held.append(message)  # freeze / commit_at for a world already draining
@@ -247,9 +251,9 @@ class Member:
     def heartbeat(self, now: float) -> None:
         if now - self._last_join >= JOIN_RESEND_S * 5:
             self._last_join = now
-            self.send("join", replica=self.replica, instance=self.instance, published=self.published)
+            self.send(Join(replica=self.replica, instance=self.instance, published=self.published))
 
-    def receive(self) -> list[dict[str, Any]]:
+    def receive(self) -> list[messages.Message]:
         """Every message waiting (and any held back while joining)."""
         out, self._held = self._held, []
         while True:
@@ -261,22 +265,22 @@ class Member:
             if message is not None:
                 out.append(message)
 
-    def send(self, kind: str, **fields: Any) -> None:
+    def send(self, message: messages.Message) -> None:
         try:
-            self.socket.send(protocol.encode(kind, **fields), zmq.NOBLOCK)
+            self.socket.send(message.encode(), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("the coordinator at %s is not reading; %s not sent", self.address, kind)
+            log.warning("the coordinator at %s is not reading; %s not sent", self.address, message.kind)
 
     def request_drain(self, token: str, reason: str) -> None:
-        self.send("drain_request", token=token, reason=reason)
+        self.send(DrainRequest(token=token, reason=reason))
 
     def close(self) -> None:
         self.socket.close(linger=200)  # let a last `committed_world` go out
 
     @staticmethod
-    def _decode(frame: bytes) -> dict[str, Any] | None:
+    def _decode(frame: bytes) -> messages.Message | None:
         try:
-            return protocol.decode(frame)
+            return messages.decode(frame)
         except errors.ProtocolError as exc:
             log.warning("bad message from the coordinator: %s", exc)
             return None

@@ -22,11 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from splitfeed.trainer_client import contract, errors, specs, worlds
+
+from . import forkserver
 
 STOP_GRACE_S = 10.0
 
@@ -74,14 +77,26 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
 
 
+SIDECAR_MODULE = [sys.executable, "-m", "splitfeed.trainer_client.cli"]
+
+
 class Process:
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path,
+                 forks: forkserver.Server | None = None) -> None:
+        """With `forks`, a sidecar command (SIDECAR_MODULE + args) is forked from the fork server."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log: IO[bytes] = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(list(argv), env=env, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+        self.popen: subprocess.Popen[bytes] | forkserver.Forked
+        if forks is not None and forks.alive() and list(argv[:3]) == SIDECAR_MODULE:
+            self.popen = forks.spawn(argv[3:], env, str(self.log_path))
+            return
+        with warnings.catch_warnings():
+            # The parent may have imported lancedb (plan, checkpoints); exec follows the fork at once.
+            warnings.filterwarnings("ignore", message=forkserver.FORK_WARNING, category=RuntimeWarning)
+            self.popen = subprocess.Popen(list(argv), env=env, stdout=self._log,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
 
     def tail(self, lines: int = 15) -> str:
         self._log.flush()
@@ -127,10 +142,10 @@ def first_world_epoch(job: specs.JobSpec, storage_options_dir: Path | None) -> i
     """Number this run's worlds after every earlier run's, so checkpoint fencing holds."""
     if not job.checkpoint.uri:
         return 0
-    from . import checkpoints, main
+    from . import checkpoints, storage_options
 
     store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name,
-                              main.read_storage_options(storage_options_dir), uid=LOCAL_JOB_UID)
+                              storage_options.read_storage_options(storage_options_dir), uid=LOCAL_JOB_UID)
     newest = store.newest_world()
     return 0 if newest is None else newest + 1
 
@@ -148,6 +163,7 @@ class World:
     reports: list[Path]
     started: float
     resume_step: int | None
+    master_port: int = 0
 
     def stop(self) -> None:
         for p in self.trainers + self.sidecars:
@@ -176,27 +192,25 @@ class World:
 
 
 def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path, *,
-                resume: str, resume_step: int | None, storage_options_dir: Path | None) -> World:
+                resume: str, resume_step: int | None, storage_options_dir: Path | None,
+                forks: forkserver.Server | None = None) -> World:
     """One sidecar per replica, one trainer per rank, with the environment pods get."""
-    config = work / "config.json"
-    if not config.exists():
-        config.write_text(json.dumps(job.data_config()))
+    world = start_trainers(job, epoch, argv, work, logs)
+    start_sidecars(world, work, logs, resume=resume, resume_step=resume_step,
+                   storage_options_dir=storage_options_dir, forks=forks)
+    return world
+
+
+def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path) -> World:
+    """A world's trainers alone. They import and then say hello until their sidecar answers
+    (the client waits for a sidecar that is still starting), so a rescale starts them while
+    the old world drains, before the step the sidecars resume at is known."""
     master_port = free_port()
     coordinator = f"tcp://127.0.0.1:{free_port()}"
-    world = World(epoch, job, coordinator, [], [], [], [], time.monotonic(), resume_step)
+    world = World(epoch, job, coordinator, [], [], [], [], time.monotonic(), None, master_port)
     for replica in range(job.replicas):
         socket_dir = work / f"w{epoch}-replica-{replica}"
         socket_dir.mkdir()
-        env = rank_env(job, replica, 0, socket_dir, master_port, epoch)
-        env.update(contract.sidecar_env(coordinator=coordinator, job_uid=LOCAL_JOB_UID,
-                                        resume_step=resume_step, resume=resume))
-        report = work / f"w{epoch}-report-{replica}.json"
-        sidecar_argv = [sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
-                        "--config", str(config), "--termination-log", str(report)]
-        if storage_options_dir is not None:
-            sidecar_argv += ["--storage-options-dir", str(storage_options_dir)]
-        world.reports.append(report)
-        world.sidecars.append(Process(f"w{epoch}-sidecar-{replica}", sidecar_argv, env, logs))
         for local_rank in range(job.gpus_per_replica):
             env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)
             stats = work / f"w{epoch}-stats-{env[contract.RANK]}.json"
@@ -204,6 +218,27 @@ def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, log
             world.stats.append(stats)
             world.trainers.append(Process(f"w{epoch}-trainer-{env[contract.RANK]}", argv, env, logs))
     return world
+
+
+def start_sidecars(world: World, work: Path, logs: Path, *, resume: str, resume_step: int | None,
+                   storage_options_dir: Path | None, forks: forkserver.Server | None = None) -> None:
+    """One sidecar per replica of `world`, resuming at `resume_step`."""
+    job, epoch = world.job, world.epoch
+    config = work / "config.json"
+    if not config.exists():
+        config.write_text(json.dumps(job.data_config()))
+    world.resume_step = resume_step
+    for replica in range(job.replicas):
+        socket_dir = work / f"w{epoch}-replica-{replica}"
+        env = rank_env(job, replica, 0, socket_dir, world.master_port, epoch)
+        env.update(contract.sidecar_env(coordinator=world.coordinator, job_uid=LOCAL_JOB_UID,
+                                        resume_step=resume_step, resume=resume))
+        report = work / f"w{epoch}-report-{replica}.json"
+        sidecar_argv = [*SIDECAR_MODULE, "sidecar", "--config", str(config), "--termination-log", str(report)]
+        if storage_options_dir is not None:
+            sidecar_argv += ["--storage-options-dir", str(storage_options_dir)]
+        world.reports.append(report)
+        world.sidecars.append(Process(f"w{epoch}-sidecar-{replica}", sidecar_argv, env, logs, forks))
 
 
 @dataclasses.dataclass
@@ -253,9 +288,12 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     world: World | None = None
     interrupted = False
     failure: str | None = None
+    # Sidecars fork from one process that imported lancedb and torch once (forkserver's doc).
+    forks = forkserver.Server(str(logs / "forkserver.log"), preexec_fn=_die_with_parent)
     try:
         world = start_world(job, first_world_epoch(job, storage_options_dir), argv, work, logs,
-                            resume=resume, resume_step=None, storage_options_dir=storage_options_dir)
+                            resume=resume, resume_step=None, storage_options_dir=storage_options_dir,
+                            forks=forks)
         history.append(world)
         while True:
             failure = world.failure()
@@ -267,7 +305,7 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
             target = _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
             if target is not None:
                 world, rescale = _rescale(world, target, argv, work, logs, resume,
-                                          storage_options_dir, display)
+                                          storage_options_dir, display, forks)
                 history.append(world)
                 rescales.append(rescale)
                 continue
@@ -282,6 +320,7 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
         display.close()
         if world is not None:
             world.stop()
+        forks.close()
         if not interrupted:
             _summary([f for w in history for f in w.stats], time.monotonic() - started, out)
             for r in rescales:
@@ -315,7 +354,8 @@ def _wanted_replicas(plan: list[tuple[int, int]], control: Path, step: int, curr
 
 
 def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Path, resume: str,
-             storage_options_dir: Path | None, display: Progress) -> tuple[World, Rescale]:
+             storage_options_dir: Path | None, display: Progress,
+             forks: forkserver.Server | None = None) -> tuple[World, Rescale]:
     """Drain `world` at one agreed step, as the operator does, and start the next one there."""
     job = dataclasses.replace(world.job, replicas=replicas)
     try:
@@ -325,25 +365,32 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
     display.note(f"rescaling {world.job.replicas} -> {replicas} replicas: asking world {world.epoch} to drain")
     asked = time.monotonic()
     token = f"rescale-w{world.epoch}"
-    while not world.finished():
-        failure = world.failure()
-        if failure:
-            raise errors.UserError(f"world {world.epoch} failed while draining: {failure}")
-        if worlds.request_drain(world.coordinator, token, "rescale", timeout_s=1.0) is None:
-            time.sleep(0.2)  # the coordinator is still starting: ask again
-            continue
-        time.sleep(0.1)
-        display.update(world, [])
-    agreed = {_read_json(r).get("agreedStep") for r in world.reports}
-    if len(agreed) != 1 or None in agreed:
-        raise errors.UserError(f"world {world.epoch} ended without one agreed step (reports: {agreed})")
-    step = int(agreed.pop())  # type: ignore[arg-type]
-    rescale = Rescale(world.job.replicas, replicas, step, asked, time.monotonic() - asked,
-                      redone=max(world.steps()) - step)
-    display.note(f"world {world.epoch} drained at global step {step}; world {world.epoch + 1} "
-                 f"starts there with {replicas} replicas")
-    nxt = start_world(job, world.epoch + 1, argv, work, logs, resume=resume, resume_step=step,
-                      storage_options_dir=storage_options_dir)
+    # The next world's trainers start now and import while this one drains; its sidecars
+    # (forked, so quick to start) only once the step they resume at is agreed.
+    nxt = start_trainers(job, world.epoch + 1, argv, work, logs)
+    try:
+        while not world.finished():
+            failure = world.failure()
+            if failure:
+                raise errors.UserError(f"world {world.epoch} failed while draining: {failure}")
+            if worlds.request_drain(world.coordinator, token, "rescale", timeout_s=1.0) is None:
+                time.sleep(0.2)  # the coordinator is still starting: ask again
+                continue
+            time.sleep(0.1)
+            display.update(world, [])
+        agreed = {_read_json(r).get("agreedStep") for r in world.reports}
+        if len(agreed) != 1 or None in agreed:
+            raise errors.UserError(f"world {world.epoch} ended without one agreed step (reports: {agreed})")
+        step = int(agreed.pop())  # type: ignore[arg-type]
+        rescale = Rescale(world.job.replicas, replicas, step, asked, time.monotonic() - asked,
+                          redone=max(world.steps()) - step)
+        display.note(f"world {world.epoch} drained at global step {step}; world {world.epoch + 1} "
+                     f"starts there with {replicas} replicas")
+        start_sidecars(nxt, work, logs, resume=resume, resume_step=step,
+                       storage_options_dir=storage_options_dir, forks=forks)
+    except BaseException:
+        nxt.stop()
+        raise
     return nxt, rescale
 
 

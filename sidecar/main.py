@@ -20,6 +20,7 @@ from typing import Any
 from splitfeed.trainer_client import contract, errors, specs
 
 from . import agreement, checkpoints, identity, positions, reading, serving, workers
+from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +95,6 @@ def load_job(settings: SidecarSettings) -> specs.JobSpec:
     except ValueError as exc:
         raise errors.UserError(str(exc)) from exc
     return job
-
-
-def read_storage_options(directory: Path | None) -> dict[str, str]:
-    """One option per file, as a Secret volume lays them out."""
-    if directory is None or not directory.is_dir():
-        return {}
-    return {p.name: p.read_text().strip() for p in sorted(directory.iterdir())
-            if p.is_file() and not p.name.startswith(".")}
 
 
 def read_annotations(podinfo_dir: Path | None) -> dict[str, str]:
@@ -287,9 +280,9 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             address = address or coordinator.address
         member = agreement.Member(address, replica, instance)
         joined = member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)
-        start_step = int(joined["resume_step"])
+        start_step = joined.resume_step
         if replica != 0:
-            table, data = reading.pin(job.data, storage_options, pinned=joined["table_version"])
+            table, data = reading.pin(job.data, storage_options, pinned=joined.table_version)
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
             steps_per_epoch = reading.layout_epoch(table, data, 0).steps_per_epoch
@@ -341,13 +334,13 @@ def serve(sidecar: Sidecar) -> int:
                      [f.rank for f in server.feeds], settings.world_size, settings.socket_dir,
                      server.resume_step, server.total_steps)
             server.run(tick=RequestWatcher(server, settings.podinfo_dir))
-            failure = next((f.failure for f in server.feeds if f.failure), None)
+            failure = next((f.session.failure for f in server.feeds if f.session.failure), None)
     except Exception as exc:  # a bug or a broken environment: still say why, in the report
         log.exception("the sidecar failed")
         failure = f"{type(exc).__name__}: {exc}"
     finally:
         global_step = min((f.control.acked + 1 for f in server.feeds), default=0)
-        drained = bool(server.feeds) and all(f.drained for f in server.feeds)
+        drained = bool(server.feeds) and all(f.session.drained for f in server.feeds)
         epoch, step = divmod(global_step, max(1, sidecar.steps_per_epoch))
         report: contract.Report = {
             "globalStep": global_step, "epoch": epoch, "step": step,
@@ -361,7 +354,7 @@ def serve(sidecar: Sidecar) -> int:
             "error": failure,
             "permanent": bool(failure) and (
                 (sidecar.permanent and failure == sidecar.failure)
-                or any(f.permanent and f.failure == failure for f in server.feeds)),
+                or any(f.session.permanent and f.session.failure == failure for f in server.feeds)),
             "filledRows": reading.FILLED_ROWS[0],
         }
         server.close()

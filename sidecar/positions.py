@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from splitfeed.trainer_client import specs, topology
+from splitfeed.trainer_client import errors, specs, topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +22,6 @@ class Position:
 
     epoch: int
     step: int
-
-    def global_step(self, steps_per_epoch: int) -> int:
-        return self.epoch * steps_per_epoch + self.step
 
 
 def position_of(global_step: int, steps_per_epoch: int) -> Position:
@@ -47,7 +44,7 @@ def state_dict(data: specs.DataSpec, position: Position) -> dict[str, Any]:
     }
 
 
-class IncompatibleState(ValueError):
+class IncompatibleState(errors.SplitfeedError, ValueError):
     """A checkpoint state that cannot continue this job (other seed, splits, ...)."""
 
 

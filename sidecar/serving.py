@@ -1,9 +1,12 @@
 """The sidecar's serving loop: fill each local rank's ring, answer its trainer.
 
-One thread owns the ZeroMQ ROUTER socket and answers the trainers; one
-publishing thread per rank reads that rank's batches and writes each into a
-free slot of its ring (RankFeed). They share only the control block, an outbox
-and a wake-up event. A malformed message gets an error reply and a log line;
+One owner per thread. The loop thread owns the ZeroMQ ROUTER socket, answers
+the trainers and alone writes each rank's `Session` (who its trainer is, what
+it committed, whether it is done). One publishing thread per rank (its
+`Publisher`) reads that rank's batches and alone writes its slots (through
+`slots`, which holds the format). They share the control block, an outbox and
+a wake-up event; the loop stops a publisher (`halt`, `stop`) rather than set a
+flag it reads. A malformed message gets an error reply and a log line;
 nothing a trainer sends can stop the loop: ZeroMQ drops a frame over
 MAX_MESSAGE_BYTES before buffering it, and replies never block (a peer that
 does not read loses them).
@@ -11,6 +14,7 @@ does not read loses them).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -23,11 +27,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import zmq
 
-from splitfeed.trainer_client import contract, errors, protocol, ring
+from splitfeed.trainer_client import contract, errors, messages, ring, slots
+from splitfeed.trainer_client.messages import (
+    Bye, Checkpoint, Commit, CommitAt, Complete, Drain, Error, Freeze, Hello, Wake,
+)
 
 from . import agreement
 
@@ -39,37 +45,13 @@ FAILURE_LINGER_S = 2.0
 SourceFactory = Callable[[int, int], Iterator[tuple[int, pa.RecordBatch]]]
 """(global rank, first global step) -> (global_step, batch) in delivery order."""
 
-
-# A thread pool per write cost more than the copy it parallelises (make bench).
-_WRITE_OPTIONS = pa.ipc.IpcWriteOptions(use_threads=False)
-_schema_bytes: dict[int, tuple[pa.Schema, int]] = {}
-
-ROOM_RECHECK_S = 0.005
-"""A publisher waiting for room re-checks the ring this often even without a wake-up:
-a batch released by another thread of a trainer that sleeps on its socket sends none."""
-
 SEND_HWM = 64
 """Replies queued per trainer before more are dropped: a trainer has a few outstanding
 at most (a welcome, a checkpoint's answer, `ready`s); one that does not read is not waited for."""
 
 
-def ipc_size(batch: pa.RecordBatch) -> int:
-    """Bytes of `batch` as an IPC stream (schema, batch, end marker), without writing it."""
-    # Keyed by identity (a schema's hash walks its fields: microseconds per batch);
-    # the schema is kept in the value so its id cannot be reused meanwhile.
-    schema = batch.schema
-    cached = _schema_bytes.get(id(schema))
-    if cached is None or cached[0] is not schema:
-        if len(_schema_bytes) > 64:
-            _schema_bytes.clear()
-        sink = pa.MockOutputStream()
-        pa.ipc.new_stream(sink, schema).close()
-        cached = _schema_bytes[id(schema)] = (schema, int(sink.size()))
-    return cached[1] + int(pa.ipc.get_record_batch_size(batch)) + 64
-
-
-class RankFeed:
-    """One local rank: its control block, its slots, and the thread that fills them.
+class Publisher:
+    """One local rank's control block, its slots, and the thread that alone fills them.
 
     The publishing thread reads the rank's batches (the `factory`) and writes
     each straight into a free slot: the batch never crosses a thread on its
@@ -104,26 +86,12 @@ class RankFeed:
                 f"({_size(free)} free of {_size(total)}): raise spec.sidecar.shmSize") from None
         self.control.end_step = total_steps
         self.control.prefetch = prefetch
-        self.slots: list[ring.SlotFile] = []
+        self.slots: list[slots.SlotFile] = []
         self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
         self._waits = 0  # numbers this publisher's waits in sidecar_waiting
         self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
-        self.peer: bytes | None = None
-        self.trainer_pid: int | None = None
-        self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.end_sent = False
-        self.drained = False
-        self.said_bye = False
-        self.all_taken_at: float | None = None  # when the trainer took the last batch
-        self.failure: str | None = None
-        self.permanent = False
-        """The failure is a DataError (a transform that fails on a row, say): permanent."""
-        self.resume_step = start_step
-        """Where this rank's current trainer process started (its model's step)."""
-        self.prepared: int | None = None
-        """The step of the trainer's last `checkpoint` (phase one, docs/agreement.md)."""
-        self.committed: int | None = None
-        """The step of its last `commit` (phase two: its model for that step is saved)."""
+        self.outbox: queue.SimpleQueue[messages.Ready | messages.End | BaseException] = queue.SimpleQueue()
+        """What the loop should say: a `ready`, the `end`, or the exception that stopped the publisher."""
         # The gate between the publisher and the world's agreement: frozen while the
         # coordinator fixes the drain step, then no step at or past `_limit`.
         self._gate = threading.Condition()
@@ -143,12 +111,16 @@ class RankFeed:
                                         name=f"publish-r{self.rank}", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the publisher; on return nothing but the loop touches the slots."""
+    def halt(self) -> None:
+        """Ask the publisher to publish nothing more (its rank drained or failed); returns at once."""
         self._stop.set()
         self._woken.set()
         with self._gate:
             self._gate.notify_all()
+
+    def stop(self) -> None:
+        """Stop the publisher; on return nothing but the loop touches the slots."""
+        self.halt()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -197,8 +169,8 @@ class RankFeed:
             signal.setsockopt(zmq.LINGER, 0)
             signal.connect(self._signal[1])
 
-        def tell(kind: str, value: Any) -> None:
-            self.outbox.put((kind, value))
+        def tell(news: messages.Ready | messages.End | BaseException) -> None:
+            self.outbox.put(news)
             if signal is not None:
                 signal.send(b"", zmq.NOBLOCK)
 
@@ -211,14 +183,14 @@ class RankFeed:
                     return
                 next_step = global_step + 1
                 waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
-                if waiting and waiting != self._readied:  # one `ready` per wait
+                if slots.ready_due(waiting, self._readied):
                     self._readied = waiting
-                    tell("ready", global_step)
+                    tell(messages.Ready(global_step))
             if not stop.is_set():
-                tell("end", next_step)
+                tell(messages.End(next_step))
         except BaseException as exc:  # the loop reports it to the trainer
             if not stop.is_set():
-                tell("error", exc)
+                tell(exc)
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
@@ -228,35 +200,25 @@ class RankFeed:
 
     def _publish(self, global_step: int, batch: pa.RecordBatch, stop: threading.Event) -> bool:
         """Write one batch into a slot once there is room; False if stopped first."""
-        index = self._room(ipc_size(batch), stop)
+        index = self._room(slots.ipc_size(batch), stop)
         # The gate after the room: a step counts as published once only its write is left.
         if index is None or not self._through_gate(global_step, stop):
             return False
         self._writes += 1
-        slot, seq = self.slots[index], self._writes
-        slot.mark_header(global_step, seq)
-        nbytes = self.write(index, batch)
-        slot.mark_trailer(nbytes, global_step, seq)
-        control = self.control
-        control.step[index] = global_step
-        control.nbytes[index] = nbytes
-        control.seq[index] = seq
-        control.posted[global_step % ring.MAX_SLOTS] = index
-        # Last, with release order: the trainer may take it now, and sees all of the above.
-        if not control.transition(index, ring.SlotState.FREE, ring.SlotState.FILLED):
-            raise AssertionError(f"slot {index} changed state while the sidecar wrote it")
+        seq = self._writes
+        nbytes = slots.write(self.slots[index], batch, global_step, seq)
+        slots.post(self.control, index, global_step, nbytes, seq)
         return True
 
     def _room(self, size: int, stop: threading.Event) -> int | None:
         """A free slot for `size` bytes once fewer than `prefetch` batches wait, or None if stopped.
 
-        Says what it waits for in `sidecar_waiting` before sleeping, then looks
-        again: a trainer that made room before it saw the flag sent no wake-up.
+        Says what it waits for before sleeping, then looks again (slots, rule 1).
         """
         control = self.control
         waiting = ring.Waiting.NO
         try:
-            while not stop.is_set() and not self.drained and not self.failure:
+            while not stop.is_set():
                 if self._woken.is_set():
                     self._woken.clear()
                 index, waiting_for = self._try_slot(size)
@@ -267,7 +229,7 @@ class RankFeed:
                     index, _ = self._try_slot(size)
                 if index is not None:
                     return index
-                self._woken.wait(ROOM_RECHECK_S)
+                self._woken.wait(slots.ROOM_RECHECK_S)
             return None
         finally:
             if waiting != ring.Waiting.NO:
@@ -275,9 +237,10 @@ class RankFeed:
 
     def _try_slot(self, size: int) -> tuple[int | None, int]:
         states = self.control.states()
-        if states.count(ring.SlotState.FILLED) >= self.prefetch:
-            return None, ring.Waiting.ROOM
-        return self.free_slot(size, states), ring.Waiting.SLOT
+        waits_for = slots.sidecar_waits_for(states, self.prefetch)
+        if waits_for == ring.Waiting.ROOM:
+            return None, waits_for
+        return self.free_slot(size, states), waits_for
 
     # -- slots ---------------------------------------------------------------
 
@@ -296,7 +259,7 @@ class RankFeed:
         # Acquire order: the trainer's reads of this slot are done before we overwrite it.
         if self.control.acquire(index) != ring.SlotState.FREE:
             return None
-        if self.slots[index].size < ring.slot_bytes(size):
+        if self.slots[index].size < slots.slot_bytes(size):
             # Too small: a new file (a trainer may still map the old one, which
             # stays valid until it unmaps it).
             gen = int(self.control.gen[index]) + 1
@@ -307,16 +270,16 @@ class RankFeed:
             self.control.gen[index] = gen
         return index
 
-    def _slot_file(self, index: int, gen: int, size: int) -> ring.SlotFile:
+    def _slot_file(self, index: int, gen: int, size: int) -> slots.SlotFile:
         # Headroom so that slightly larger later batches reuse the file.
-        capacity = ring.round_up(ring.slot_bytes(size) + size // 8)
+        capacity = ring.round_up(slots.slot_bytes(size) + size // 8)
         if not self.slots:
             free, _ = ring.free_bytes(self._dir)
             if (self.prefetch + 2) * capacity > free:
                 raise errors.UserError(self._too_small(capacity, "the memory volume is too small for the ring"))
-        path = ring.slot_path(self._dir, self._instance, self.local_rank, index, gen)
+        path = slots.slot_path(self._dir, self._instance, self.local_rank, index, gen)
         try:
-            return ring.SlotFile(path, capacity, create=True)
+            return slots.SlotFile(path, capacity, create=True)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -336,14 +299,12 @@ class RankFeed:
                 "(the pod's memory emptyDir, counted against its memory limit), or lower "
                 "spec.sidecar.prefetchBatches or the batch size")
 
-    def write(self, index: int, batch: pa.RecordBatch) -> int:
-        sink = pa.FixedSizeBufferWriter(pa.py_buffer(self.slots[index].payload))
-        with pa.ipc.RecordBatchStreamWriter(sink, batch.schema, options=_WRITE_OPTIONS) as writer:
-            writer.write_batch(batch)
-        return int(sink.tell())
+    def reset(self, next_step: int, *, trainer_gone: bool, restart: bool = True) -> None:
+        """Discard what was published and continue at `next_step` (unless not `restart`).
 
-    def reset(self, next_step: int, *, trainer_gone: bool) -> None:
-        """Discard what was published and continue at `next_step`."""
+        Called by the loop thread: the publisher is stopped first, so the loop
+        touches the slots only while no publishing thread runs.
+        """
         self.stop()
         control = self.control
         for i in range(len(self.slots)):
@@ -352,12 +313,12 @@ class RankFeed:
                 control.transition(i, state, ring.SlotState.FREE)
         while not self.outbox.empty():
             self.outbox.get_nowait()  # news of the stopped publisher
-        self.end_sent = False
         control.sidecar_waiting = ring.Waiting.NO
         self._readied = 0
         if trainer_gone:
             control.trainer_waiting = 0  # its writer is gone: nobody else may clear it
-        self.start(next_step)
+        if restart:
+            self.start(next_step)
 
     def close(self) -> None:
         self.stop()
@@ -374,6 +335,57 @@ class RankFeed:
 END_LINGER_S = 30.0
 """After a trainer took its last batch, how long to keep answering it (a final
 checkpoint) when it exits without saying bye."""
+
+
+class Session:
+    """One local rank's trainer session, as the loop thread sees it; only the loop thread writes it."""
+
+    def __init__(self, *, rank: int, start_step: int, total_steps: int) -> None:
+        self.rank = rank
+        self.start_step = start_step
+        self.total_steps = total_steps
+        self.peer: bytes | None = None
+        self.trainer_pid: int | None = None
+        self.end_sent = False
+        self.drained = False
+        self.said_bye = False
+        self.all_taken_at: float | None = None
+        """When the loop first saw that the trainer took the last batch."""
+        self.failure: str | None = None
+        self.permanent = False
+        """The failure is a DataError (a transform that fails on a row, say): permanent."""
+        self.resume_step = start_step
+        """Where this rank's current trainer process started (its model's step)."""
+        self.prepared: int | None = None
+        """The step of the trainer's last `checkpoint` (phase one, docs/agreement.md)."""
+        self.committed: int | None = None
+        """The step of its last `commit` (phase two: its model for that step is saved)."""
+
+    def all_taken(self, acked: int) -> bool:
+        """The trainer was told `end` and took every batch."""
+        return self.end_sent and acked + 1 >= self.total_steps
+
+    def finished(self, now: float, linger_s: float) -> bool:
+        """Drained, said bye, or took its last batch `linger_s` ago (a pure check)."""
+        if self.drained or self.said_bye:
+            return True
+        return self.all_taken_at is not None and now - self.all_taken_at >= linger_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """A local rank: its publisher (the publishing thread's) and its session (the loop's)."""
+
+    publisher: Publisher
+    session: Session
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    @property
+    def control(self) -> ring.Control:
+        return self.publisher.control
 
 
 class Server:
@@ -404,9 +416,9 @@ class Server:
         # disconnects its sender before it is buffered.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"ipc://{self.directory / protocol.SOCKET_NAME}")
+        self.sock.bind(f"ipc://{self.directory / messages.SOCKET_NAME}")
         signal_address = f"inproc://sources-{self.instance}"
         self._signals = self._ctx.socket(zmq.PULL)
         self._signals.setsockopt(zmq.LINGER, 0)
@@ -417,9 +429,10 @@ class Server:
         if member is not None:
             self._poller.register(member.socket, zmq.POLLIN)
         self.feeds = [
-            RankFeed(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
-                     factory=factory, signal=(self._ctx, signal_address), prefetch=prefetch,
-                     start_step=start_step, total_steps=total_steps, local_ranks=len(ranks))
+            Feed(Publisher(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
+                           factory=factory, signal=(self._ctx, signal_address), prefetch=prefetch,
+                           start_step=start_step, total_steps=total_steps, local_ranks=len(ranks)),
+                 Session(rank=rank, start_step=start_step, total_steps=total_steps))
             for i, rank in enumerate(ranks)
         ]
         self.stopping = threading.Event()
@@ -449,61 +462,65 @@ class Server:
     def _coordinate(self) -> None:
         assert self.member is not None
         for message in self.member.receive():
-            kind = message["type"]
-            if kind == "freeze":
-                published = max(feed.freeze() for feed in self.feeds)
-                self.member.published = published
-                self.member.send("frozen", round=message["round"], replica=self.member.replica,
-                                 published=published)
-            elif kind == "commit_at":
-                step = message["step"]
-                if self.drain_step != step:
-                    log.info("the world drains at global step %d (%s)", step, message["reason"])
-                self.drain_step, self.drain_reason = step, message["reason"]
-                for feed in self.feeds:
-                    feed.commit_at(step, drain=message["drain"])
-            elif kind == "complete":
-                self.world_complete = max(self.world_complete or -1, message["step"])
-            elif kind == "error":
-                log.warning("coordinator: %s", message["message"])
+            match message:
+                case Freeze():
+                    published = max(feed.publisher.freeze() for feed in self.feeds)
+                    self.member.published = published
+                    self.member.send(messages.Frozen(round=message.round, replica=self.member.replica,
+                                                     published=published))
+                case CommitAt():
+                    step = message.step
+                    if self.drain_step != step:
+                        log.info("the world drains at global step %d (%s)", step, message.reason)
+                    self.drain_step, self.drain_reason = step, message.reason
+                    for feed in self.feeds:
+                        feed.publisher.commit_at(step, drain=message.drain)
+                case Complete():
+                    self.world_complete = max(self.world_complete or -1, message.step)
+                case Error():
+                    log.warning("coordinator: %s", message.message)
+                case _:
+                    pass  # Joined (a late answer to a heartbeat) changes nothing here
 
     def fail_all(self, message: str, *, grace_s: float) -> None:
         """Tell every trainer that says hello why this sidecar cannot serve, then stop."""
         for feed in self.feeds:
-            feed.failure = message
+            feed.session.failure = message
+            feed.publisher.halt()
         deadline = time.monotonic() + grace_s
         while not self.stopping.is_set() and time.monotonic() < deadline:
             if self.sock.poll(100):
                 self._receive()
-            if all(feed.peer is not None for feed in self.feeds):
+            if all(feed.session.peer is not None for feed in self.feeds):
                 break  # every trainer has been told
 
     # -- the loop -----------------------------------------------------------------
 
-    def finished(self) -> bool:
-        """Every rank drained, said bye, or took its last batch END_LINGER_S ago.
+    def finished(self, now: float | None = None) -> bool:
+        """Every rank drained, said bye, or took its last batch END_LINGER_S ago; changes nothing.
 
         A trainer that took its last batch may still checkpoint (saving at the
         end is common), so the sidecar answers until the trainer says bye
-        (StreamClient.close) or the linger runs out.
+        (StreamClient.close) or the linger runs out. The loop notes when each
+        trainer took its last batch (`_note_all_taken`) before it asks.
         """
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if self._failed_at is not None:
             return now - self._failed_at > FAILURE_LINGER_S
-        done = True
+        return all(f.session.finished(now, self.end_linger_s) for f in self.feeds)
+
+    def _note_all_taken(self, now: float) -> None:
         for f in self.feeds:
-            if f.drained or f.said_bye:
-                continue
-            if f.end_sent and f.control.acked + 1 >= f.total_steps:
-                f.all_taken_at = f.all_taken_at or now
-                if now - f.all_taken_at >= self.end_linger_s:
-                    continue
-            done = False
-        return done
+            if f.session.all_taken_at is None and f.session.all_taken(f.control.acked):
+                f.session.all_taken_at = now
 
     def run(self, tick: Callable[[], None] | None = None) -> None:
         """Serve until every rank is finished or `stopping` is set."""
-        while not self.stopping.is_set() and not self.finished():
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            self._note_all_taken(now)
+            if self.finished(now):
+                break
             # Publishers and trainers wake the loop with a message; the timeout
             # only paces `tick` and the `finished` linger.
             events = dict(self._poller.poll(100))
@@ -529,22 +546,22 @@ class Server:
 
     def close(self) -> None:
         for feed in self.feeds:
-            feed.close()
+            feed.publisher.close()
         if self.member is not None:
             self.member.close()
         self.sock.close(linger=0)
         self._signals.close(linger=0)
         try:
-            os.unlink(self.directory / protocol.SOCKET_NAME)
+            os.unlink(self.directory / messages.SOCKET_NAME)
         except FileNotFoundError:
             pass
 
-    def _send(self, peer: bytes, kind: str, **fields: Any) -> None:
+    def _send(self, peer: bytes, message: messages.Message) -> None:
         """Never blocks: a peer that does not read (SEND_HWM answers queued) loses the answer."""
         try:
-            self.sock.send_multipart([peer, protocol.encode(kind, **fields)], zmq.NOBLOCK)
+            self.sock.send_multipart([peer, message.encode()], zmq.NOBLOCK)
         except zmq.Again:
-            self._complain(peer, f"does not read its socket; its {kind} message is dropped")
+            self._complain(peer, f"does not read its socket; its {message.kind} message is dropped")
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that trainer is gone
             log.debug("cannot reach trainer %r: %s", peer, exc)
 
@@ -558,29 +575,28 @@ class Server:
         log.warning("trainer %r %s%s", peer[:32], what, more)
         self._complained_at, self._complaints = now, 0
 
-    def _deliver(self, feed: RankFeed) -> None:
+    def _deliver(self, feed: Feed) -> None:
         """Say what the rank's publisher has news of."""
+        session = feed.session
         while True:
             try:
-                kind, value = feed.outbox.get_nowait()
+                news = feed.publisher.outbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "error":
-                self._fail(feed, value)
-            elif feed.peer is not None and not feed.failure:
-                if kind == "end":
-                    self._send(feed.peer, "end", next_step=value)
-                    feed.end_sent = True
-                else:
-                    self._send(feed.peer, "ready", global_step=value)
+            if isinstance(news, BaseException):
+                self._fail(session, news)
+            elif session.peer is not None and not session.failure:
+                self._send(session.peer, news)
+                if isinstance(news, messages.End):
+                    session.end_sent = True
 
-    def _fail(self, feed: RankFeed, exc: BaseException) -> None:
+    def _fail(self, session: Session, exc: BaseException) -> None:
         user = isinstance(exc, (errors.UserError, errors.SidecarFailed))
-        feed.failure = str(exc) if user else f"{type(exc).__name__}: {exc}"
-        feed.permanent = isinstance(exc, errors.DataError)  # the same data fails in any world
-        log.error("rank %d cannot continue: %s", feed.rank, feed.failure, exc_info=not user)
-        if feed.peer is not None:
-            self._send(feed.peer, "error", code="source", message=feed.failure, fatal=True)
+        session.failure = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        session.permanent = isinstance(exc, errors.DataError)  # the same data fails in any world
+        log.error("rank %d cannot continue: %s", session.rank, session.failure, exc_info=not user)
+        if session.peer is not None:
+            self._send(session.peer, Error(code="source", message=session.failure, fatal=True))
         # Linger a moment rather than stop: a trainer mid-handshake still maps
         # this sidecar's files and must hear why, not find them gone.
         if self._failed_at is None:
@@ -596,115 +612,122 @@ class Server:
             try:
                 if len(body) != 1:
                     raise errors.ProtocolError(f"expected 1 frame, got {len(body)}")
-                message = protocol.decode(body[0])
+                message = messages.decode(body[0])
                 self._handle(peer, message)
             except errors.ProtocolError as exc:
                 self._complain(peer, f"sent a bad message: {exc}")
-                self._send(peer, "error", code="protocol", message=str(exc), fatal=False)
+                self._send(peer, Error(code="protocol", message=str(exc), fatal=False))
 
-    def _feed_for(self, peer: bytes) -> RankFeed:
+    def _feed_for(self, peer: bytes) -> Feed:
         for feed in self.feeds:
-            if feed.peer == peer:
+            if feed.session.peer == peer:
                 return feed
         raise errors.ProtocolError("say hello first")
 
-    def _handle(self, peer: bytes, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "hello":
-            self._hello(peer, message)
-        elif kind == "checkpoint":
-            self._checkpoint_rank(self._feed_for(peer), message["step"])
-        elif kind == "commit":
-            self._commit_rank(self._feed_for(peer), message["step"])
-        elif kind == "drain":
-            feed = self._feed_for(peer)
-            self.request_drain(f"{message['reason']}-{self.instance}-r{feed.rank}", message["reason"])
-        elif kind == "bye":
-            self._feed_for(peer).said_bye = True
-        elif kind == "wake":
-            self._feed_for(peer).wake()
-        else:
-            raise errors.ProtocolError(f"a trainer does not send {kind!r}")
+    def _handle(self, peer: bytes, message: messages.Message) -> None:
+        match message:
+            case Hello():
+                self._hello(peer, message)
+            case Checkpoint():
+                self._checkpoint_rank(self._feed_for(peer), message.step)
+            case Commit():
+                self._commit_rank(self._feed_for(peer), message.step)
+            case Drain():
+                feed = self._feed_for(peer)
+                self.request_drain(f"{message.reason}-{self.instance}-r{feed.rank}", message.reason)
+            case Bye():
+                self._feed_for(peer).session.said_bye = True
+            case Wake():
+                self._feed_for(peer).publisher.wake()
+            case _:
+                raise errors.ProtocolError(f"a trainer does not send {message.kind!r}")
 
-    def _hello(self, peer: bytes, message: dict[str, Any]) -> None:
-        local_rank = message["local_rank"]
+    def _hello(self, peer: bytes, message: Hello) -> None:
+        local_rank = message.local_rank
         if not 0 <= local_rank < len(self.feeds):
             raise errors.ProtocolError(
                 f"local_rank {local_rank} is not served here (0..{len(self.feeds) - 1})")
         feed = self.feeds[local_rank]
-        if feed.failure:
-            feed.peer = peer
-            self._send(peer, "error", code="source", message=feed.failure, fatal=True)
+        session, control = feed.session, feed.control
+        if session.failure:
+            session.peer = peer
+            self._send(peer, Error(code="source", message=session.failure, fatal=True))
             return
-        new_trainer = message["pid"] != feed.trainer_pid
-        acked = feed.control.acked
-        wanted = message["next_step"]
+        new_trainer = message.pid != session.trainer_pid
+        acked = control.acked
+        wanted = message.next_step
         if wanted is None:
             # A new trainer process starts from a model it saved: the world's newest
             # complete step (docs/agreement.md), never after its predecessor's last batch.
-            wanted = max(feed.start_step, self.world_complete if self.world_complete is not None else -1)
-            feed.resume_step = wanted
-        if not 0 <= wanted <= feed.total_steps:
-            raise errors.ProtocolError(f"next_step {wanted} is outside 0..{feed.total_steps}")
-        same_trainer = feed.peer == peer and not new_trainer
+            wanted = max(session.start_step, self.world_complete if self.world_complete is not None else -1)
+            session.resume_step = wanted
+        if not 0 <= wanted <= session.total_steps:
+            raise errors.ProtocolError(f"next_step {wanted} is outside 0..{session.total_steps}")
+        same_trainer = session.peer == peer and not new_trainer
         if same_trainer and wanted < acked + 1:
             # A hello that waited in the queue while batches flowed: stale, the
             # trainer has moved on. Answer it without rewinding anything.
             wanted = acked + 1
         in_step = same_trainer and acked + 1 == wanted
-        feed.peer, feed.trainer_pid, feed.said_bye = peer, message["pid"], False
+        session.peer, session.trainer_pid, session.said_bye = peer, message.pid, False
         if not in_step:
             log.info("rank %d: trainer pid %d continues at global step %d",
-                     feed.rank, message["pid"], wanted)
-            feed.control.acked = wanted - 1
-            feed.reset(wanted, trainer_gone=new_trainer)
-        self._send(peer, "welcome", instance=self.instance, rank=feed.rank,
-                   world_size=self.world_size, ctl=str(feed.control.path),
-                   resume_step=feed.resume_step, next_step=wanted,
-                   total_steps=feed.total_steps, steps_per_epoch=self.steps_per_epoch)
+                     session.rank, message.pid, wanted)
+            control.acked = wanted - 1
+            session.end_sent = False
+            # A drained rank publishes nothing more (its trainer stops after saving).
+            feed.publisher.reset(wanted, trainer_gone=new_trainer, restart=not session.drained)
+        self._send(peer, messages.Welcome(
+            instance=self.instance, rank=session.rank, world_size=self.world_size, ctl=str(control.path),
+            resume_step=session.resume_step, next_step=wanted, total_steps=session.total_steps,
+            steps_per_epoch=self.steps_per_epoch))
 
-    def _checkpoint_rank(self, feed: RankFeed, step: int) -> None:
+    def _checkpoint_rank(self, feed: Feed, step: int) -> None:
         """Phase one: write the rank's data position for `step` (not yet resumable)."""
+        session = feed.session
         acked = feed.control.acked
         if step != acked + 1:
             raise errors.ProtocolError(
                 f"checkpoint of step {step}, but the trainer has received {acked + 1} steps")
         if self._checkpoint is None:
-            self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
-                       message="checkpoints are disabled: set spec.checkpoint.uri")
+            self._send(session.peer or b"", Error(code="checkpoint", fatal=False,
+                                                  message="checkpoints are disabled: set spec.checkpoint.uri"))
             return
         try:
-            uri = self._checkpoint(feed.rank, step)
+            uri = self._checkpoint(session.rank, step)
         except Exception as exc:  # storage errors: the trainer decides what to do
             log.error("checkpoint of step %d failed: %s", step, exc)
-            self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
-                       message=f"checkpoint of step {step} failed: {exc}")
+            self._send(session.peer or b"", Error(code="checkpoint", fatal=False,
+                                                  message=f"checkpoint of step {step} failed: {exc}"))
             return
-        feed.prepared = step
-        self._send(feed.peer or b"", "checkpointed", step=step,
-                   drained=feed.control.drain_at == step, uri=uri)
+        session.prepared = step
+        self._send(session.peer or b"", messages.Checkpointed(
+            step=step, drained=feed.control.drain_at == step, uri=uri))
 
-    def _commit_rank(self, feed: RankFeed, step: int) -> None:
+    def _commit_rank(self, feed: Feed, step: int) -> None:
         """Phase two: the trainer saved its model for `step`; the step may now be resumed."""
-        if feed.prepared != step:
+        session = feed.session
+        if session.prepared != step:
             raise errors.ProtocolError(
-                f"commit of step {step}, but this rank's last checkpoint is of step {feed.prepared}")
+                f"commit of step {step}, but this rank's last checkpoint is of step {session.prepared}")
         assert self._commit is not None  # a prepared step implies a store
         try:
-            self._commit(feed.rank, step)
+            self._commit(session.rank, step)
         except Exception as exc:
             log.error("commit of step %d failed: %s", step, exc)
-            self._send(feed.peer or b"", "error", code="checkpoint", fatal=False,
-                       message=f"commit of step {step} failed: {exc}")
+            self._send(session.peer or b"", Error(code="checkpoint", fatal=False,
+                                                  message=f"commit of step {step} failed: {exc}"))
             return
-        feed.committed = step
-        feed.drained = feed.drained or feed.control.drain_at == step
+        session.committed = step
+        if not session.drained and feed.control.drain_at == step:
+            session.drained = True
+            feed.publisher.halt()  # the world drained here: nothing more to publish
         epoch = step // max(1, self.steps_per_epoch)
         self.last_checkpoint = {"step": step, "epoch": epoch, "worldSize": self.world_size,
                                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self._send(feed.peer or b"", "committed", step=step)
-        if self.member is not None and all(f.committed == step for f in self.feeds):
-            self.member.send("committed_world", replica=self.member.replica, step=step)
+        self._send(session.peer or b"", messages.Committed(step))
+        if self.member is not None and all(f.session.committed == step for f in self.feeds):
+            self.member.send(messages.CommittedWorld(replica=self.member.replica, step=step))
 
 
 def tune_interpreter() -> None:
@@ -721,7 +744,7 @@ def sweep(directory: Path) -> None:
     """Remove ring files and sockets a crashed sidecar left behind."""
     directory.mkdir(parents=True, exist_ok=True)
     for path in directory.iterdir():
-        if path.name.startswith(("ctl-", "slot-")) or path.name == protocol.SOCKET_NAME:
+        if path.name.startswith(("ctl-", "slot-")) or path.name == messages.SOCKET_NAME:
             try:
                 path.unlink()
             except FileNotFoundError:

@@ -92,7 +92,7 @@ def _iter_in_process(
     """Read in the caller's thread.
 
     No read-ahead thread of its own: the sidecar already runs this iterator in
-    its publishing thread (serving.RankFeed), and a second hand-off only
+    its publishing thread (serving.Publisher), and a second hand-off only
     added GIL switches.
     """
     table = reading.open_table(data, storage_options)

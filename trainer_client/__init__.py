@@ -1,4 +1,4 @@
-"""splitfeed's trainer-side client, wire protocol, shared-memory ring and topology math.
+"""splitfeed's trainer-side client, wire messages, shared-memory ring and slot format, error tree and topology math.
 
 Importable with pyzmq, numpy and pyarrow alone (torch is optional): this is the
 package a training script imports.

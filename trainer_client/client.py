@@ -11,9 +11,9 @@ the sidecar only when nothing the trainer got from it is referenced any more:
 every array handed out is a view of one per-batch root array, and a weakref
 callback on that root frees the slot. Acknowledgements (the consumer commit
 behind checkpoints), slot states and "I am waiting" flags live in shared
-memory; a ZeroMQ message is sent only to wake a peer that sleeps, so a
-pipeline that keeps up sends none (the trainer polls the ring for SPIN_S
-before it sleeps).
+memory; a ZeroMQ message is sent only to wake a peer that sleeps (the rules
+are in `slots`), so a pipeline that keeps up sends none (the trainer polls
+the ring for SPIN_S before it sleeps).
 
 Holding every slot's batch (ring.MAX_SLOTS) while asking for another can never
 be served; after `timeout_s` that is an error that says so. A slot whose
@@ -32,7 +32,6 @@ import collections
 import functools
 import json
 import logging
-import mmap
 import os
 import signal
 import struct
@@ -42,13 +41,12 @@ import uuid
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-import pyarrow as pa
 import zmq
 
-from . import contract, protocol, ring
+from . import contract, messages, ring, slots
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -60,6 +58,11 @@ TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
 
 _torch: Any = None
+
+_WAKE = messages.Wake().encode()
+"""Encoded once: `wake` has no fields."""
+
+_Answer = TypeVar("_Answer", messages.Checkpointed, messages.Committed)
 
 
 def _torch_module() -> Any:
@@ -98,37 +101,6 @@ class Batch(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Batch(global_step={self.global_step}, epoch={self.epoch}, step={self.step}, columns={list(self._columns)})"
-
-
-_View = tuple[int, int, np.dtype, tuple[int, ...]]
-"""Where a column lies in its slot: (start, stop, dtype, shape)."""
-
-
-def _view_of(array: pa.Array, base_address: int) -> _View | None:
-    """Where `array`'s values lie in the slot, if numpy can view them as they are.
-
-    Views are made from the slot's root array (not by pyarrow) so that they are
-    writable, torch accepts them without copying, and each one keeps the root
-    (and so the slot) alive exactly as long as it lives.
-    """
-    typ = array.type
-    if array.null_count == 0 and (pa.types.is_integer(typ) or pa.types.is_floating(typ)):
-        dtype = np.dtype(typ.to_pandas_dtype())
-        start = array.buffers()[1].address - base_address + array.offset * dtype.itemsize
-        return start, start + len(array) * dtype.itemsize, dtype, (len(array),)
-    if pa.types.is_fixed_size_list(typ) and array.null_count == 0:
-        flat = array.flatten()
-        inner = _view_of(flat, base_address) if flat.null_count == 0 else None
-        if inner is not None:
-            return inner[0], inner[1], inner[2], (len(array), typ.list_size)
-    if isinstance(typ, pa.FixedShapeTensorType) and array.null_count == 0:
-        # A transform's fixed-shape output (docs/preprocessing.md): (rows, *shape).
-        storage = _view_of(array.storage, base_address)
-        row_major = not typ.permutation or list(typ.permutation) == sorted(typ.permutation)
-        if storage is not None and row_major:
-            return storage[0], storage[1], storage[2], (len(array), *typ.shape)
-    # Strings, nested lists, booleans (bit-packed), nulls: no zero-copy numpy form.
-    return None
 
 
 def _to_tensor(value: Any) -> Any:
@@ -230,12 +202,12 @@ class StreamClient:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.IDENTITY, f"t{self.local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
-        self._sock.connect(f"ipc://{self._dir / protocol.SOCKET_NAME}")
-        self._inbox: collections.deque[dict[str, Any]] = collections.deque()
-        self._slot_files: dict[tuple[str, int, int], ring.SlotFile] = {}
-        self._layouts: dict[bytes, tuple[pa.Schema, int, list[tuple[str, _View | None]]]] = {}
+        self._sock.connect(f"ipc://{self._dir / messages.SOCKET_NAME}")
+        self._inbox: collections.deque[messages.Message] = collections.deque()
+        self._slot_files: dict[tuple[str, int, int], slots.SlotFile] = {}
+        self._reader = slots.Reader()
         self._holds: dict[int, weakref.ref[np.ndarray]] = {}  # keeps the release callbacks alive
         self._control: ring.Control | None = None
         self._waiting = False  # this process set the control block's trainer_waiting
@@ -313,7 +285,7 @@ class StreamClient:
                     index, spun = self._spin(control, step), True
                 if index is None:
                     if not self._waiting:
-                        self._waits = self._waits % 0x7FFFFFFF + 1
+                        self._waits = slots.next_trainer_wait(self._waits)
                         control.trainer_waiting, self._waiting = self._waits, True
                     index = control.find(step, scan=True)  # it may have landed meanwhile
                 if index is not None:
@@ -333,7 +305,7 @@ class StreamClient:
                     raise SidecarUnavailable(self._why_no_batch())
                 self._ask_drain_on_sigterm()
                 message = self._receive(deadline)
-                if message["type"] == "welcome":
+                if isinstance(message, messages.Welcome):
                     self._welcome(message)
                 # ready / end are wake-ups: look at the ring again
         finally:
@@ -365,9 +337,9 @@ class StreamClient:
         its model.
         """
         step = self._next_step or 0
-        reply = self._request("checkpoint", "checkpointed", step)
+        reply = self._request(messages.Checkpoint(step), messages.Checkpointed)
         self._prepared = step
-        self.drained = reply["drained"]
+        self.drained = reply.drained
         return step
 
     def commit(self, step: int | None = None) -> None:
@@ -380,29 +352,30 @@ class StreamClient:
             step = self._prepared
         if step is None or step != self._prepared:
             raise CheckpointError(f"commit of step {step}, but the last checkpoint() was of step {self._prepared}")
-        self._request("commit", "committed", step)
+        self._request(messages.Commit(step), messages.Committed)
         self._prepared = None
 
     def _commit_implicitly(self) -> None:
         if self._prepared is not None:
             self.commit(self._prepared)
 
-    def _request(self, kind: str, answer: str, step: int) -> dict[str, Any]:
-        """Send `kind` for `step` and wait for its `answer`; an error reply raises CheckpointError."""
-        self._sock.send(protocol.encode(kind, step=step))
+    def _request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer]) -> _Answer:
+        """Send `request` and wait for its `answer` (of the same step); an error reply raises CheckpointError."""
+        self._sock.send(request.encode())
+        step = request.step
         deadline = time.monotonic() + self._timeout_s
-        held: list[dict[str, Any]] = []
+        held: list[messages.Message] = []
         try:
             while time.monotonic() < deadline:
                 message = self._receive_raw(self._heartbeat_s)
                 if message is None:
                     continue
-                if message["type"] == answer and message["step"] == step:
+                if isinstance(message, answer) and message.step == step:
                     return message
-                if message["type"] == "error":
-                    raise CheckpointError(message["message"])
+                if isinstance(message, messages.Error):
+                    raise CheckpointError(message.message)
                 held.append(message)
-            raise CheckpointError(f"no answer to {kind} of step {step} in {self._timeout_s} s")
+            raise CheckpointError(f"no answer to {request.kind} of step {step} in {self._timeout_s} s")
         finally:
             self._inbox.extendleft(reversed(held))
 
@@ -432,7 +405,7 @@ class StreamClient:
         if self._sigterm and not self._drain_asked:
             self._drain_asked = True
             log.warning("SIGTERM: asking the world to checkpoint at one step and stop")
-            self._sock.send(protocol.encode("drain", reason="preempt"))
+            self._sock.send(messages.Drain(reason="preempt").encode())
 
     def close(self) -> None:
         if self._sock.closed:
@@ -445,7 +418,7 @@ class StreamClient:
             log.error("the last checkpoint was not committed: %s", exc)
         self.stats.write(final=True)
         try:
-            self._sock.send(protocol.encode("bye"), zmq.NOBLOCK)
+            self._sock.send(messages.Bye().encode(), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         self._sock.close(linger=100)
@@ -460,73 +433,70 @@ class StreamClient:
 
     # -- handshake --------------------------------------------------------------
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self) -> messages.Welcome:
         """Send hello until a welcome arrives; the sidecar may be (re)starting."""
         deadline = time.monotonic() + self._timeout_s
         while True:
-            self._sock.send(protocol.encode(
-                "hello", local_rank=self.local_rank, pid=os.getpid(), next_step=self._next_step))
+            self._say_hello()
             while True:
                 message = self._receive_raw(self._heartbeat_s)
                 if message is None:
                     break  # no answer yet: say hello again
-                if message["type"] == "welcome":
+                if isinstance(message, messages.Welcome):
                     return message
-                if message["type"] == "error" and message["fatal"]:
-                    raise SidecarFailed(message["message"])
                 # a stale ready/end from before the resync: drop it
             if time.monotonic() > deadline:
                 raise SidecarUnavailable(
-                    f"no sidecar answered at {self._dir / protocol.SOCKET_NAME} "
+                    f"no sidecar answered at {self._dir / messages.SOCKET_NAME} "
                     f"within {self._timeout_s} s")
 
-    def _welcome(self, message: dict[str, Any]) -> None:
+    def _welcome(self, message: messages.Welcome) -> None:
         self._inbox.clear()
         previous = self._instance
-        if message["instance"] != self._instance:
+        if message.instance != self._instance:
             if self._control is not None:
                 log.warning("sidecar restarted (instance %s -> %s); continuing at step %s",
-                            self._instance, message["instance"], message["next_step"])
+                            self._instance, message.instance, message.next_step)
             try:
-                control = ring.Control(Path(message["ctl"]), create=False)
+                control = ring.Control(Path(message.ctl), create=False)
             except FileNotFoundError:
                 raise SidecarUnavailable(
                     f"the sidecar at {self._dir} went away during the handshake") from None
-            self._instance = message["instance"]
+            self._instance = message.instance
             self._control = control  # the old one is unmapped with its last batch (they reference it)
             self._waiting, self._woken = False, 0
             for key in [k for k in self._slot_files if k[0] != self._instance]:
                 self._slot_files.pop(key).close()  # unmapped now, or when its last batch is freed
-        self.rank = message["rank"]
-        self.world_size = message["world_size"]
-        self.resume_step = message["resume_step"]
-        self.steps_per_epoch = self.stats.steps_per_epoch = message["steps_per_epoch"]
-        self.total_steps = self.stats.total_steps = message["total_steps"]
-        if self._next_step is None or message["instance"] != previous:
+        self.rank = message.rank
+        self.world_size = message.world_size
+        self.resume_step = message.resume_step
+        self.steps_per_epoch = self.stats.steps_per_epoch = message.steps_per_epoch
+        self.total_steps = self.stats.total_steps = message.total_steps
+        if self._next_step is None or message.instance != previous:
             # Only the first welcome decides where a fresh process starts; later
             # ones answer our own hello (heartbeats may be answered late).
-            self._next_step = message["next_step"]
+            self._next_step = message.next_step
 
     # -- receiving ----------------------------------------------------------------
 
-    def _receive_raw(self, timeout_s: float) -> dict[str, Any] | None:
+    def _receive_raw(self, timeout_s: float) -> messages.Message | None:
         if self._inbox:
             return self._inbox.popleft()
         if not self._sock.poll(int(timeout_s * 1000)):
             return None
         frame = self._sock.recv()
         try:
-            message = protocol.decode(frame)
+            message = messages.decode(frame)
         except ProtocolError as exc:
             log.error("sidecar sent a malformed message (%s); resynchronising", exc)
             return None
-        if message["type"] == "error":
-            if message["fatal"]:
-                raise SidecarFailed(message["message"])
-            log.warning("sidecar: %s", message["message"])
+        if isinstance(message, messages.Error):
+            if message.fatal:
+                raise SidecarFailed(message.message)
+            log.warning("sidecar: %s", message.message)
         return message
 
-    def _receive(self, deadline: float) -> dict[str, Any]:
+    def _receive(self, deadline: float) -> messages.Message:
         """The next message; a silent sidecar gets a hello (it may have restarted)."""
         while True:
             message = self._receive_raw(self._heartbeat_s)
@@ -534,8 +504,11 @@ class StreamClient:
                 return message
             if time.monotonic() > deadline:
                 raise SidecarUnavailable(self._why_no_batch())
-            self._sock.send(protocol.encode(
-                "hello", local_rank=self.local_rank, pid=os.getpid(), next_step=self._next_step))
+            self._say_hello()
+
+    def _say_hello(self) -> None:
+        self._sock.send(messages.Hello(local_rank=self.local_rank, pid=os.getpid(),
+                                       next_step=self._next_step).encode())
 
     def _why_no_batch(self) -> str:
         control = self._control
@@ -548,9 +521,8 @@ class StreamClient:
 
     def _why_torn(self, control: ring.Control, slot: int, step: int) -> str:
         expected = (step, int(control.seq[slot]))
-        path = ring.slot_path(self._dir, self._instance, self.local_rank, slot, int(control.gen[slot]))
         try:
-            found = ring.SlotFile(path, os.path.getsize(path), create=False)
+            found = slots.open_slot(self._dir, self._instance, self.local_rank, slot, int(control.gen[slot]))
             marks = found.marks(int(control.nbytes[slot]))
             found.close()
         except (OSError, ValueError, struct.error) as exc:
@@ -571,17 +543,16 @@ class StreamClient:
         if slot_file is None:
             for key in [k for k in self._slot_files if k[:2] == (self._instance, slot)]:
                 self._slot_files.pop(key).close()  # the sidecar replaced that slot's file
-            path = ring.slot_path(self._dir, self._instance, self.local_rank, slot, gen)
-            slot_file = ring.SlotFile(path, os.path.getsize(path), create=False)
+            slot_file = slots.open_slot(self._dir, self._instance, self.local_rank, slot, gen)
             self._slot_files[(self._instance, slot, gen)] = slot_file
-        root = np.frombuffer(slot_file._mm, dtype=np.uint8, count=nbytes, offset=ring.SLOT_HEADER)
+        root = slots.root_of(slot_file, nbytes)
         try:
-            columns, rows = self._columns(slot_file._mm, root)
+            columns, rows = self._reader.columns(slot_file._mm, root)
             broken: Exception | None = None
         except Exception as exc:  # a torn stream may not parse; the marks below decide
             broken = exc
         # After the views: the marks before and after the payload name this step and write.
-        if slot_file.marks(nbytes) != ((step, seq), (step, seq)):
+        if not slots.intact(slot_file, nbytes, step, seq):
             control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
             return None
         if broken is not None:
@@ -598,47 +569,6 @@ class StreamClient:
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         return Batch(columns, epoch=epoch, step=in_epoch, global_step=step, rows=rows)
 
-    def _columns(self, mm: mmap.mmap, root: np.ndarray) -> tuple[dict[str, Any], int]:
-        """The slot's columns as views of `root` (copies where numpy cannot view), and the row count.
-
-        A slot is an IPC stream: schema message, batch message (metadata, then
-        body), end marker. Two slots whose metadata bytes are equal lay out
-        their bodies identically, so the views' offsets are worked out once per
-        distinct metadata (one per schema and batch length, in practice) and
-        parsing the flatbuffers leaves the per-batch path (make bench).
-        """
-        at = ring.SLOT_HEADER  # where the stream starts; offsets below are the stream's
-        schema_end = 8 + int.from_bytes(mm[at + 4:at + 8], "little")  # continuation marker, metadata length
-        body = schema_end + 8 + int.from_bytes(mm[at + schema_end + 4:at + schema_end + 8], "little")
-        key = mm[at:at + body]
-        known = self._layouts.get(key)
-        record_batch: pa.RecordBatch | None = None
-        if known is None:
-            if len(self._layouts) > 16:
-                self._layouts.clear()
-            buffer = pa.py_buffer(root)
-            schema = pa.ipc.read_schema(buffer.slice(0, schema_end))
-            record_batch = self._read_batch(buffer, schema_end, schema)
-            known = self._layouts[key] = (schema, record_batch.num_rows, [
-                (name, _view_of(array, buffer.address))
-                for name, array in zip(schema.names, record_batch.columns)])
-        schema, rows, layout = known
-        columns: dict[str, Any] = {}
-        for name, view in layout:
-            if view is not None:
-                start, stop, dtype, shape = view
-                value = root[start:stop].view(dtype)
-                columns[name] = value.reshape(shape) if len(shape) > 1 else value
-            else:
-                if record_batch is None:
-                    record_batch = self._read_batch(pa.py_buffer(root), schema_end, schema)
-                columns[name] = record_batch.column(name).to_numpy(zero_copy_only=False)
-        return columns, rows
-
-    @staticmethod
-    def _read_batch(buffer: pa.Buffer, schema_end: int, schema: pa.Schema) -> pa.RecordBatch:
-        return pa.ipc.read_record_batch(pa.ipc.read_message(buffer.slice(schema_end)), schema)
-
     def _flush_releases(self) -> None:
         """Batches freed since the last call may unblock a waiting sidecar."""
         control = self._control
@@ -646,20 +576,8 @@ class StreamClient:
             self._wake_if_due(control)
 
     def _wake_if_due(self, control: ring.Control) -> None:
-        """Wake the sidecar once per wait, when what it waits for has happened: at most
-        half of `prefetch` filled (ROOM), or a free slot (SLOT).
-
-        An RMW read of its flag after our own change of a state: of the two
-        sides, one always sees the other's change (ring's module doc). A `wake`
-        costs ~100 us of ZeroMQ on a busy machine: one per wait, not per batch.
-        """
+        """Wake the sidecar once per wait, when what it waits for has happened (slots, rule 3)."""
         waiting = control.sidecar_waiting
-        if not waiting or waiting == self._woken:
-            return
-        kind = waiting & ring.Waiting.KIND
-        if kind == ring.Waiting.ROOM and control.filled() > control.prefetch // 2:
-            return
-        if kind == ring.Waiting.SLOT and ring.SlotState.FREE not in control.states():
-            return
-        self._woken = waiting
-        self._sock.send(protocol.encode("wake"))
+        if slots.wake_due(control, waiting, self._woken):
+            self._woken = waiting
+            self._sock.send(_WAKE)

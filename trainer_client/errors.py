@@ -1,16 +1,33 @@
-"""Errors of the trainer client and the wire protocol.
+"""Every error class of splitfeed: this module is the root of the tree.
 
-    SplitfeedError
-    ├── UserError              bad input; the message says what to fix (CLI exits 2)
-    │   └── DataError          the table, its columns or the filter cannot feed this job:
-    │                          restarting cannot help (the operator fails the job at once)
-    ├── ProtocolError          a malformed, oversized or out-of-order message
-    ├── SidecarUnavailable     the sidecar does not answer; reconnect or retry
-    ├── SidecarFailed          the sidecar reported a fatal error (e.g. missing table)
-    └── CheckpointError        a checkpoint could not be written or read
+    SplitfeedError                         (trainer_client.errors)
+    ├── UserError                          bad input; the message says what to fix (CLI exits 2)
+    │   ├── DataError                      the table, its columns or the filter cannot feed this job:
+    │   │   │                              restarting cannot help (the operator fails the job at once)
+    │   │   └── sidecar.checkpoints.ProvenanceMismatch   checkpoints of other data or another order
+    │   ├── sidecar.checkpoints.StaleWorld         a newer world replaced this pod's
+    │   └── sidecar.checkpoints.StoreUnavailable   the checkpoint store kept failing; a restart may help
+    ├── ProtocolError                      a malformed, oversized or out-of-order message
+    ├── SidecarUnavailable                 the sidecar does not answer; reconnect or retry
+    ├── SidecarFailed                      the sidecar reported a fatal error (e.g. missing table)
+    ├── CheckpointError                    a checkpoint could not be written or read
+    ├── trainer_client.specs.SpecError     (also ValueError) a manifest field is invalid; names it
+    ├── trainer_client.topology.TopologyError  (also ValueError) splits, ranks and batches do not fit
+    ├── sidecar.positions.IncompatibleState    (also ValueError) a checkpoint state this job cannot continue
+    ├── operator.admission.Rejected        (also ValueError) a job or scale request breaks a rule
+    ├── operator.kube.KubeError            (also RuntimeError) an API call failed
+    │   ├── operator.kube.Conflict         a precondition no longer holds: re-read and decide again
+    │   └── operator.kube.NotOwned         the object's controller is not this job
+    └── operator.reconciling._Refused      a pod creation the API refused (caught in that module)
 
-specs.SpecError and topology.TopologyError are ValueErrors raised by pure code;
-callers at the edges wrap them in UserError.
+Why one root here: the layers let the sidecar and the operator import
+trainer_client but never the other way round, so the root must live in the
+lowest layer, and each package's errors stay beside the code that raises them
+and subclass it. The ValueErrors and the RuntimeError keep their builtin base
+as well: pure code raises them and callers at the edges catch them by it (and
+wrap SpecError and TopologyError in UserError). tests/unit/test_errors_tree.py
+fails when an error class of the three packages is missing from this drawing
+or from the tree.
 """
 
 from __future__ import annotations

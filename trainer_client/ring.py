@@ -6,11 +6,9 @@ only maps them. Names carry the sidecar's instance id, so a trainer still
 holding batches of a crashed sidecar never sees their memory change, and a new
 sidecar sweeps the old files at start.
 
-A slot holds one batch as an Arrow IPC stream (self-describing, zero-copy to
-numpy/torch) between two copies of its (global step, sequence number): one
-written before the stream, one after it. The trainer compares both with the
-control block after it has built its views, so a slot whose write is torn or
-stale is retried, never handed out. Slot files grow when a batch does not fit,
+A slot holds one batch as an Arrow IPC stream between two copies of its
+(global step, sequence number); `slots` defines that format and the wake-up
+rules, this module the control block. Slot files grow when a batch does not fit,
 and the pool grows when the trainer holds more batches than there are slots,
 so holding batches never deadlocks; at most MAX_SLOTS per rank. Files are
 reserved with posix_fallocate: a full volume is an ENOSPC when a slot is
@@ -20,7 +18,8 @@ The control block is a small numpy structured array over a mapped file:
 per-slot state and the global step each slot holds, plus counters each side
 writes and the other reads without any message (acknowledgements, releases,
 "I am waiting" flags). A side sends a ZeroMQ message only to wake a peer that
-said it is waiting, so a pipeline that keeps up costs no message per batch.
+said it is waiting (the rules are in `slots`), so a pipeline that keeps up
+costs no message per batch.
 
 Memory order, on ARM as on x86: a slot changes hands only through its state
 word, and state words and the two waiting flags change only by atomic
@@ -46,10 +45,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -57,11 +54,6 @@ MAGIC = 0x53465247  # "SFRG"
 LAYOUT_VERSION = 4
 MAX_SLOTS = 256
 PAGE = mmap.PAGESIZE
-SLOT_HEADER = 64
-"""(step, sequence) as two int64, then padding: the IPC stream starts 64-byte aligned."""
-SLOT_TRAILER = 16
-"""(step, sequence) again, right after the stream (8-byte aligned)."""
-_MARKS = struct.Struct("<qq")
 
 
 def _load_fetch_add() -> Callable[[int, int], int]:
@@ -97,12 +89,11 @@ class SlotState:
 
 
 class Waiting:
-    """What the sidecar waits for (the low bits of `sidecar_waiting`), so the
-    trainer wakes it only when that has happened (not on every batch)."""
+    """What the sidecar waits for: the low bits of `sidecar_waiting` (when to wake it: slots.wake_due)."""
 
     NO = 0
-    ROOM = 1    # `prefetch` slots are FILLED: wake when at most prefetch // 2 are
-    SLOT = 2    # every slot is held (MAX_SLOTS): wake when one is freed
+    ROOM = 1    # `prefetch` slots are FILLED
+    SLOT = 2    # every slot is held (MAX_SLOTS)
     KIND = 3    # the mask; the bits above count the sidecar's waits
 
     @staticmethod
@@ -165,10 +156,6 @@ def control_path(directory: Path, instance: str, local_rank: int) -> Path:
     return directory / f"ctl-{instance}-r{local_rank}"
 
 
-def slot_path(directory: Path, instance: str, local_rank: int, slot: int, gen: int) -> Path:
-    return directory / f"slot-{instance}-r{local_rank}-{slot}-g{gen}"
-
-
 class Control:
     """The control block of one rank, mapped by both sides.
 
@@ -191,7 +178,7 @@ class Control:
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)
-        self._mm = _map(self.path, CONTROL_BYTES, create=create)
+        self._mm = map_file(self.path, CONTROL_BYTES, create=create)
         self.words = np.ndarray((_NUM_WORDS,), "<i8", buffer=self._mm, offset=0)
         offset = _STATE_OFFSET
         self.state = np.ndarray((MAX_SLOTS,), "<u4", buffer=self._mm, offset=offset)
@@ -274,58 +261,13 @@ class Control:
         self._mm.close()
 
 
-def slot_bytes(payload: int) -> int:
-    """Bytes a slot needs for a `payload`-byte IPC stream and its two (step, sequence) marks."""
-    return _trailer_offset(payload) + SLOT_TRAILER
-
-
-def _trailer_offset(payload: int) -> int:
-    return SLOT_HEADER + -(-payload // 8) * 8
-
-
-class SlotFile:
-    """One slot's mapping. The sidecar writes into `view`; the trainer reads it.
-
-    `payload` is the part the IPC stream goes into, after the header marks.
-    """
-
-    def __init__(self, path: Path, size: int, *, create: bool) -> None:
-        self.path = Path(path)
-        self.size = size
-        self._mm = _map(self.path, size, create=create)
-        self.view = np.frombuffer(self._mm, dtype=np.uint8)
-        self.payload = self.view[SLOT_HEADER:size - SLOT_TRAILER]  # made once: a slice per batch costs
-
-    def mark_header(self, step: int, seq: int) -> None:
-        """Before the payload is written."""
-        _MARKS.pack_into(self._mm, 0, step, seq)
-
-    def mark_trailer(self, nbytes: int, step: int, seq: int) -> None:
-        """After the payload (`nbytes` long) is written."""
-        _MARKS.pack_into(self._mm, _trailer_offset(nbytes), step, seq)
-
-    def marks(self, nbytes: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(step, sequence) before and after an `nbytes` payload."""
-        header: Any = _MARKS.unpack_from(self._mm, 0)
-        trailer: Any = _MARKS.unpack_from(self._mm, _trailer_offset(nbytes))
-        return header, trailer
-
-    def close(self) -> None:
-        """Unmap once nothing references the view; a live batch keeps it mapped."""
-        del self.view, self.payload
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # still exported to a batch the user holds; unmapped when it is freed
-
-
 def free_bytes(directory: Path) -> tuple[int, int]:
     """(free, total) bytes of the file system holding `directory`, for unprivileged writers."""
     stat = os.statvfs(directory)
     return stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
 
 
-def _map(path: Path, size: int, *, create: bool) -> mmap.mmap:
+def map_file(path: Path, size: int, *, create: bool) -> mmap.mmap:
     """Map a file shared with the peer; the creator reserves its blocks (and must be first).
 
     Reserved rather than sized with ftruncate: a sparse file on a full tmpfs

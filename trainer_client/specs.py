@@ -21,12 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import contract, topology
+from .errors import SplitfeedError
 
 API_VERSION = contract.API_VERSION
 KIND = contract.KIND
 
 
-class SpecError(ValueError):
+class SpecError(SplitfeedError, ValueError):
     """A manifest that does not describe a valid StreamingJob; names the field."""
 
     def __init__(self, field: str, message: str) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import SplitfeedError
+
 
 @dataclasses.dataclass(frozen=True)
 class Violation:
@@ -21,7 +23,7 @@ class Violation:
     message: str
 
 
-class TopologyError(ValueError):
+class TopologyError(SplitfeedError, ValueError):
     """A replica count that the job's splits, workers and batch size cannot serve."""
 
     def __init__(self, violations: list[Violation], allowed: list[int]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from . import errors, protocol
+from . import errors, messages
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +34,19 @@ def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
-        sock.send(protocol.encode("drain_request", token=token, reason=reason), zmq.NOBLOCK)
+        sock.send(messages.DrainRequest(token=token, reason=reason).encode(), zmq.NOBLOCK)
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        answer = protocol.decode(sock.recv(zmq.NOBLOCK))
+        answer = messages.decode(sock.recv(zmq.NOBLOCK))
     except (zmq.ZMQError, errors.ProtocolError) as exc:
         log.debug("drain request to %s failed: %s", address, exc)
         return None
     finally:
         sock.close(linger=0)
-    if answer["type"] != "drain_ack" or answer["token"] != token:
+    if not isinstance(answer, messages.DrainAck) or answer.token != token:
         log.debug("drain request to %s: unexpected answer %s", address, answer)
         return None
-    return str(answer["state"])
+    return answer.state

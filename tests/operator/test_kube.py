@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import copy
 import datetime
+import json
 import socket
 import ssl
 import subprocess
@@ -101,9 +102,72 @@ async def test_kopf_watches_and_requests_have_timeouts_and_certificates_are_rech
     memo = kopf.Memo(config=configs.OperatorConfig(webhook=webhook), kube=object())
     await handlers.configure(settings=settings, memo=memo)
     assert (settings.watching.server_timeout, settings.watching.client_timeout) == (300, 330)
-    assert settings.watching.connect_timeout == settings.networking.connect_timeout == 10
-    assert settings.networking.request_timeout == 60
+    assert settings.watching.connect_timeout == settings.networking.connect_timeout == 5
+    assert settings.networking.request_timeout == 35
+    assert settings.watching.inactivity_timeout == 70
     assert settings.admission.server.file_check_interval == 3
+
+
+@pytest.mark.asyncio
+async def test_the_command_line_timeouts_reach_kopf_and_the_client(tmp_path):
+    import argparse
+
+    from splitfeed.operator import commands
+
+    parser = argparse.ArgumentParser()
+    commands.operator(parser.add_subparsers().add_parser, "operator")
+    args = parser.parse_args(["operator", "--api-timeout", "3", "--watch-timeout", "8"])
+    config = commands.config_from_args(args)
+    settings = kopf.OperatorSettings()
+    await handlers.configure(settings=settings, memo=kopf.Memo(config=config, kube=object()))
+    assert settings.watching.inactivity_timeout == 8
+    assert settings.networking.request_timeout == 5 + 3
+    with silent_server() as url:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": url}}], "users": [{"name": "u", "user": {}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+        client = kube.Kube.connect(str(kubeconfig), (config.timeouts.connect_s, 0.5))
+        try:
+            start = time.monotonic()
+            with pytest.raises(kube.KubeError):
+                await client.get_job("ns", "resnet")  # a GET: urllib3 would repeat it 3 times by default
+            assert time.monotonic() - start < 1.4
+        finally:
+            client.close()
+
+
+class HangingStore:
+    """Renewals that never answer (a half-open connection) once `hang` is set."""
+
+    def __init__(self) -> None:
+        self.inner, self.hang = LeaseStore(), False
+
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.hang:
+            await asyncio.Event().wait()
+        return await self.inner.get_lease(namespace, name)
+
+    async def create_lease(self, lease: dict[str, Any]) -> bool:
+        return await self.inner.create_lease(lease)
+
+    async def replace_lease(self, lease: dict[str, Any]) -> bool:
+        return await self.inner.replace_lease(lease)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_holder_whose_renewal_hangs_gives_up_the_lead_by_its_renew_deadline():
+    """Not after the call's own timeout, which may be longer than the Lease's duration."""
+    store = HangingStore()
+    config = configs.LeaderElection(namespace="ops", duration_s=3, renew_s=0.1, renew_deadline_s=1)
+    a = leader.Elector(store, config, me="a")  # type: ignore[arg-type]
+    await a.acquire()
+    store.hang = True
+    start = time.monotonic()
+    await asyncio.wait_for(a.hold(), 10)
+    assert time.monotonic() - start < config.duration_s
 
 
 # --- the webhook's certificate is reloaded ---------------------------------------------------
@@ -382,7 +446,7 @@ def test_decide_runs_off_the_event_loop():
 
 def test_the_watch_server_timeout_is_an_integer_the_apiserver_can_parse():
     """Kopf puts it into the URL as timeoutSeconds; "300.0" is a 400 from a real apiserver."""
-    assert isinstance(handlers.WATCH_SERVER_TIMEOUT_S, int)
+    assert isinstance(configs.ApiTimeouts().watch_server_s, int)
 
 
 class ClosableStore(LeaseStore):
@@ -397,7 +461,7 @@ async def test_the_operator_stops_with_exit_1_when_its_lease_is_taken_and_hands_
     from splitfeed.operator import commands
 
     store = ClosableStore()
-    monkeypatch.setattr(kube.Kube, "connect", classmethod(lambda cls, kubeconfig=None: store))
+    monkeypatch.setattr(kube.Kube, "connect", classmethod(lambda cls, kubeconfig=None, timeout=None: store))
     stopped = asyncio.Event()
 
     async def fake_operator(*, stop_flag: asyncio.Event, **_: Any) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -362,3 +363,45 @@ def test_one_operator_holds_the_lease_and_a_second_takes_over_only_when_it_stops
             first.close()
             second.close()
     asyncio.run(takeover())
+
+
+def test_a_standby_operator_is_live_and_does_not_act_while_another_holds_the_lease(
+        env: Env, tmp_path: Path) -> None:
+    """A second replica waits for the Lease: its liveness probe answers 200 the whole time (the kubelet
+    would otherwise restart it), it starts no Kopf (no webhook port, no handlers), and the Lease stays
+    with the operator of this module."""
+    coordination = kubernetes.client.CoordinationV1Api(env.api)
+    holder = coordination.read_namespaced_lease("splitfeed-operator", NS).spec.holder_identity
+    live_port, hook_port = free_port(), free_port()
+    log = tmp_path / "standby.log"
+    cmd = [sys.executable, "-m", "splitfeed.trainer_client.cli", "operator", "--all-namespaces",
+           "--kubeconfig", str(env.cp.kubeconfig), "--sidecar-mode", "container", "--peering", "splitfeed",
+           "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--webhook-port", str(hook_port),
+           "--webhook-addr", "127.0.0.1", "--leader-elect", "--leader-election-namespace", NS]
+    child_env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=child_env)
+    try:
+        def probe() -> dict[str, Any]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=2) as r:
+                assert r.status == 200
+                return dict(json.loads(r.read()))
+        first = wait_for(probe, 60, "the standby's liveness endpoint")
+        assert first["standby"] is True and first["holder"] == holder, first
+        for _ in range(8):  # several election rounds (renew_s = 2 s): still live, still waiting
+            time.sleep(1)
+            assert proc.poll() is None, log.read_text()
+            assert probe()["standby"] is True
+        assert coordination.read_namespaced_lease("splitfeed-operator", NS).spec.holder_identity == holder
+        with contextlib.suppress(ConnectionRefusedError), socket.create_connection(("127.0.0.1", hook_port), 1):
+            raise AssertionError("the standby serves the webhook: it runs Kopf without the Lease")
+        text = log.read_text()
+        assert "is held by" in text and "Kopf" not in text and "handler" not in text.lower(), text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert coordination.read_namespaced_lease("splitfeed-operator", NS).spec.holder_identity == holder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import zmq
 
 from splitfeed.operator import lifecycle, reconciling
 from splitfeed.trainer_client import worlds
-from splitfeed.trainer_client import protocol
+from splitfeed.trainer_client import messages
 
 
 class Router:
@@ -36,13 +37,12 @@ class Router:
             if not self.sock.poll(20):
                 continue
             peer, frame = self.sock.recv_multipart()
-            message = protocol.decode(frame)
-            self.received.append(message)
+            message = messages.DrainRequest.decode(frame)  # validated; recorded as it came
+            self.received.append(json.loads(frame))
             if self.reply is not None:
                 self.sock.send_multipart([peer, self.reply])
             elif self.answer is not None:
-                self.sock.send_multipart([peer, protocol.encode(
-                    "drain_ack", token=message["token"], state=self.answer)])
+                self.sock.send_multipart([peer, messages.DrainAck(token=message.token, state=self.answer).encode()])
 
     def close(self) -> None:
         self.stop.set()
@@ -60,7 +60,7 @@ def router() -> Iterator[Router]:
 
 def test_a_coordinator_that_answers_gets_the_request_and_its_state_comes_back(router):
     assert worlds.request_drain(router.address, "rescale-w3", "rescale") == "freezing"
-    assert router.received == [{"v": protocol.PROTOCOL_VERSION, "type": "drain_request",
+    assert router.received == [{"v": messages.PROTOCOL_VERSION, "type": "drain_request",
                                 "token": "rescale-w3", "reason": "rescale"}]
 
 
@@ -90,7 +90,7 @@ def test_a_coordinator_that_never_answers_is_none_within_the_timeout():
         silent.close()
 
 
-@pytest.mark.parametrize("reply", [b"not json", protocol.encode("drain_ack", token="other", state="idle")],
+@pytest.mark.parametrize("reply", [b"not json", messages.DrainAck(token="other", state="idle").encode()],
                          ids=["garbage", "other-token"])
 def test_a_wrong_answer_is_none_not_an_exception(reply):
     odd = Router(reply=reply)

@@ -278,7 +278,7 @@ def test_a_reader_failure_reaches_the_trainer_and_stops_the_sidecar(socket_root,
                     pass
         thread.join(30)
         assert not thread.is_alive()
-        assert box["server"].feeds[0].failure == "bucket 'nope' does not exist"
+        assert box["server"].feeds[0].session.failure == "bucket 'nope' does not exist"
     finally:
         if thread.is_alive():
             box["server"].stopping.set()

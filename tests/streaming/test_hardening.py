@@ -27,7 +27,7 @@ import pytest
 import zmq
 
 from splitfeed.sidecar import serving
-from splitfeed.trainer_client import SidecarFailed, UserError, protocol, ring
+from splitfeed.trainer_client import SidecarFailed, UserError, messages, ring, slots
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.streaming.harness import manifest, reference_batches, wait_for
@@ -45,7 +45,7 @@ def dealer(socket_dir: Path, **options: int) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     for name, value in options.items():
         sock.setsockopt(getattr(zmq, name), value)
-    sock.connect(f"ipc://{socket_dir / protocol.SOCKET_NAME}")
+    sock.connect(f"ipc://{socket_dir / messages.SOCKET_NAME}")
     return sock
 
 
@@ -67,9 +67,9 @@ def test_hostile_frames_get_error_replies_and_the_trainer_still_gets_its_referen
         for frame, words in HOSTILE:
             sock.send(frame)
             assert sock.poll(10_000), f"no reply to {frame[:40]!r}..."
-            reply = protocol.decode(sock.recv())
-            assert reply["type"] == "error" and not reply["fatal"], reply
-            assert words in reply["message"], reply
+            reply = messages.decode(sock.recv())
+            assert isinstance(reply, messages.Error) and not reply.fatal, reply
+            assert words in reply.message, reply
         # Over MAX_MESSAGE_BYTES: ZeroMQ drops the frame (and the connection) before
         # buffering it, so there is no reply; the sidecar serves on.
         sock.send(b"x" * (4 << 20))
@@ -254,7 +254,7 @@ def test_a_slot_marked_filled_before_its_payload_is_written_is_not_handed_out_un
     """A deliberately torn write: FILLED first, the payload and its trailer 30 ms later."""
 
     def torn_publish(self, global_step: int, batch: pa.RecordBatch, stop: threading.Event) -> bool:
-        index = self._room(serving.ipc_size(batch), stop)
+        index = self._room(slots.ipc_size(batch), stop)
         if index is None or not self._through_gate(global_step, stop):
             return False
         self._writes += 1
@@ -272,7 +272,7 @@ def test_a_slot_marked_filled_before_its_payload_is_written_is_not_handed_out_un
         slot.mark_trailer(len(blob), global_step, seq)
         return True
 
-    monkeypatch.setattr(serving.RankFeed, "_publish", torn_publish)
+    monkeypatch.setattr(serving.Publisher, "_publish", torn_publish)
     serve(total_steps=12)
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
         got = [ids(b) for b in client]
@@ -283,13 +283,13 @@ def test_a_slot_marked_filled_before_its_payload_is_written_is_not_handed_out_un
 @pytest.mark.parametrize("mark", ["mark_header", "mark_trailer"])
 def test_a_slot_whose_sequence_is_wrong_is_never_handed_out(serve, socket_root, monkeypatch, mark):
     """Step 3's slot carries a sequence number its write does not have (a stray or stale write)."""
-    original = getattr(ring.SlotFile, mark)
+    original = getattr(slots.SlotFile, mark)
 
     def wrong(self, *args: int) -> None:
         *rest, step, seq = args
         original(self, *rest, step, seq + 1000 if step == 3 else seq)
 
-    monkeypatch.setattr(ring.SlotFile, mark, wrong)
+    monkeypatch.setattr(slots.SlotFile, mark, wrong)
     serve(total_steps=6)
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=4, heartbeat_s=0.2) as client:
         it = iter(client)
@@ -336,5 +336,5 @@ def test_a_volume_without_room_for_the_control_block_is_a_user_error(socket_root
     with tmpfs(socket_root / "shm", "4k") as volume:
         (volume / "ballast").write_bytes(b"x" * 4096)
         with pytest.raises(UserError, match="control block of local rank 0 .* spec.sidecar.shmSize"):
-            serving.RankFeed(directory=volume, instance="i", local_rank=0, rank=0, factory=lambda r, f: iter(()),
-                             prefetch=2, start_step=0, total_steps=1)
+            serving.Publisher(directory=volume, instance="i", local_rank=0, rank=0, factory=lambda r, f: iter(()),
+                              prefetch=2, start_step=0, total_steps=1)

@@ -78,6 +78,17 @@ def test_a_missing_table_fails_the_run_with_the_sidecars_reason(table_uri, tmp_p
     assert "table spec.data.table='nope' does not exist" in done.stderr
 
 
+def descendants(pid: int) -> list[str]:
+    """Every process below `pid`: sidecars are children of `splitfeed local`'s fork server."""
+    found: list[str] = []
+    todo = [str(pid)]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", todo.pop()], capture_output=True, text=True).stdout.split()
+        found += out
+        todo += out
+    return found
+
+
 def test_ctrl_c_stops_every_process(table_uri, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
@@ -89,8 +100,8 @@ def test_ctrl_c_stops_every_process(table_uri, tmp_path):
         while not (tmp_path / "ids.jsonl").exists() or len((tmp_path / "ids.jsonl").read_text().splitlines()) < 4:
             assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
             time.sleep(0.2)
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) == 4  # 2 sidecars + 2 trainers
+        children = descendants(proc.pid)
+        assert len(children) == 5, children  # 2 trainers; the sidecar fork server and its 2 sidecars
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
@@ -114,8 +125,8 @@ def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
         while not (tmp_path / "ids.jsonl").exists():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.2)
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) == 2
+        children = descendants(proc.pid)
+        assert len(children) == 3, children  # the trainer; the sidecar fork server and its sidecar
         proc.kill()  # SIGKILL: the launcher cannot clean up
         proc.wait()
         deadline = time.monotonic() + 30

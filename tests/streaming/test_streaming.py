@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from splitfeed.trainer_client import protocol, ring
+from splitfeed.trainer_client import messages, ring
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.streaming.harness import coordinator_address, DIM, manifest, reference_batches, wait_for
@@ -125,13 +125,13 @@ def test_garbage_gets_an_error_reply_and_the_sidecar_keeps_serving(pods, table_u
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"ipc://{pod.socket_dir / protocol.SOCKET_NAME}")
+    sock.connect(f"ipc://{pod.socket_dir / messages.SOCKET_NAME}")
     try:
         sock.send_multipart(frames)
         assert sock.poll(10_000), "no reply to a malformed message"
-        reply = protocol.decode(sock.recv())
-        assert reply["type"] == "error" and not reply["fatal"]
-        assert words in reply["message"]
+        reply = messages.decode(sock.recv())
+        assert isinstance(reply, messages.Error) and not reply.fatal
+        assert words in reply.message
     finally:
         sock.close()
     with StreamClient(pod.socket_dir, 0) as client:

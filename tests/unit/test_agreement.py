@@ -10,10 +10,11 @@ import pytest
 
 from splitfeed.sidecar.agreement import COMMITTED, EVERY, FREEZING, IDLE, WAITING_FOR_MEMBERS, Coordinator, cut_step
 from splitfeed.trainer_client import errors
+from splitfeed.trainer_client.messages import CommitAt, Complete, DrainAck, Freeze, Joined
 
 
 def kinds(outs):
-    return [(o.peer, o.kind) for o in outs]
+    return [(o.peer, type(o.message)) for o in outs]
 
 
 def joined_world(replicas: int = 3, total: int = 100) -> Coordinator:
@@ -26,20 +27,20 @@ def joined_world(replicas: int = 3, total: int = 100) -> Coordinator:
 def test_members_learn_the_worlds_resume_step_when_they_join():
     c = Coordinator(replicas=2, total_steps=10, resume_step=4, table_version=9)
     out = c.on_join(b"m1", 1)
-    assert kinds(out) == [(b"m1", "joined")]
-    assert out[0].fields == {"resume_step": 4, "table_version": 9}
+    assert kinds(out) == [(b"m1", Joined)]
+    assert out[0].message == Joined(resume_step=4, table_version=9)
 
 
 def test_a_request_freezes_everyone_and_commits_two_past_the_highest_published_step():
     c = joined_world()
     out = c.on_request(b"operator", "rescale-w0", "rescale")
-    assert kinds(out) == [(EVERY, "freeze"), (b"operator", "drain_ack")]
-    assert out[1].fields["state"] == FREEZING
+    assert kinds(out) == [(EVERY, Freeze), (b"operator", DrainAck)]
+    assert out[1].message == DrainAck(token="rescale-w0", state=FREEZING)
     # Ranks are at different steps when the request lands; the furthest published 12.
     assert c.on_frozen(0, 1, 10) == [] and c.on_frozen(2, 1, 12) == []
     out = c.on_frozen(1, 1, 11)
-    assert kinds(out) == [(EVERY, "commit_at")]
-    assert out[0].fields == {"round": 1, "step": 14, "drain": True, "reason": "rescale"}
+    assert kinds(out) == [(EVERY, CommitAt)]
+    assert out[0].message == CommitAt(round=1, step=14, drain=True, reason="rescale")
     assert c.phase == COMMITTED and c.step == 14
 
 
@@ -47,16 +48,16 @@ def test_a_request_before_every_member_joined_waits_for_them():
     c = Coordinator(replicas=2, total_steps=50, resume_step=0)
     c.on_join(b"m0", 0)
     out = c.on_request(b"m0", "rescale-w3", "rescale")
-    assert kinds(out) == [(b"m0", "drain_ack")] and c.phase == WAITING_FOR_MEMBERS
+    assert kinds(out) == [(b"m0", DrainAck)] and c.phase == WAITING_FOR_MEMBERS
     out = c.on_join(b"m1", 1)  # the Pending pod came up
-    assert kinds(out) == [(b"m1", "joined"), (EVERY, "freeze")]
+    assert kinds(out) == [(b"m1", Joined), (EVERY, Freeze)]
 
 
 def test_the_same_token_twice_is_one_request_and_a_second_token_joins_the_running_round():
     c = joined_world()
     c.on_request(b"op", "rescale-w0", "rescale")
-    assert kinds(c.on_request(b"m1", "rescale-w0", "rescale")) == [(b"m1", "drain_ack")]
-    assert kinds(c.on_request(b"m2", "preempt-x", "preempt")) == [(b"m2", "drain_ack")]
+    assert kinds(c.on_request(b"m1", "rescale-w0", "rescale")) == [(b"m1", DrainAck)]
+    assert kinds(c.on_request(b"m2", "preempt-x", "preempt")) == [(b"m2", DrainAck)]
     assert c.round == 1 and c.reason == "rescale"
 
 
@@ -64,13 +65,13 @@ def test_a_member_restarted_while_freezing_is_asked_again_and_one_restarted_afte
     c = joined_world()
     c.on_request(b"op", "t", "suspend")
     c.on_frozen(0, 1, 5)
-    assert kinds(c.on_join(b"m1-new", 1)) == [(b"m1-new", "joined"), (b"m1-new", "freeze")]
-    assert kinds(c.on_join(b"m0-new", 0)) == [(b"m0-new", "joined")]  # it answered already
+    assert kinds(c.on_join(b"m1-new", 1)) == [(b"m1-new", Joined), (b"m1-new", Freeze)]
+    assert kinds(c.on_join(b"m0-new", 0)) == [(b"m0-new", Joined)]  # it answered already
     c.on_frozen(1, 1, 3)
     c.on_frozen(2, 1, 4)
     out = c.on_join(b"m2-new", 2)
-    assert kinds(out) == [(b"m2-new", "joined"), (b"m2-new", "commit_at")]
-    assert out[1].fields["step"] == 7
+    assert kinds(out) == [(b"m2-new", Joined), (b"m2-new", CommitAt)]
+    assert isinstance(out[1].message, CommitAt) and out[1].message.step == 7
 
 
 def test_an_answer_to_an_old_round_changes_nothing():
@@ -85,16 +86,16 @@ def test_the_cut_never_passes_the_end_of_the_job():
     assert cut_step([-1, -1], 10) == 1  # nothing published yet: the first batch is the last
     c = joined_world(replicas=1, total=10)
     c.on_request(b"op", "t", "rescale")
-    assert c.on_frozen(0, 1, 9)[0].fields["step"] == 10
+    assert c.on_frozen(0, 1, 9)[0].message == CommitAt(round=1, step=10, drain=True, reason="rescale")
 
 
 def test_a_step_is_complete_once_every_member_committed_it():
     c = joined_world(replicas=2)
     assert c.on_committed(0, 6) == []
     out = c.on_committed(1, 6)
-    assert kinds(out) == [(EVERY, "complete")] and out[0].fields == {"step": 6}
+    assert kinds(out) == [(EVERY, Complete)] and out[0].message == Complete(step=6)
     assert c.on_committed(1, 6) == []  # told once
-    assert kinds(c.on_join(b"late", 0))[-1] == (b"late", "complete")
+    assert kinds(c.on_join(b"late", 0))[-1] == (b"late", Complete)
 
 
 def test_a_replica_outside_the_world_is_a_protocol_error():

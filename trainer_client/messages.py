@@ -1,0 +1,317 @@
+"""Every wire message of splitfeed, as typed frozen dataclasses.
+
+Payload never travels here: batches live in ring slots (`slots`), and these
+messages only say where and when. Three conversations use them:
+
+    trainer -> sidecar (ipc, DEALER -> ROUTER):  Hello, Checkpoint, Commit, Drain, Wake, Bye
+    sidecar -> trainer:                          Welcome, Ready, End, Checkpointed, Committed, Error
+    member sidecar -> coordinator (tcp):         Join, Frozen, DrainRequest, CommittedWorld
+    coordinator -> member:                       Joined, Freeze, CommitAt, Complete, Error
+    operator / `splitfeed local` -> coordinator: DrainRequest, answered by DrainAck
+
+(docs/agreement.md has the world's agreement.) Each message is one ZeroMQ
+frame of compact JSON, `{"v": 1, "type": ..., <fields>}`: following pyzmq's
+serialization guidance, we turn a message into bytes ourselves (`encode`) and
+send bytes, rather than `send_json`/`send_pyobj`; JSON rather than pickle,
+which would execute code on the receiver. Like httpx's models, a message is a
+plain typed object and the wire form is built and parsed in one place.
+
+`decode` validates everything a peer controls: the frame's size, the protocol
+version, the type, that every field is present with its declared type (a bool
+is not an int) and nothing else, and that integers fit the int64 words they
+end up in. Any failure of the JSON layer (deep nesting is a RecursionError, a
+5,000-digit number a ValueError) is a ProtocolError like the rest, so garbage
+gets an error reply instead of crashing the sidecar. Receivers dispatch on the
+class (`match message: case Hello(): ...`), never on a type string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+"""Also ZeroMQ's MAXMSGSIZE on every socket that receives these: a larger frame is dropped before it is buffered."""
+SOCKET_NAME = "sidecar.sock"
+"""The sidecar's ROUTER socket in the pod's socket directory."""
+_INT64 = 1 << 63
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """Base of every message; `kind` is the wire name (its "type"), `_schema` the allowed Python types per field."""
+
+    kind: ClassVar[str] = ""
+    _schema: ClassVar[dict[str, tuple[type, ...]]] = {}
+
+    def encode(self) -> bytes:
+        """One frame; ProtocolError for a message the peer would refuse to receive."""
+        fields = {name: getattr(self, name) for name in self._schema}
+        _validate(self.kind, self._schema, fields)
+        blob = json.dumps({"v": PROTOCOL_VERSION, "type": self.kind, **fields}, separators=(",", ":")).encode()
+        if len(blob) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"{self.kind} message of {len(blob)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        return blob
+
+    @classmethod
+    def decode(cls: type[M], frame: bytes) -> M:
+        """Parse one frame that must hold this class's message (any message, called on `Message`)."""
+        message = decode(frame)
+        if not isinstance(message, cls):
+            raise ProtocolError(f"expected a {cls.kind or 'message'} message, got {message.kind}")
+        return message
+
+
+_TYPES: dict[str, type[Message]] = {}
+_NAMES = {"int": int, "str": str, "bool": bool, "None": None}
+"""The only names a field's annotation may use: the JSON scalars."""
+
+
+def _wire(kind: str) -> typing.Callable[[type[M]], type[M]]:
+    """Register a message class under its wire name; its field annotations are its schema."""
+
+    def register(cls: type[M]) -> type[M]:
+        schema: dict[str, tuple[type, ...]] = {}
+        for field in dataclasses.fields(cls):
+            # The annotation as written ("int | None"), evaluated over the JSON scalars only.
+            hint = eval(field.type, _NAMES) if isinstance(field.type, str) else field.type
+            allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            schema[field.name] = tuple(type(None) if t is None else t for t in allowed)
+        cls.kind, cls._schema = kind, schema
+        _TYPES[kind] = cls
+        return cls
+
+    return register
+
+
+# -- trainer -> sidecar -------------------------------------------------------------------------
+
+@_wire("hello")
+@dataclasses.dataclass(frozen=True)
+class Hello(Message):
+    """A trainer (re)connects; `next_step` None: a new process, continue where the world is."""
+
+    local_rank: int
+    pid: int
+    next_step: int | None
+
+
+@_wire("checkpoint")
+@dataclasses.dataclass(frozen=True)
+class Checkpoint(Message):
+    """Phase one: persist this rank's data position at `step`."""
+
+    step: int
+
+
+@_wire("commit")
+@dataclasses.dataclass(frozen=True)
+class Commit(Message):
+    """Phase two: the model for `step` is saved."""
+
+    step: int
+
+
+@_wire("drain")
+@dataclasses.dataclass(frozen=True)
+class Drain(Message):
+    """This trainer process got SIGTERM: ask the world to drain."""
+
+    reason: str
+
+
+@_wire("wake")
+@dataclasses.dataclass(frozen=True)
+class Wake(Message):
+    """What the waiting sidecar waits for has happened (slots, rule 3)."""
+
+
+@_wire("bye")
+@dataclasses.dataclass(frozen=True)
+class Bye(Message):
+    """The trainer closed its client."""
+
+
+# -- sidecar -> trainer -------------------------------------------------------------------------
+
+@_wire("welcome")
+@dataclasses.dataclass(frozen=True)
+class Welcome(Message):
+    """The answer to `hello`: who this rank is, where its control block is, where to continue."""
+
+    instance: str
+    rank: int
+    world_size: int
+    ctl: str
+    resume_step: int
+    next_step: int
+    total_steps: int
+    steps_per_epoch: int
+
+
+@_wire("ready")
+@dataclasses.dataclass(frozen=True)
+class Ready(Message):
+    """Wakes a waiting trainer (slots, rule 2); the ring says the rest."""
+
+    global_step: int
+
+
+@_wire("end")
+@dataclasses.dataclass(frozen=True)
+class End(Message):
+    next_step: int
+
+
+@_wire("checkpointed")
+@dataclasses.dataclass(frozen=True)
+class Checkpointed(Message):
+    step: int
+    drained: bool
+    uri: str
+
+
+@_wire("committed")
+@dataclasses.dataclass(frozen=True)
+class Committed(Message):
+    step: int
+
+
+@_wire("error")
+@dataclasses.dataclass(frozen=True)
+class Error(Message):
+    """Any side's refusal; `fatal`: the sidecar cannot serve this rank at all."""
+
+    code: str
+    message: str
+    fatal: bool
+
+
+# -- the world's agreement (docs/agreement.md) ------------------------------------------------
+
+@_wire("join")
+@dataclasses.dataclass(frozen=True)
+class Join(Message):
+    replica: int
+    instance: str
+    published: int
+
+
+@_wire("joined")
+@dataclasses.dataclass(frozen=True)
+class Joined(Message):
+    resume_step: int
+    table_version: int | None
+
+
+@_wire("freeze")
+@dataclasses.dataclass(frozen=True)
+class Freeze(Message):
+    round: int
+
+
+@_wire("frozen")
+@dataclasses.dataclass(frozen=True)
+class Frozen(Message):
+    round: int
+    replica: int
+    published: int
+
+
+@_wire("commit_at")
+@dataclasses.dataclass(frozen=True)
+class CommitAt(Message):
+    round: int
+    step: int
+    drain: bool
+    reason: str
+
+
+@_wire("committed_world")
+@dataclasses.dataclass(frozen=True)
+class CommittedWorld(Message):
+    replica: int
+    step: int
+
+
+@_wire("complete")
+@dataclasses.dataclass(frozen=True)
+class Complete(Message):
+    step: int
+
+
+@_wire("drain_request")
+@dataclasses.dataclass(frozen=True)
+class DrainRequest(Message):
+    """From the operator, `splitfeed local`, a member or a member's trainer; deduplicated by `token`."""
+
+    token: str
+    reason: str
+
+
+@_wire("drain_ack")
+@dataclasses.dataclass(frozen=True)
+class DrainAck(Message):
+    token: str
+    state: str
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and validate one frame; ProtocolError says what is wrong with it."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        message = json.loads(frame)
+    except Exception as exc:  # JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError, ...
+        raise ProtocolError(f"message is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a JSON object")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not {PROTOCOL_VERSION}; "
+            "run the same splitfeed version in the trainer and the sidecar"
+        )
+    kind = message.get("type")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None or not isinstance(kind, str):
+        raise ProtocolError(f"unknown message type {_short(kind)}")
+    fields = {name: value for name, value in message.items() if name not in ("v", "type")}
+    _validate(kind, cls._schema, fields)
+    return cls(**fields)
+
+
+def _validate(kind: str, schema: Mapping[str, tuple[type, ...]], fields: Mapping[str, Any]) -> None:
+    extra = set(fields) - set(schema)
+    if extra:
+        raise ProtocolError(f"{kind} message has unknown fields {sorted(extra)}")
+    for field, allowed in schema.items():
+        value = fields.get(field, _MISSING)
+        if value is _MISSING:
+            raise ProtocolError(f"{kind} message lacks field {field!r}")
+        if isinstance(value, bool) and bool not in allowed:
+            raise ProtocolError(f"{kind}.{field} must be {allowed[0].__name__}, got a bool")
+        if not isinstance(value, allowed):
+            raise ProtocolError(f"{kind}.{field} must be {allowed[0].__name__}, got {_short(value)}")
+        if isinstance(value, int) and not -_INT64 <= value < _INT64:
+            raise ProtocolError(f"{kind}.{field} is out of the int64 range")
+
+
+def _short(value: Any) -> str:
+    """A bounded description: repr of a deeply nested list would itself raise RecursionError."""
+    if not isinstance(value, (str, int, float, type(None))):
+        return f"a JSON {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+_MISSING = object()
