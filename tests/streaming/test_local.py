@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -115,11 +116,15 @@ def test_ctrl_c_stops_every_process(table_uri, tmp_path):
 
 
 def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
+    # A SIGKILLed launcher cannot remove its work directory either: give it a directory of
+    # its own (short: it holds ipc sockets), removed here, not the session's shared memory.
+    shm = tempfile.mkdtemp(prefix="sf-killed-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
          job_file(tmp_path, manifest(table_uri)), "--quiet",
          "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "SPLITFEED_SHM_ROOT": shm})
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "ids.jsonl").exists():
@@ -137,6 +142,7 @@ def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_plan_shows_valid_counts_splits_per_rank_and_steps_per_epoch(table_uri, tmp_path):
