@@ -26,28 +26,37 @@ SHM_ENV = "SPLITFEED_SHM_ROOT"
 root conftest points it at a directory of its own for the session (see `session_shm`)."""
 
 
+_session: Path | None = None
+
+
 def session_shm() -> Path:
-    """A fresh memory-backed directory for this test session, named in SPLITFEED_SHM_ROOT.
+    """This test session's own memory-backed directory, named in SPLITFEED_SHM_ROOT; made once.
 
     Its own directory, not /dev/shm itself: sessions run side by side on one
     machine, and only what this session wrote may count against its tests.
     """
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    root = Path(tempfile.mkdtemp(prefix=f"sf-pytest-{os.getpid()}-", dir=base))
-    os.environ[SHM_ENV] = str(root)
-    return root
+    global _session
+    if _session is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        _session = Path(tempfile.mkdtemp(prefix=f"sf-pytest-{os.getpid()}-", dir=base))
+        os.environ[SHM_ENV] = str(_session)
+    return _session
 
 
 def shm_root() -> Path:
-    """This session's memory-backed directory (SPLITFEED_SHM_ROOT), made on first use."""
+    """The memory-backed directory tests use: SPLITFEED_SHM_ROOT (inherited by the processes a
+    test starts), else this session's."""
     configured = os.environ.get(SHM_ENV)
     return Path(configured) if configured else session_shm()
 
 
 def remove_session_shm() -> None:
-    root = os.environ.pop(SHM_ENV, None)
-    if root:
-        shutil.rmtree(root, ignore_errors=True)
+    global _session
+    if _session is not None:
+        shutil.rmtree(_session, ignore_errors=True)
+        if os.environ.get(SHM_ENV) == str(_session):
+            del os.environ[SHM_ENV]
+        _session = None
 
 
 def _helpers() -> set[int]:
