@@ -31,13 +31,11 @@ demo: install
 bench: install
 	$(PY) -m tests.bench.run
 
-# import-linter cannot follow the editable install's finder: give it splitfeed.* as folders.
+# import-linter cannot follow the editable install's finder: pkg/splitfeed is a committed
+# view of the three folders as splitfeed.* (symlinks), which mypy and editors use too.
 lint: install
-	@tree=$$(mktemp -d) && mkdir $$tree/splitfeed && \
-	for p in trainer_client sidecar operator; do ln -s $(CURDIR)/$$p $$tree/splitfeed/$$p; done && \
-	PYTHONPATH=$$tree $(VENV)/bin/lint-imports && \
-	(cd $$tree && $(abspath $(PY)) -m mypy --config-file $(CURDIR)/pyproject.toml -p splitfeed); \
-	rc=$$?; rm -rf $$tree; exit $$rc
+	PYTHONPATH=pkg $(VENV)/bin/lint-imports
+	MYPYPATH=pkg $(PY) -m mypy --config-file pyproject.toml -p splitfeed
 	$(PY) -c "import operator, collections"
 	$(PY) crds/sync.py --check
 

@@ -1,7 +1,7 @@
 """Whether a StreamingJob (or a new replica count for one) may be admitted.
 
 Pure. Called by the validating webhooks (create/update and the scale subresource)
-and again by `rescaling` before every reshape, so both say the same thing. On
+and again by `lifecycle` before every reshape, so both say the same thing. On
 UPDATE it also refuses what the CRD's transition rules refuse (order-defining
 fields changed; a scale or suspend with nowhere to checkpoint), for clusters
 where those rules do not run.
@@ -209,8 +209,6 @@ def parse(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | Non
         return specs.parse_job(with_defaults(manifest, sidecar_defaults or {}), check_replicas=False)
     except specs.SpecError as exc:
         raise Rejected(f"field {exc.field}", str(exc)) from exc
-    except topology.TopologyError as exc:  # pragma: no cover - parse_job does not check here
-        raise Rejected("topology", str(exc), exc.allowed) from exc
 
 
 def review_job(manifest: Mapping[str, Any], sidecar_defaults: Mapping[str, Any] | None = None) -> specs.JobSpec:

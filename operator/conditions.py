@@ -1,6 +1,6 @@
 """metav1.Condition lists and the sidecar reports folded into a StreamingJob's status.
 
-Pure helpers for `rescaling`: setting a condition keeps its lastTransitionTime when
+Pure helpers for the life cycle (`lifecycle`, `rescaling`, `restarting`): setting a condition keeps its lastTransitionTime when
 its status does not change (so an unchanged world produces an unchanged status
 and no patch), and sidecar termination messages (docs/pod-contract.md, "What the
 sidecar reports") become status.progress / status.lastCheckpoint, and after a

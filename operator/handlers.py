@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import kopf
 
-from . import configs, kube, live, metrics, planning, reconciling, rescaling
+from . import configs, kube, lifecycle, live, metrics, planning, reconciling
 
 G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
 TIMER_INTERVAL_S = 3.0
@@ -82,7 +82,7 @@ async def reconcile_on_change(namespace: str | None, name: str, memo: kopf.Memo,
 
 
 def _live(status: kopf.Status, **_: Any) -> bool:
-    return not rescaling.is_terminal(status)
+    return not lifecycle.is_terminal(status)
 
 
 @kopf.timer(G, V, P, interval=TIMER_INTERVAL_S, when=_live)

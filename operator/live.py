@@ -25,7 +25,7 @@ from typing import Any
 
 from splitfeed.trainer_client import progress, worlds
 
-from . import kube, planning, rescaling
+from . import decisions, kube, planning
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +112,10 @@ class Poller:
     rescales: dict[tuple[str, str], Timeline] = dataclasses.field(default_factory=dict)
 
     def observe(self, key: tuple[str, str], status: Mapping[str, Any], answer: Mapping[str, Any] | None,
-                now: datetime.datetime) -> tuple[dict[str, Any], list[rescaling.Event]]:
+                now: datetime.datetime) -> tuple[dict[str, Any], list[decisions.Event]]:
         """Pure bookkeeping of one pass: the status patch and events it calls for."""
         patch: dict[str, Any] = {}
-        events: list[rescaling.Event] = []
+        events: list[decisions.Event] = []
         drain = status.get("drain") or {}
         epoch = int(status.get("worldEpoch") or 0)
         timeline = self.rescales.get(key)
@@ -147,7 +147,7 @@ class Poller:
             if timeline is not None and epoch != timeline.old_epoch and isinstance(step, int) and step > resume:
                 report = timeline.report(now, resume)
                 patch["lastRescale"] = report
-                events.append(rescaling.Event("Normal", RESCALE_REPORT, describe(report)))
+                events.append(decisions.Event("Normal", RESCALE_REPORT, describe(report)))
                 del self.rescales[key]
         return patch, events
 
@@ -161,7 +161,7 @@ class Poller:
         return time.monotonic() - self.last.get(key, -1e9) >= interval_s(body)
 
     async def poll(self, k: kube.Kube, namespace: str, name: str
-                   ) -> tuple[dict[str, Any], list[rescaling.Event]]:
+                   ) -> tuple[dict[str, Any], list[decisions.Event]]:
         """One pass for one job (the operator's timer); the status patch written and the events to post."""
         body = await k.get_job(namespace, name)
         if body is None:

@@ -1,7 +1,7 @@
 """The objects of a world, built from a StreamingJob: pods, headless Service, ConfigMap.
 
 Pure: a JobSpec, a world epoch and the operator's settings in, plain dicts out.
-Called by `rescaling` (which decides *when* a world starts) and by the tests,
+Called by the life cycle (`lifecycle`, which decides *when* a world starts) and by the tests,
 which validate every object against the Kubernetes schemas. What goes into a pod
 is docs/pod-contract.md; change that document and this module together.
 """
@@ -14,43 +14,26 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client import contract, specs
 
-GROUP = "splitfeed.io"
-VERSION = "v1alpha1"
-PLURAL = "streamingjobs"
-
-LABEL_JOB = "splitfeed.io/job"
-LABEL_REPLICA = "splitfeed.io/replica"
-LABEL_EPOCH = "splitfeed.io/world-epoch"
-ANNOTATION_DRAIN = "splitfeed.io/drain"
-ANNOTATION_CHECKSUM = "splitfeed.io/config-checksum"
-
-SIDECAR_NAME = "splitfeed-sidecar"
-TRAINER_NAME = "trainer"
-SOCKET_DIR = "/var/run/splitfeed"
-CONFIG_DIR = "/etc/splitfeed/config"
-PODINFO_DIR = "/etc/splitfeed/podinfo"
-STORAGE_DIR = "/etc/splitfeed/storage"
-TERMINATION_LOG = "/dev/termination-log"
-MASTER_PORT = 29500
-COORDINATOR_PORT = 29501
+# The pod contract's names (trainer_client.contract), kept here under their old names for
+# the operator's modules and tests.
+GROUP, VERSION, PLURAL = contract.GROUP, contract.VERSION, contract.PLURAL
+LABEL_JOB, LABEL_REPLICA, LABEL_EPOCH = contract.LABEL_JOB, contract.LABEL_REPLICA, contract.LABEL_EPOCH
+ANNOTATION_DRAIN, ANNOTATION_CHECKSUM = contract.ANNOTATION_DRAIN, contract.ANNOTATION_CHECKSUM
+SIDECAR_NAME, TRAINER_NAME = contract.SIDECAR_NAME, contract.TRAINER_NAME
+SOCKET_DIR, CONFIG_DIR, PODINFO_DIR = contract.SOCKET_DIR, contract.CONFIG_DIR, contract.PODINFO_DIR
+STORAGE_DIR, TERMINATION_LOG = contract.STORAGE_DIR, contract.TERMINATION_LOG
+MASTER_PORT, COORDINATOR_PORT = contract.MASTER_PORT, contract.COORDINATOR_PORT
+VOLUME_SHM, VOLUME_CONFIG = contract.VOLUME_SHM, contract.VOLUME_CONFIG
+VOLUME_PODINFO, VOLUME_STORAGE = contract.VOLUME_PODINFO, contract.VOLUME_STORAGE
+VOLUME_TRANSFORMS, TRANSFORMS_DIR = contract.VOLUME_TRANSFORMS, contract.TRANSFORMS_DIR
+RESERVED_VOLUMES = contract.RESERVED_VOLUMES
 METRICS_PORT = 29502
 """The sidecar's Prometheus /metrics (SPLITFEED_METRICS_PORT; docs/observability.md)."""
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
 """On every pod, unless the trainer's template sets its own (its trainer's metrics, say)."""
-"""Replica 0's sidecar binds the world's agreement coordinator here (docs/agreement.md)."""
-VOLUME_SHM = "splitfeed-shm"
-VOLUME_CONFIG = "splitfeed-config"
-VOLUME_PODINFO = "splitfeed-podinfo"
-VOLUME_STORAGE = "splitfeed-storage"
-VOLUME_TRANSFORMS = "splitfeed-transforms"
-"""A volume of this name in the trainer template (a ConfigMap of small transform modules,
-say) is mounted read-only into the sidecar at TRANSFORMS_DIR, which is put on its
-PYTHONPATH so that spec.data.transform can name a module there (README, Preprocessing)."""
-TRANSFORMS_DIR = "/etc/splitfeed/transforms"
-RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE)
 
 SidecarMode = Literal["native", "container"]
 
@@ -64,7 +47,7 @@ class Owner:
 
     def reference(self) -> dict[str, Any]:
         return {
-            "apiVersion": f"{GROUP}/{VERSION}",
+            "apiVersion": contract.API_VERSION,
             "kind": specs.KIND,
             "name": self.name,
             "uid": self.uid,
@@ -161,7 +144,7 @@ def config_map(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
             **_meta(job, config_map_name(job.name), owner, job_selector(job.name)),
             "annotations": {ANNOTATION_CHECKSUM: config_checksum(job)},
         },
-        "data": {"config.json": config_json(job)},
+        "data": {contract.CONFIG_FILE: config_json(job)},
     }
 
 
@@ -191,29 +174,22 @@ def _merge_env(existing: list[dict[str, Any]], ours: list[dict[str, str]]) -> li
     return [e for e in existing if e.get("name") not in names] + ours
 
 
-def pod_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str, str | int]:
+def pod_env(job: specs.JobSpec, world_epoch: int, replica: int) -> contract.Env:
     """Environment both containers get (docs/pod-contract.md, "Environment")."""
-    return {
-        "WORLD_SIZE": job.world_size,
-        "NODE_RANK": replica,
-        "RANK": replica * job.gpus_per_replica,
-        "LOCAL_RANK": 0,
-        "LOCAL_WORLD_SIZE": job.gpus_per_replica,
-        "MASTER_ADDR": f"{pod_name(job.name, world_epoch, 0)}.{job.name}",
-        "MASTER_PORT": MASTER_PORT,
-        "SPLITFEED_SOCKET_DIR": SOCKET_DIR,
-        "SPLITFEED_WORLD_EPOCH": world_epoch,
-    }
+    return contract.rank_env(
+        world_size=job.world_size, gpus_per_replica=job.gpus_per_replica, replica=replica, local_rank=0,
+        master_addr=f"{pod_name(job.name, world_epoch, 0)}.{job.name}", master_port=MASTER_PORT,
+        socket_dir=SOCKET_DIR, world_epoch=world_epoch)
 
 
 def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str, str | int]:
-    env = pod_env(job, world_epoch, replica)
+    env: dict[str, str | int] = {**pod_env(job, world_epoch, replica)}
     if job.gpus_per_replica > 1:  # torchrun's own variables; it spawns one process per GPU
         env.update({
             "PET_NNODES": job.replicas,
             "PET_NPROC_PER_NODE": job.gpus_per_replica,
             "PET_NODE_RANK": replica,
-            "PET_MASTER_ADDR": env["MASTER_ADDR"],
+            "PET_MASTER_ADDR": env[contract.MASTER_ADDR],
             "PET_MASTER_PORT": MASTER_PORT,
         })
     return env
@@ -264,7 +240,7 @@ def sidecar_container(
     """The loader. `resume_step`: the step the previous world agreed on (status.resumeStep);
     None lets the new world's coordinator pick the newest complete checkpoint. `job_uid`:
     the StreamingJob's metadata.uid, which keys its checkpoints (a re-created job's are new)."""
-    args = ["sidecar", "--config", f"{CONFIG_DIR}/config.json", "--podinfo-dir", PODINFO_DIR]
+    args = ["sidecar", "--config", f"{CONFIG_DIR}/{contract.CONFIG_FILE}", "--podinfo-dir", PODINFO_DIR]
     mounts = [
         {"name": VOLUME_SHM, "mountPath": SOCKET_DIR},
         {"name": VOLUME_CONFIG, "mountPath": CONFIG_DIR, "readOnly": True},
@@ -275,16 +251,12 @@ def sidecar_container(
         mounts.append({"name": VOLUME_STORAGE, "mountPath": STORAGE_DIR, "readOnly": True})
     mounts += [copy.deepcopy(m) for m in extra_mounts or []]
     args += ["--termination-log", TERMINATION_LOG]
-    resume: dict[str, str | int] = (
-        {"SPLITFEED_RESUME": "latest"} if resume_step is None else {"SPLITFEED_RESUME_STEP": resume_step})
     env = {
         **pod_env(job, world_epoch, replica),
-        **resume,
-        "SPLITFEED_COORDINATOR": coordinator_address(job.name, world_epoch),
-        "SPLITFEED_JOB_UID": job_uid,
-        **({"SPLITFEED_TABLE_VERSION": table_version} if table_version is not None else {}),
-        "SPLITFEED_CONFIG_CHECKSUM": config_checksum(job),
-        "SPLITFEED_METRICS_PORT": METRICS_PORT,
+        **contract.sidecar_env(
+            coordinator=coordinator_address(job.name, world_epoch), job_uid=job_uid, resume_step=resume_step,
+            table_version=table_version, config_checksum=config_checksum(job)),
+        "SPLITFEED_METRICS_PORT": str(METRICS_PORT),
     }
     if any(m.get("name") == VOLUME_TRANSFORMS for m in extra_mounts or []):
         env["PYTHONPATH"] = TRANSFORMS_DIR
@@ -358,14 +330,14 @@ def volumes(job: specs.JobSpec) -> list[dict[str, Any]]:
             "name": VOLUME_CONFIG,
             "configMap": {
                 "name": config_map_name(job.name),
-                "items": [{"key": "config.json", "path": "config.json"}],
+                "items": [{"key": contract.CONFIG_FILE, "path": contract.CONFIG_FILE}],
             },
         },
         {
             "name": VOLUME_PODINFO,
             "downwardAPI": {"items": [
-                {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
-                {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                {"path": contract.PODINFO_ANNOTATIONS, "fieldRef": {"fieldPath": "metadata.annotations"}},
+                {"path": contract.PODINFO_LABELS, "fieldRef": {"fieldPath": "metadata.labels"}},
             ]},
         },
     ]

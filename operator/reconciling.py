@@ -3,7 +3,7 @@
 Every handler (create, update, resume, timer) ends up here. A per-job lock makes
 the handlers, which Kopf may run concurrently for one object, take turns; inside
 it the job is re-read from the API, so a decision never rests on a stale body.
-The status patch is written before any action, which is what lets `rescaling`
+The status patch is written before any action, which is what lets `lifecycle`
 re-derive an interrupted step (see its docstring), and only onto the
 resourceVersion the decision was taken on: a decision about a job that changed
 meanwhile (another writer, a second operator) is dropped and taken again, so a
@@ -21,7 +21,7 @@ from typing import Any
 
 from splitfeed.trainer_client import errors, worlds
 
-from . import admission, kube, planning, redaction, rescaling
+from . import admission, kube, lifecycle, planning, redaction
 
 MAX_STEPS = 5
 """Steps taken at once while each one changes something and none waits on pods."""
@@ -46,7 +46,7 @@ class Outcome:
     body: dict[str, Any] | None
     """The job as last read (for events); None when it is gone."""
     steps: list[str] = dataclasses.field(default_factory=list)
-    events: list[rescaling.Event] = dataclasses.field(default_factory=list)
+    events: list[lifecycle.Event] = dataclasses.field(default_factory=list)
     requeue_s: float | None = None
     permanent_error: str | None = None
 
@@ -59,7 +59,7 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def _changes(d: rescaling.Decision) -> bool:
+def _changes(d: lifecycle.Decision) -> bool:
     return bool(d.status or d.create or d.annotate or d.delete)
 
 
@@ -102,19 +102,19 @@ async def reconcile(ctx: Context, namespace: str, name: str) -> Outcome:
 
 
 def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[dict[str, Any]],
-                now: datetime.datetime) -> rescaling.Decision:
+                now: datetime.datetime) -> lifecycle.Decision:
     """Parse and decide: pure work, run in a worker thread."""
     meta, status = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
     try:
         job = admission.parse(body, settings.sidecar_defaults)
     except admission.Rejected as exc:
-        return rescaling.rejected(status, exc, now=now, generation=generation)
+        return lifecycle.rejected(status, exc, now=now, generation=generation)
     owner = planning.Owner(name=meta["name"], uid=meta["uid"])
-    return rescaling.decide(job, status, pods, owner=owner, settings=settings, now=now, generation=generation)
+    return lifecycle.decide(job, status, pods, owner=owner, settings=settings, now=now, generation=generation)
 
 
-async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[rescaling.Decision, dict[str, str]]:
+async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[lifecycle.Decision, dict[str, str]]:
     """The decision, and the UIDs of the pods it saw (a delete removes exactly those)."""
     meta = body["metadata"]
     pods = await ctx.kube.list_pods(meta["namespace"], meta["name"])
@@ -126,25 +126,25 @@ async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[rescaling.Decisio
 
 
 class _Refused(errors.SplitfeedError):
-    def __init__(self, failure: rescaling.CreationFailure) -> None:
+    def __init__(self, failure: lifecycle.CreationFailure) -> None:
         super().__init__(f"{failure.kind} {failure.name}: {failure.reason}")
         self.failure = failure
 
 
 async def _record_refusal(ctx: Context, namespace: str, name: str,
-                          failure: rescaling.CreationFailure) -> rescaling.Decision:
+                          failure: lifecycle.CreationFailure) -> lifecycle.Decision:
     """Write what a refused creation means (condition PodCreationFailed, or Failed on a 422)."""
     log.warning("%s/%s: could not create %s %s: %s (HTTP %s)", namespace, name, failure.kind, failure.name,
                 redaction.redact_text(failure.message), failure.status)
     body = await ctx.kube.get_job(namespace, name)
     if body is None:
-        return rescaling.Decision(step="Gone")
+        return lifecycle.Decision(step="Gone")
     meta = body["metadata"]
     try:
         job = admission.parse(body, ctx.settings.sidecar_defaults)
     except admission.Rejected as exc:
-        return rescaling.rejected(body.get("status") or {}, exc, now=_now(), generation=meta.get("generation"))
-    d = rescaling.creation_failed(job, body.get("status") or {}, failure, settings=ctx.settings, now=_now(),
+        return lifecycle.rejected(body.get("status") or {}, exc, now=_now(), generation=meta.get("generation"))
+    d = lifecycle.creation_failed(job, body.get("status") or {}, failure, settings=ctx.settings, now=_now(),
                                   generation=meta.get("generation"))
     try:
         await ctx.kube.patch_job_status(namespace, name, d.status, meta.get("resourceVersion"))
@@ -153,7 +153,7 @@ async def _record_refusal(ctx: Context, namespace: str, name: str,
     return d
 
 
-async def _apply(ctx: Context, body: dict[str, Any], d: rescaling.Decision, uids: dict[str, str]) -> None:
+async def _apply(ctx: Context, body: dict[str, Any], d: lifecycle.Decision, uids: dict[str, str]) -> None:
     """Status first (only onto the version decided on), then objects, then the coordinator;
     each call is idempotent. Raises kube.Conflict before anything is done, or _Refused."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -163,10 +163,10 @@ async def _apply(ctx: Context, body: dict[str, Any], d: rescaling.Decision, uids
         try:
             await ctx.kube.create(obj)
         except kube.NotOwned as exc:
-            raise _Refused(rescaling.CreationFailure(obj["kind"], obj["metadata"]["name"], 409, "NotOwned",
+            raise _Refused(lifecycle.CreationFailure(obj["kind"], obj["metadata"]["name"], 409, "NotOwned",
                                                      exc.message)) from exc
         except kube.KubeError as exc:
-            raise _Refused(rescaling.CreationFailure(obj["kind"], obj["metadata"]["name"], exc.status,
+            raise _Refused(lifecycle.CreationFailure(obj["kind"], obj["metadata"]["name"], exc.status,
                                                      exc.reason, exc.message)) from exc
     for pod, annotations in d.annotate.items():
         await ctx.kube.annotate_pod(namespace, pod, annotations)

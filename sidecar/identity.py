@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from splitfeed.trainer_client import errors
+from splitfeed.trainer_client import contract, errors
 
-JOB_UID_ENV = "SPLITFEED_JOB_UID"
-WORLD_EPOCH_ENV = "SPLITFEED_WORLD_EPOCH"
-TABLE_VERSION_ENV = "SPLITFEED_TABLE_VERSION"
-LOCAL_UID = "local"
+JOB_UID_ENV = contract.JOB_UID_ENV
+WORLD_EPOCH_ENV = contract.WORLD_EPOCH_ENV
+TABLE_VERSION_ENV = contract.TABLE_VERSION_ENV
+LOCAL_UID = contract.LOCAL_JOB_UID
 """The UID `splitfeed local` gives a job: runs of one job file resume each other."""
 
 

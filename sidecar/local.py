@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from splitfeed.trainer_client import errors, specs, stalls, worlds
+from splitfeed.trainer_client import contract, errors, specs, stalls, worlds
 
 from . import forkserver, metrics
 
@@ -53,8 +53,14 @@ def trainer_command(job: specs.JobSpec) -> list[str]:
         "named \"trainer\" of spec.trainer.template")
 
 
+SHM_ROOT_ENV = "SPLITFEED_SHM_ROOT"
+"""Overrides where a run's sockets and ring files go (the test suite gives each session its own)."""
+
+
 def shm_root() -> str | None:
     """Memory-backed like the pod's emptyDir, where the machine has one."""
+    if os.environ.get(SHM_ROOT_ENV):
+        return os.environ[SHM_ROOT_ENV]
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
@@ -117,24 +123,17 @@ class Process:
 
 def rank_env(job: specs.JobSpec, replica: int, local_rank: int, socket_dir: Path,
              master_port: int, world_epoch: int = 0) -> dict[str, str]:
-    g = job.gpus_per_replica
+    """This process's environment plus a pod's (contract.rank_env), on one machine."""
     env = dict(os.environ)
-    env.update({
-        "RANK": str(replica * g + local_rank),
-        "WORLD_SIZE": str(job.world_size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(g),
-        "NODE_RANK": str(replica),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        "SPLITFEED_SOCKET_DIR": str(socket_dir),
-        "SPLITFEED_WORLD_EPOCH": str(world_epoch),
-        "SPLITFEED_JOB_UID": LOCAL_JOB_UID,
-    })
+    env.update(contract.rank_env(
+        world_size=job.world_size, gpus_per_replica=job.gpus_per_replica, replica=replica,
+        local_rank=local_rank, master_addr="127.0.0.1", master_port=master_port,
+        socket_dir=str(socket_dir), world_epoch=world_epoch))
+    env[contract.JOB_UID_ENV] = LOCAL_JOB_UID
     return env
 
 
-LOCAL_JOB_UID = "local"
+LOCAL_JOB_UID = contract.LOCAL_JOB_UID
 """The job UID of every `splitfeed local` run: a run resumes what earlier runs of the same
 manifest (name, namespace, checkpoint.uri) saved, as a re-applied StreamingJob would not."""
 
@@ -214,10 +213,10 @@ def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, 
         socket_dir.mkdir()
         for local_rank in range(job.gpus_per_replica):
             env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)
-            stats = work / f"w{epoch}-stats-{env['RANK']}.json"
-            env["SPLITFEED_STATS_FILE"] = str(stats)
+            stats = work / f"w{epoch}-stats-{env[contract.RANK]}.json"
+            env[contract.STATS_FILE_ENV] = str(stats)
             world.stats.append(stats)
-            world.trainers.append(Process(f"w{epoch}-trainer-{env['RANK']}", argv, env, logs))
+            world.trainers.append(Process(f"w{epoch}-trainer-{env[contract.RANK]}", argv, env, logs))
     return world
 
 
@@ -232,11 +231,9 @@ def start_sidecars(world: World, work: Path, logs: Path, *, resume: str, resume_
     for replica in range(job.replicas):
         socket_dir = work / f"w{epoch}-replica-{replica}"
         env = rank_env(job, replica, 0, socket_dir, world.master_port, epoch)
-        env["SPLITFEED_RESUME"] = resume
-        env["SPLITFEED_COORDINATOR"] = world.coordinator
+        env.update(contract.sidecar_env(coordinator=world.coordinator, job_uid=LOCAL_JOB_UID,
+                                        resume_step=resume_step, resume=resume))
         env[metrics.METRICS_PORT_ENV] = metrics.local_port(os.environ, replica)
-        if resume_step is not None:
-            env["SPLITFEED_RESUME_STEP"] = str(resume_step)
         report = work / f"w{epoch}-report-{replica}.json"
         sidecar_argv = [*SIDECAR_MODULE, "sidecar", "--config", str(config), "--termination-log", str(report)]
         if storage_options_dir is not None:

@@ -17,14 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client import errors, specs
+from splitfeed.trainer_client import contract, errors, specs
 
 from . import agreement, checkpoints, identity, metrics, positions, reading, serving, workers
 from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
 
-DRAIN_ANNOTATION = "splitfeed.io/drain"
+DRAIN_ANNOTATION = contract.ANNOTATION_DRAIN
 FAILURE_GRACE_S = 10.0
 JOIN_TIMEOUT_S = 300.0
 """How long a sidecar waits for its world's coordinator (replica 0's sidecar) to answer."""
@@ -64,15 +64,15 @@ class SidecarSettings:
         who = identity.from_env(env, need_uid=False)
         values: dict[str, Any] = {
             "job_uid": who.uid, "world_epoch": who.world_epoch, "table_version": who.table_version,
-            "socket_dir": Path(env.get("SPLITFEED_SOCKET_DIR", "/var/run/splitfeed")),
-            "rank": int(env.get("RANK", "0")),
-            "world_size": int(env.get("WORLD_SIZE", "1")),
-            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")),
-            "resume": env.get("SPLITFEED_RESUME", "latest"),
-            "resume_step": int(env["SPLITFEED_RESUME_STEP"]) if env.get("SPLITFEED_RESUME_STEP") else None,
-            "replica": int(env["NODE_RANK"]) if env.get("NODE_RANK") else None,
-            "coordinator": env.get("SPLITFEED_COORDINATOR") or None,
-            "checksum": env.get("SPLITFEED_CONFIG_CHECKSUM") or None,
+            "socket_dir": Path(env.get(contract.SOCKET_DIR_ENV, contract.SOCKET_DIR)),
+            "rank": int(env.get(contract.RANK, "0")),
+            "world_size": int(env.get(contract.WORLD_SIZE, "1")),
+            "local_world_size": int(env.get(contract.LOCAL_WORLD_SIZE, "1")),
+            "resume": env.get(contract.RESUME_ENV, "latest"),
+            "resume_step": int(env[contract.RESUME_STEP_ENV]) if env.get(contract.RESUME_STEP_ENV) else None,
+            "replica": int(env[contract.NODE_RANK]) if env.get(contract.NODE_RANK) else None,
+            "coordinator": env.get(contract.COORDINATOR_ENV) or None,
+            "checksum": env.get(contract.CONFIG_CHECKSUM_ENV) or None,
             "metrics_port": metrics.metrics_port(env) or None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -105,7 +105,7 @@ def read_annotations(podinfo_dir: Path | None) -> dict[str, str]:
     if podinfo_dir is None:
         return {}
     try:
-        text = (podinfo_dir / "annotations").read_text()
+        text = (podinfo_dir / contract.PODINFO_ANNOTATIONS).read_text()
     except OSError:
         return {}
     found = {}
@@ -363,7 +363,7 @@ def serve(sidecar: Sidecar) -> int:
         global_step = min((f.control.acked + 1 for f in server.feeds), default=0)
         drained = bool(server.feeds) and all(f.session.drained for f in server.feeds)
         epoch, step = divmod(global_step, max(1, sidecar.steps_per_epoch))
-        report = {
+        report: contract.Report = {
             "globalStep": global_step, "epoch": epoch, "step": step,
             "stepsPerEpoch": sidecar.steps_per_epoch,
             "lastCheckpoint": server.last_checkpoint,
@@ -385,7 +385,7 @@ def serve(sidecar: Sidecar) -> int:
     return 2 if failure else 0
 
 
-def write_report(path: Path | None, report: dict[str, Any]) -> None:
+def write_report(path: Path | None, report: contract.Report) -> None:
     """The termination report the operator reads (docs/pod-contract.md)."""
     if path is None:
         return

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import zmq
 
-from splitfeed.trainer_client import errors, messages, ring, slots
+from splitfeed.trainer_client import contract, errors, messages, ring, slots
 from splitfeed.trainer_client.messages import (
     Bye, Checkpoint, Commit, CommitAt, Complete, Drain, Error, Freeze, Hello, Wake,
 )
@@ -440,7 +440,7 @@ class Server:
         self.stopping = threading.Event()
         self.end_linger_s = END_LINGER_S
         self._failed_at: float | None = None
-        self.last_checkpoint: dict[str, Any] | None = None
+        self.last_checkpoint: contract.LastCheckpoint | None = None
         self.drain_step: int | None = None
         """The step the world agreed to drain at (docs/agreement.md), once committed."""
         self.drain_reason: str | None = None

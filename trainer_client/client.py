@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq
 
-from . import messages, ring, slots, stalls
+from . import contract, messages, ring, slots, stalls
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -160,11 +160,12 @@ class _Stats:
         now = time.perf_counter()
         self._written = now
         elapsed = now - self.first if self.first is not None else 0.0
-        blob = json.dumps({"batches": self.batches, "rows": self.rows, "wait_s": self.wait_s,
-                           "elapsed_s": elapsed, "last_step": self.last_step, "total_steps": self.total_steps,
-                           "steps_per_epoch": self.steps_per_epoch,
-                           "data_ready_buckets": self.stalls.counts,
-                           "final": final})
+        record: contract.StatsRecord = {
+            "batches": self.batches, "rows": self.rows, "wait_s": self.wait_s, "elapsed_s": elapsed,
+            "last_step": self.last_step, "total_steps": self.total_steps,
+            "steps_per_epoch": self.steps_per_epoch, "final": final,
+            "data_ready_buckets": self.stalls.counts}
+        blob = json.dumps(record)
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             f.write(blob)
@@ -202,7 +203,7 @@ class StreamClient:
         as_tensors: bool = True,
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        directory = socket_dir or os.environ.get("SPLITFEED_SOCKET_DIR")
+        directory = socket_dir or os.environ.get(contract.SOCKET_DIR_ENV)
         if not directory:
             raise SidecarUnavailable(
                 "no sidecar socket directory: set SPLITFEED_SOCKET_DIR "
@@ -238,7 +239,7 @@ class StreamClient:
         self._previous_sigterm: Any = None
         self.drained = False
         """The world is draining and this rank's checkpoint was of the drain step: stop after saving."""
-        self.stats = _Stats(os.environ.get("SPLITFEED_STATS_FILE"))
+        self.stats = _Stats(os.environ.get(contract.STATS_FILE_ENV))
         try:
             self._welcome(self._hello())
         except BaseException:

@@ -5,7 +5,9 @@ ConfigMap) and the operator (which receives it from Kopf), so that all three
 agree on defaults and on what is an error. Field names on the wire are the
 contract in docs/architecture.md; Python names are their snake_case twins.
 
-Parsing is table-driven rather than pydantic-based because this layer must stay
+Each field is declared once, on the dataclasses below: type and default in Python,
+a `Rule` (kind, minimum, maximum) in its metadata, its wire name its camelCase
+twin. Parsing reads those rather than using pydantic because this layer must stay
 importable with pyzmq, numpy and pyarrow alone.
 """
 
@@ -18,11 +20,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from . import topology
+from . import contract, topology
 from .errors import SplitfeedError
 
-API_VERSION = "splitfeed.io/v1alpha1"
-KIND = "StreamingJob"
+API_VERSION = contract.API_VERSION
+KIND = contract.KIND
 
 
 class SpecError(SplitfeedError, ValueError):
@@ -34,14 +36,38 @@ class SpecError(SplitfeedError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one spec field is read from a manifest; its wire name is the field's camelCase name.
+
+    The dataclasses below declare each field once: its type and default in Python,
+    its rule in the field's metadata. Parsing, required flags, defaults on the wire
+    and MAXIMA all come from there (tests/crd checks the CRD against the same fields).
+    """
+
+    kind: str
+    """str, int, bool, strlist, strmap, map, version, quantity, resumeFrom, importPath,
+    jsonObject, onTransformError, blocksPerEpoch, packSequences or section."""
+    minimum: int | None = None
+    maximum: int | None = None
+    """The CRD's `maximum` (MAXIMA): keeps every piece of per-job work small."""
+    model: type | None = None
+    """For a section: the dataclass it parses into."""
+
+
+def _rule(kind: str, minimum: int | None = None, maximum: int | None = None,
+          model: type | None = None) -> dict[str, Rule]:
+    return {"rule": Rule(kind, minimum, maximum, model)}
+
+
+@dataclasses.dataclass(frozen=True)
 class PackSpec:
     """lancedb's pack_sequences, eos_id, pad_id, blocks_per_epoch and the token column."""
 
-    column: str
-    block_size: int
-    eos_id: int
-    pad_id: int
-    blocks_per_epoch: int | str
+    column: str = dataclasses.field(metadata=_rule("str"))
+    block_size: int = dataclasses.field(metadata=_rule("int", 1))
+    eos_id: int = dataclasses.field(metadata=_rule("int"))
+    pad_id: int = dataclasses.field(metadata=_rule("int"))
+    blocks_per_epoch: int | str = dataclasses.field(metadata=_rule("blocksPerEpoch", 1))
     """A multiple of numSplits, or "auto" (estimated once, from epoch 0, for the job)."""
 
 
@@ -53,41 +79,42 @@ every split's length instead, docs/preprocessing.md)."""
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-    uri: str
+    uri: str = dataclasses.field(metadata=_rule("str"))
     """Anything `lancedb.connect` accepts: a local path, s3://bucket/db, ..."""
-    table: str
-    num_splits: int
+    table: str = dataclasses.field(metadata=_rule("str"))
+    num_splits: int = dataclasses.field(metadata=_rule("int", 1, 1_000_000))
     """Fixed splits the table is cut into; the unit of elasticity."""
-    global_batch_size: int
+    global_batch_size: int = dataclasses.field(metadata=_rule("int", 1))
     """Rows per global training step, summed over all ranks."""
-    columns: tuple[str, ...] | None = None
-    filter: str | None = None
+    columns: tuple[str, ...] | None = dataclasses.field(default=None, metadata=_rule("strlist"))
+    filter: str | None = dataclasses.field(default=None, metadata=_rule("str"))
     """SQL predicate applied before splitting."""
-    storage_options_secret: str | None = None
+    storage_options_secret: str | None = dataclasses.field(default=None, metadata=_rule("str"))
     """Secret whose keys become lancedb storage options (credentials)."""
-    storage_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    storage_options: Mapping[str, str] = dataclasses.field(default_factory=dict, metadata=_rule("strmap"))
     """Non-secret storage options (endpoint, region); never credentials."""
-    shuffle: bool = True
-    shuffle_seed: int = 0
-    shuffle_clump_size: int = 0
+    shuffle: bool = dataclasses.field(default=True, metadata=_rule("bool"))
+    shuffle_seed: int = dataclasses.field(default=0, metadata=_rule("int", 0))
+    shuffle_clump_size: int = dataclasses.field(default=0, metadata=_rule("int", 0))
     """0 shuffles rows one by one; n > 0 shuffles runs of n rows."""
-    epochs: int = 1
-    num_workers: int = 1
+    epochs: int = dataclasses.field(default=1, metadata=_rule("int", 1))
+    num_workers: int = dataclasses.field(default=1, metadata=_rule("int", 1, 64))
     """Loader worker processes per rank."""
-    read_batch_size: int = 64
+    read_batch_size: int = dataclasses.field(default=64, metadata=_rule("int", 1, 1_000_000))
     """Rows fetched from one split per read."""
-    version: int | str | None = None
+    version: int | str | None = dataclasses.field(default=None, metadata=_rule("version", 1))
     """The table version to read from start to end (lancedb time travel): a version
     number or a tag. None: the version current when the job first starts, which the
     sidecar then fixes here (as a number) so that every reader opens the same one."""
-    transform: str | None = None
+    transform: str | None = dataclasses.field(default=None, metadata=_rule("importPath"))
     """"package.module:function", applied by the sidecar to each read batch exactly as
     lancedb's StreamingDataset(transform=...) does (docs/preprocessing.md)."""
-    transform_args: str | None = None
+    transform_args: str | None = dataclasses.field(default=None, metadata=_rule("jsonObject"))
     """A JSON object: keyword arguments bound to the transform (see transform_kwargs)."""
-    on_transform_error: str = "raise"
+    on_transform_error: str = dataclasses.field(default="raise", metadata=_rule("onTransformError"))
     """raise | fill (ON_TRANSFORM_ERROR): what a row whose transform fails becomes."""
-    pack_sequences: PackSpec | None = None
+    pack_sequences: PackSpec | None = dataclasses.field(
+        default=None, metadata=_rule("packSequences", model=PackSpec))
     """Sequence packing (lancedb's pack_sequences) of one token-list column."""
 
     @property
@@ -112,53 +139,56 @@ touch the order."""
 class ResumeFrom:
     """Another job's checkpoints to start from (same namespace and checkpoint.uri)."""
 
-    uid: str
+    uid: str = dataclasses.field(metadata=_rule("str"))
     """metadata.uid of the job that wrote them; checkpoints are kept per job UID."""
-    name: str | None = None
+    name: str | None = dataclasses.field(default=None, metadata=_rule("str"))
     """That job's name; None: this job's own name (a deleted and re-created job)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSpec:
-    uri: str | None = None
+    uri: str | None = dataclasses.field(default=None, metadata=_rule("str"))
     """Where data checkpoints go (local path or s3://); None disables them."""
-    timeout_seconds: int = 300
+    timeout_seconds: int = dataclasses.field(default=300, metadata=_rule("int", 1))
     """How long a rescale waits for a complete checkpoint before giving up on it."""
-    resume_from: ResumeFrom | None = None
+    resume_from: ResumeFrom | None = dataclasses.field(default=None, metadata=_rule("resumeFrom", model=ResumeFrom))
     """Start from another job's checkpoints when this one has none of its own; a job
     otherwise never sees checkpoints it did not write (they are keyed by its UID)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SidecarSpec:
-    image: str = "splitfeed:0.1.0"
-    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    shm_size: str = "2Gi"
-    prefetch_batches: int = 4
+    image: str = dataclasses.field(default="splitfeed:0.1.0", metadata=_rule("str"))
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata=_rule("map"))
+    shm_size: str = dataclasses.field(default="2Gi", metadata=_rule("quantity"))
+    prefetch_batches: int = dataclasses.field(default=4, metadata=_rule("int", 1, 64))
     """Ring slots per rank: how far the loader may run ahead of the trainer."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSpec:
-    template: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    template: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata=_rule("map"))
     """A PodTemplateSpec; its container named "trainer" is the user's."""
 
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     name: str
-    data: DataSpec
+    """metadata.name (not a spec field: no rule)."""
+    data: DataSpec = dataclasses.field(metadata=_rule("section", model=DataSpec))
     namespace: str = "default"
-    replicas: int = 1
-    gpus_per_replica: int = 1
-    suspend: bool = False
-    max_restarts: int = 3
+    """metadata.namespace (not a spec field: no rule)."""
+    replicas: int = dataclasses.field(default=1, metadata=_rule("int", 1))
+    gpus_per_replica: int = dataclasses.field(default=1, metadata=_rule("int", 1, 64))
+    suspend: bool = dataclasses.field(default=False, metadata=_rule("bool"))
+    max_restarts: int = dataclasses.field(default=3, metadata=_rule("int", 0))
     """World restarts after pod failures before the job is marked Failed."""
-    status_interval_seconds: int = 15
+    status_interval_seconds: int = dataclasses.field(default=15, metadata=_rule("int", 5))
     """How often the operator asks a running world for its progress (status.progress)."""
-    checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
-    sidecar: SidecarSpec = dataclasses.field(default_factory=SidecarSpec)
-    trainer: TrainerSpec = dataclasses.field(default_factory=TrainerSpec)
+    checkpoint: CheckpointSpec = dataclasses.field(
+        default_factory=CheckpointSpec, metadata=_rule("section", model=CheckpointSpec))
+    sidecar: SidecarSpec = dataclasses.field(default_factory=SidecarSpec, metadata=_rule("section", model=SidecarSpec))
+    trainer: TrainerSpec = dataclasses.field(default_factory=TrainerSpec, metadata=_rule("section", model=TrainerSpec))
 
     @property
     def world_size(self) -> int:
@@ -202,63 +232,29 @@ def data_config_checksum(config: Mapping[str, Any]) -> str:
 
 # --- parsing -----------------------------------------------------------------
 
-# wire key -> (python name, kind, required, minimum); kinds are checked below.
-_Field = tuple[str, str, bool, int | None]
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
 
-_DATA_FIELDS: dict[str, _Field] = {
-    "uri": ("uri", "str", True, None),
-    "table": ("table", "str", True, None),
-    "numSplits": ("num_splits", "int", True, 1),
-    "globalBatchSize": ("global_batch_size", "int", True, 1),
-    "columns": ("columns", "strlist", False, None),
-    "filter": ("filter", "str", False, None),
-    "storageOptionsSecret": ("storage_options_secret", "str", False, None),
-    "storageOptions": ("storage_options", "strmap", False, None),
-    "shuffle": ("shuffle", "bool", False, None),
-    "shuffleSeed": ("shuffle_seed", "int", False, 0),
-    "shuffleClumpSize": ("shuffle_clump_size", "int", False, 0),
-    "epochs": ("epochs", "int", False, 1),
-    "numWorkers": ("num_workers", "int", False, 1),
-    "readBatchSize": ("read_batch_size", "int", False, 1),
-    "version": ("version", "version", False, 1),
-    "transform": ("transform", "importPath", False, None),
-    "transformArgs": ("transform_args", "jsonObject", False, None),
-    "onTransformError": ("on_transform_error", "onTransformError", False, None),
-    "packSequences": ("pack_sequences", "packSequences", False, None),
-}
-_PACK_FIELDS: dict[str, _Field] = {
-    "column": ("column", "str", True, None),
-    "blockSize": ("block_size", "int", True, 1),
-    "eosId": ("eos_id", "int", True, None),
-    "padId": ("pad_id", "int", True, None),
-    "blocksPerEpoch": ("blocks_per_epoch", "blocksPerEpoch", True, 1),
-}
-_CHECKPOINT_FIELDS: dict[str, _Field] = {
-    "uri": ("uri", "str", False, None),
-    "timeoutSeconds": ("timeout_seconds", "int", False, 1),
-    "resumeFrom": ("resume_from", "resumeFrom", False, None),
-}
-_RESUME_FROM_FIELDS: dict[str, _Field] = {
-    "uid": ("uid", "str", True, None),
-    "name": ("name", "str", False, None),
-}
-_SIDECAR_FIELDS: dict[str, _Field] = {
-    "image": ("image", "str", False, None),
-    "resources": ("resources", "map", False, None),
-    "shmSize": ("shm_size", "quantity", False, None),
-    "prefetchBatches": ("prefetch_batches", "int", False, 1),
-}
-_TRAINER_FIELDS: dict[str, _Field] = {
-    "template": ("template", "map", False, None),
-}
-_SPEC_FIELDS: dict[str, _Field] = {
-    "replicas": ("replicas", "int", False, 1),
-    "gpusPerReplica": ("gpus_per_replica", "int", False, 1),
-    "suspend": ("suspend", "bool", False, None),
-    "maxRestarts": ("max_restarts", "int", False, 0),
-    "statusIntervalSeconds": ("status_interval_seconds", "int", False, 5),
-}
-_SECTIONS = {"data", "checkpoint", "sidecar", "trainer"}
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    """The Python name; the wire name is its camelCase twin."""
+    rule: Rule
+    required: bool
+
+
+def wire_fields(model: type) -> dict[str, _Field]:
+    """wire key -> field, for every field of `model` that a manifest spells (has a Rule)."""
+    return {
+        _camel(f.name): _Field(f.name, f.metadata["rule"],
+                               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(model) if "rule" in f.metadata
+    }
+
+
+_DATA_FIELDS = wire_fields(DataSpec)
 
 
 def _reject_unknown(path: str, raw: Mapping[str, Any], known: set[str]) -> None:
@@ -272,20 +268,25 @@ def _reject_unknown(path: str, raw: Mapping[str, Any], known: set[str]) -> None:
             )
 
 
-MAXIMA: dict[str, int] = {
-    "spec.gpusPerReplica": 64,
-    "spec.data.numSplits": 1_000_000,
-    "spec.data.numWorkers": 64,
-    "spec.data.readBatchSize": 1_000_000,
-    "spec.sidecar.prefetchBatches": 64,
-}
+def _maxima(path: str, model: type) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, field in wire_fields(model).items():
+        if field.rule.model is not None and field.rule.kind == "section":
+            out.update(_maxima(f"{path}.{key}", field.rule.model))
+        elif field.rule.maximum is not None:
+            out[f"{path}.{key}"] = field.rule.maximum
+    return out
+
+
+MAXIMA: dict[str, int] = _maxima("spec", JobSpec)
 """Upper bounds, the CRD's `maximum`s (tests keep them equal). They keep every piece of
 work an operator or a sidecar does per job small: status.allowedReplicas is at most a few
 hundred divisors, a rank reads at most numSplits/worldSize splits in numWorkers processes,
 a read is at most 10^6 rows, a ring at most 64 slots."""
 
 
-def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
+def _convert(path: str, rule: Rule, value: Any) -> Any:
+    kind, minimum, maximum = rule.kind, rule.minimum, rule.maximum
     if kind == "str":
         if not isinstance(value, str) or not value:
             raise SpecError(path, f"must be a non-empty string, got {value!r}")
@@ -295,8 +296,8 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
             raise SpecError(path, f"must be an integer, got {value!r}")
         if minimum is not None and value < minimum:
             raise SpecError(path, f"must be at least {minimum}, got {value}")
-        if path in MAXIMA and value > MAXIMA[path]:
-            raise SpecError(path, f"must be at most {MAXIMA[path]}, got {value}")
+        if maximum is not None and value > maximum:
+            raise SpecError(path, f"must be at most {maximum}, got {value}")
         return value
     if kind == "bool":
         if not isinstance(value, bool):
@@ -322,10 +323,10 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
         return dict(value)
     if kind == "version":
         if isinstance(value, str):
-            return _convert(path, "str", value, None)
-        return _convert(path, "int", value, minimum)
+            return _convert(path, Rule("str"), value)
+        return _convert(path, Rule("int", minimum, maximum), value)
     if kind == "resumeFrom":
-        source = ResumeFrom(**_section(path, value, _RESUME_FROM_FIELDS))
+        source = ResumeFrom(**_section(path, value, ResumeFrom))
         for key, part in (("uid", source.uid), ("name", source.name)):
             if part is not None and ("/" in part or part in (".", "..")):
                 raise SpecError(f"{path}.{key}", f"names a checkpoint directory and cannot be {part!r}")
@@ -333,7 +334,7 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
     if kind == "importPath":
         return _import_path(path, value)
     if kind == "jsonObject":
-        text: str = _convert(path, "str", value, None)
+        text: str = _convert(path, Rule("str"), value)
         try:
             decoded = json.loads(text)
         except ValueError as exc:
@@ -355,9 +356,9 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
             return value
         if isinstance(value, str):
             raise SpecError(path, f"must be a positive integer or 'auto', got {value!r}")
-        return _convert(path, "int", value, minimum)
+        return _convert(path, Rule("int", minimum, maximum), value)
     if kind == "packSequences":
-        return PackSpec(**_section(path, value, _PACK_FIELDS))
+        return PackSpec(**_section(path, value, PackSpec))
     if kind == "quantity":
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise SpecError(path, f"must be a Kubernetes quantity such as 2Gi, got {value!r}")
@@ -368,7 +369,7 @@ def _convert(path: str, kind: str, value: Any, minimum: int | None) -> Any:
 
 def _import_path(path: str, value: Any) -> str:
     """Check "package.module:function" syntax; importing happens in the sidecar."""
-    text: str = _convert(path, "str", value, None)
+    text: str = _convert(path, Rule("str"), value)
     module, sep, attr = text.partition(":")
     if not sep or not all(part.isidentifier() for part in module.split(".")) or not all(
         part.isidentifier() for part in attr.split(".")
@@ -410,19 +411,36 @@ def _check_preprocessing(data: DataSpec) -> None:
         )
 
 
-def _section(path: str, raw: Any, fields: dict[str, _Field]) -> dict[str, Any]:
+def _section(path: str, raw: Any, model: type) -> dict[str, Any]:
+    """The keyword arguments of `model` from its manifest section `raw` at `path`.
+
+    Leaf fields first, then nested sections, so that an error names the first field
+    a reader of the section would find wrong."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
         raise SpecError(path, f"must be a mapping, got {raw!r}")
+    fields = wire_fields(model)
     _reject_unknown(path, raw, set(fields))
     out: dict[str, Any] = {}
-    for key, (name, kind, required, minimum) in fields.items():
+    ordered = sorted(fields.items(), key=lambda item: item[1].rule.kind == "section")
+    for key, field in ordered:
+        rule = field.rule
+        if rule.kind == "section" and rule.model is not None:
+            if key not in raw:
+                if field.required:
+                    raise SpecError(f"{path}.{key}", "is required")
+                continue
+            section = rule.model(**_section(f"{path}.{key}", raw[key], rule.model))
+            if isinstance(section, DataSpec):
+                _check_preprocessing(section)  # rules between its fields, before later sections
+            out[field.name] = section
+            continue
         if key not in raw or raw[key] is None:
-            if required:
+            if field.required:
                 raise SpecError(f"{path}.{key}", "is required")
             continue
-        out[name] = _convert(f"{path}.{key}", kind, raw[key], minimum)
+        out[field.name] = _convert(f"{path}.{key}", rule, raw[key])
     return out
 
 
@@ -466,37 +484,18 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
     raw_spec = manifest.get("spec")
     if not isinstance(raw_spec, Mapping):
         raise SpecError("spec", "is required and must be a mapping")
-    _reject_unknown("spec", raw_spec, set(_SPEC_FIELDS) | _SECTIONS)
-    spec_kwargs = _section("spec", {k: v for k, v in raw_spec.items() if k in _SPEC_FIELDS}, _SPEC_FIELDS)
-    if "data" not in raw_spec:
-        raise SpecError("spec.data", "is required")
-    job = JobSpec(
-        name=name,
-        namespace=str(metadata.get("namespace") or "default"),
-        data=_data_spec(raw_spec["data"]),
-        checkpoint=CheckpointSpec(
-            **_section("spec.checkpoint", raw_spec.get("checkpoint"), _CHECKPOINT_FIELDS)
-        ),
-        sidecar=SidecarSpec(**_section("spec.sidecar", raw_spec.get("sidecar"), _SIDECAR_FIELDS)),
-        trainer=TrainerSpec(**_section("spec.trainer", raw_spec.get("trainer"), _TRAINER_FIELDS)),
-        **spec_kwargs,
-    )
+    job = JobSpec(name=name, namespace=str(metadata.get("namespace") or "default"),
+                  **_section("spec", raw_spec, JobSpec))
     if check_replicas:
         job.check_topology()
     return job
-
-
-def _data_spec(raw: Any) -> DataSpec:
-    data = DataSpec(**_section("spec.data", raw, _DATA_FIELDS))
-    _check_preprocessing(data)
-    return data
 
 
 def _wire_value(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     if isinstance(value, PackSpec):
-        return {key: getattr(value, name) for key, (name, *_rest) in _PACK_FIELDS.items()}
+        return {key: getattr(value, field.name) for key, field in wire_fields(PackSpec).items()}
     if isinstance(value, Mapping):
         return dict(value)
     return value
@@ -504,8 +503,8 @@ def _wire_value(value: Any) -> Any:
 
 def _data_to_wire(data: DataSpec) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, (name, _kind, _req, _min) in _DATA_FIELDS.items():
-        value = _wire_value(getattr(data, name))
+    for key, field in _DATA_FIELDS.items():
+        value = _wire_value(getattr(data, field.name))
         if value is None or (key == "storageOptions" and not value):
             continue
         if key == "onTransformError" and value == "raise" and not data.transform:
@@ -524,10 +523,7 @@ def _checkpoint_to_wire(checkpoint: CheckpointSpec) -> dict[str, Any]:
 
 def order_fields(data: DataSpec) -> dict[str, Any]:
     """The ORDER_FIELDS of `data` by wire name (columns as a list, absent ones None)."""
-    out: dict[str, Any] = {}
-    for key in ORDER_FIELDS:
-        out[key] = _wire_value(getattr(data, _DATA_FIELDS[key][0]))
-    return out
+    return {key: _wire_value(getattr(data, _DATA_FIELDS[key].name)) for key in ORDER_FIELDS}
 
 
 def parse_data_config(config: Mapping[str, Any]) -> JobSpec:

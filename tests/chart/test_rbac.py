@@ -32,7 +32,7 @@ from kopf._cogs.structs.credentials import Vault  # not exported; operator(vault
 from splitfeed.operator import configs, handlers, kube, planning  # noqa: F401 (handlers registers)
 from splitfeed.trainer_client import specs
 from tests.chart.test_chart import SCENARIOS, grants, objects
-from tests.operator.builders import OWNER, manifest
+from tests.support.builders import OWNER, manifest
 from tests.operator.test_kopf_emulated import PODS, add_job, cluster, job_of, phase, pods_of, until  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@
    deployment, replicaset, endpoint, garbage-collector, namespace and
    service-account controllers; the apiserver routes to Service endpoints
    (--enable-aggregator-routing) because there is no kube-proxy;
-2. the test kubelet (tests/kubelet), which binds and runs every pod;
+2. the test kubelet (tests/e2e/kubelet.py), which binds and runs every pod;
 3. the StreamingJob CRD with its CEL rules stripped (1.20 has no CEL);
 4. `helm install` of charts/splitfeed with the real helm binary:
    crds.enabled=false, sidecar.mode=container (1.20 drops native sidecars),
@@ -13,7 +13,7 @@
    ReplicaSet controllers turn it into the operator's pod, which the kubelet runs
    (`splitfeed operator ...` from the chart) with its service account's token,
    so the chart's RBAC is what the apiserver enforces;
-5. a LanceDB table of 1000 rows (as tests/dataplane/harness.py writes it).
+5. a LanceDB table of 1000 rows (tests/support/tables.py: write_training_table).
 
 StreamingJobs go to namespace `e2e`; their trainers run tests/e2e/trainer.py, a
 real DDP trainer (torch.distributed, gloo on CPU) whose rendezvous goes to
@@ -37,10 +37,10 @@ from typing import Any
 
 import yaml
 
-from tests.dataplane import harness as dataplane
-from tests.envtest.controlplane import (ControlPlane, strip_cel, KubectlError, MISSING_ASSETS_HINT, find_assets,
-                                        free_port)
-from tests.kubelet.kubelet import Kubelet
+from tests.e2e.kubelet import Kubelet
+from tests.support import manifests, tables, waiting
+from tests.support.controlplane import ControlPlane, strip_cel, KubectlError, MISSING_ASSETS_HINT, find_assets
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("trainer.py")
@@ -60,18 +60,7 @@ def log(message: str) -> None:
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
     """Poll `check` until it returns something truthy; AssertionError naming `what` on timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = check()
-            if last:
-                return last
-        except (KubectlError, OSError, ValueError, KeyError) as exc:
-            last = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
-        time.sleep(interval)
+    return waiting.wait_for(check, timeout, what, interval, ignore=(KubectlError, OSError, ValueError, KeyError))
 
 
 def webhook_certs(d: Path, dns_name: str) -> None:
@@ -169,7 +158,7 @@ class Cluster:
                                       input=json.dumps(self.manifest("probe", log_dir=self.work)))
                  .returncode == 0, 60, "the admission webhook to answer")
         log("webhook serving; writing the LanceDB table")
-        dataplane.write_table(self.table_uri)
+        tables.write_training_table(self.table_uri)
         log("cluster ready")
 
     def _endpoint_ready(self, service: str) -> bool:
@@ -235,7 +224,7 @@ class Cluster:
                  sleep_s: float = 0.25, checkpoint_every: int = 0, restart_policy: str = "Never", timeout_seconds: int = 60,
                  **data: Any) -> dict[str, Any]:
         """A StreamingJob over the test table whose data section is the data-plane reference's."""
-        ref = dataplane.manifest(self.table_uri, self.checkpoint_uri, epochs=epochs, **data)["spec"]
+        ref = manifests.data_manifest(self.table_uri, self.checkpoint_uri, epochs=epochs, **data)["spec"]
         command = ["python", str(TRAINER), str(log_dir or self.log_dir(name)), "--sleep-s", str(sleep_s),
                    "--checkpoint-every", str(checkpoint_every), "--timeout-s", "60"]
         spec: dict[str, Any] = {

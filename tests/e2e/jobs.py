@@ -10,24 +10,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.dataplane import harness as dataplane
-from tests.e2e import exactness
+from tests.support import tables
+from tests.support import exactness
 from tests.e2e.cluster import NS, Cluster, log, max_step, wait_for
 
 
 @functools.lru_cache(maxsize=None)
 def _rank_batches(uri: str, epochs: int, world: int, rank: int) -> list[list[int]]:
-    return dataplane.reference_batches(uri, {"epochs": epochs}, world, rank)
+    return tables.reference_batches(uri, {"epochs": epochs}, world, rank)
 
 
 @functools.lru_cache(maxsize=None)
 def reference_steps(uri: str, epochs: int) -> list[set[int]]:
     """The unscaled run's global steps: lancedb's StreamingDataset in-process, world size 1."""
-    return dataplane.reference_global_steps(uri, {"epochs": epochs})
+    return tables.reference_global_steps(uri, {"epochs": epochs})
 
 
 def assert_exact(cluster: Cluster, name: str, epochs: int) -> exactness.Summary:
-    """The exactness rule of tests/e2e/exactness.py against lancedb's StreamingDataset."""
+    """The exactness rule of tests/support/exactness.py against lancedb's StreamingDataset."""
     global_steps = reference_steps(cluster.table_uri, epochs)
     rank_batches: Callable[[int, int], list[list[int]]] = functools.partial(
         _rank_batches, cluster.table_uri, epochs)

@@ -83,7 +83,7 @@ kind load docker-image "$IMAGE" --name "$CLUSTER"
 
 log "writing the LanceDB table (1000 rows) to $WORK/lance/db"
 mkdir -p "$WORK/logs" "$WORK/ckpt"
-"$PY" -c 'import sys; from tests.dataplane.harness import write_table; write_table(sys.argv[1])' "$WORK/lance/db"
+"$PY" -c 'import sys; from tests.support.tables import write_training_table; write_training_table(sys.argv[1])' "$WORK/lance/db"
 chmod -R a+rwX "$WORK"  # the pods run as the image's non-root user
 
 log "helm install splitfeed (image $IMAGE)"

@@ -6,7 +6,7 @@ DIR is the host directory that kind mounts at /e2e on its node: the table is
 DIR/lance/db (/e2e/lance/db in the pods, through a hostPath volume that the
 operator also gives the sidecar), checkpoints go to /e2e/ckpt and the trainers
 (tests/e2e/trainer.py, from ConfigMap e2e-trainer) log to /e2e/logs. The same
-exactness rule as the local-process tier (tests/e2e/exactness.py) judges the run.
+exactness rule as the local-process tier (tests/support/exactness.py) judges the run.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from tests.dataplane import harness as dataplane
-from tests.e2e import exactness
+from tests.support import manifests, tables, waiting
+from tests.support import exactness
 
 NS, NAME, EPOCHS = "e2e", "scenario", 2
 _T0 = time.monotonic()
@@ -52,21 +52,11 @@ class Kind:
 
 
 def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except (RuntimeError, ValueError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(1)
+    return waiting.wait_for(check, timeout, what, interval=1.0, ignore=(RuntimeError, ValueError, OSError))
 
 
 def manifest(image: str) -> dict[str, Any]:
-    data = dataplane.manifest("/e2e/lance/db", "/e2e/ckpt", epochs=EPOCHS)["spec"]
+    data = manifests.data_manifest("/e2e/lance/db", "/e2e/ckpt", epochs=EPOCHS)["spec"]
     return {"apiVersion": "splitfeed.io/v1alpha1", "kind": "StreamingJob",
             "metadata": {"name": NAME, "namespace": NS},
             "spec": {"replicas": 4, "data": data["data"], "sidecar": data["sidecar"],
@@ -127,9 +117,9 @@ def main() -> int:
 
     uri = str(args.work / "lance" / "db")
     rank_batches = functools.lru_cache(maxsize=None)(
-        lambda w, r: dataplane.reference_batches(uri, {"epochs": EPOCHS}, w, r))
+        lambda w, r: tables.reference_batches(uri, {"epochs": EPOCHS}, w, r))
     summary = exactness.check(log_dir, exactness.complete_checkpoints(args.work / "ckpt" / NS / NAME),
-                              dataplane.reference_global_steps(uri, {"epochs": EPOCHS}), rank_batches)
+                              tables.reference_global_steps(uri, {"epochs": EPOCHS}), rank_batches)
     log(f"exact: {summary}")
     assert [w.size for w in summary.worlds] == [4, 2, 3], summary
     assert [w.ended for w in summary.worlds] == ["drained", "drained", "end"], summary

@@ -3,7 +3,7 @@
 Each drains a world of real DDP trainers (tests/e2e/trainer.py) at one step the
 sidecars agree on (docs/agreement.md): every rank checkpoints there and stops,
 nothing is replayed, no restart is counted, and the next world resumes exactly
-at that step (tests/e2e/exactness.py). Jobs: 2 replicas, numSplits 24,
+at that step (tests/support/exactness.py). Jobs: 2 replicas, numSplits 24,
 globalBatchSize 48, one epoch (20 steps).
 """
 
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.e2e.cluster import NS, Cluster, StatusWatch, log, wait_for
-from tests.e2e.exactness import DRAINED, END
+from tests.support.exactness import DRAINED, END
 from tests.e2e.jobs import (AGREED_WITHIN_S, assert_exact, event_reasons, finish, first_time, rescale_latency,
                             wait_phase, wait_running, wait_steps)
 

@@ -1,4 +1,4 @@
-"""The exactness rule itself (tests/e2e/exactness.py) on hand-written trainer logs: no cluster needed."""
+"""The exactness rule itself (tests/support/exactness.py) on hand-written trainer logs: no cluster needed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e import exactness
+from tests.support import exactness
 
 TOTAL = 6
 """Global steps of the made-up run; step s holds ids 4s .. 4s+3."""

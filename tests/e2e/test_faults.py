@@ -2,7 +2,7 @@
 
 Every job: 2 replicas, numSplits 24, globalBatchSize 48, one epoch (20 steps),
 real DDP trainers (tests/e2e/trainer.py) pacing themselves so that the fault
-lands mid-epoch. The exactness rule is tests/e2e/exactness.py's: a world that
+lands mid-epoch. The exactness rule is tests/support/exactness.py's: a world that
 drained (a rescale, even with the operator killed, or with checkpoints failing
 for a while) replays nothing and the next world resumes at its agreed step; a
 world that failed (a killed trainer takes its DDP peers down with it, a pod
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import NS, SYSTEM_NS, Cluster, StatusWatch, alive, log, wait_for
-from tests.e2e.exactness import DRAINED, END, FAILED
+from tests.support.exactness import DRAINED, END, FAILED
 from tests.e2e.jobs import (assert_exact, event_reasons, finish, wait_phase, wait_running, wait_steps)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

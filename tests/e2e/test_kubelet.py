@@ -1,4 +1,4 @@
-"""The test kubelet itself (tests/kubelet): what the end-to-end tier relies on it to do like a kubelet."""
+"""The test kubelet itself (tests/e2e/kubelet.py): what the end-to-end tier relies on it to do like a kubelet."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.e2e.cluster import NS, Cluster, alive, log, wait_for
-from tests.kubelet.kubelet import HOSTS_MARK, Kubelet, rewrite_hosts
+from tests.e2e.kubelet import HOSTS_MARK, Kubelet, rewrite_hosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -6,7 +6,7 @@ every pod (the operator's too) as local processes, and plays cluster DNS in
 CPU, a backward pass with an all-reduce every step, the README's loop and no
 barrier of their own). See tests/e2e/cluster.py.
 
-Exactness rule (tests/e2e/exactness.py): every rank of a drained world
+Exactness rule (tests/support/exactness.py): every rank of a drained world
 checkpointed at one agreed step S and received nothing past it, and the next
 world resumed exactly at S with the model saved there; within each world's
 range every rank has exactly one batch, equal to its StreamingDataset batch for
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import NS, SYSTEM_NS, Cluster, StatusWatch, alive, log, wait_for
-from tests.e2e.exactness import DRAINED, END
+from tests.support.exactness import DRAINED, END
 from tests.e2e.jobs import (AGREED_WITHIN_S, assert_exact, event_reasons, reference_steps, rescale_latency, scale,
                             wait_phase)
 

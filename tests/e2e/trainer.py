@@ -22,7 +22,7 @@ gradient all-reduce every step, and the README's loop exactly:
 There is no barrier or collective of its own around checkpoints: every rank must
 see `checkpoint_requested` on the same step because the sidecars agreed on it
 (docs/agreement.md). If they do not, the logs below show it and
-tests/e2e/exactness.py fails. One addition a careful user makes too: a
+tests/support/exactness.py fails. One addition a careful user makes too: a
 `client.checkpoint()` that fails (the store is unwritable) is logged; it is
 retried while the world's request stands, and skipped when it was only this
 trainer's periodic wish.

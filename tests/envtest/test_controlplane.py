@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.envtest.controlplane import MISSING_ASSETS_HINT, ControlPlane, find_assets
+from tests.support.controlplane import MISSING_ASSETS_HINT, ControlPlane, find_assets
 
 CONTROLLERS = ["garbagecollector", "serviceaccount", "serviceaccount-token", "namespace"]
 

@@ -6,7 +6,7 @@ import pytest
 
 from splitfeed.operator import admission
 from splitfeed.trainer_client import specs
-from tests.operator.builders import manifest
+from tests.support.builders import manifest
 
 ALLOWED_48_960 = [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
 
@@ -358,8 +358,8 @@ def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
     """A complexity check, not a benchmark: the old walk over every replica count took seconds."""
     import time
 
-    from splitfeed.operator import planning, rescaling
-    from tests.operator.builders import OWNER, T0
+    from splitfeed.operator import lifecycle, planning
+    from tests.support.builders import OWNER, T0
 
     n = admission.MAXIMA["spec.data.numSplits"]
     m = manifest(replicas=10)
@@ -368,7 +368,7 @@ def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
     job = admission.review_job(m)
     with pytest.raises(admission.Rejected) as info:
         admission.review_scale(m, 7)  # the rejection lists every valid count
-    d = rescaling.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
+    d = lifecycle.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
     elapsed = time.perf_counter() - start
     assert elapsed < 0.5, f"{elapsed:.2f}s"
     assert info.value.allowed[:4] == [1, 2, 4, 5] and len(info.value.allowed) == 49
@@ -438,15 +438,15 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_a_malformed_template_is_rejected_and_the_reconciler_says_so_without_crashing(case):
-    from splitfeed.operator import planning, rescaling
-    from tests.operator.builders import OWNER, T0
+    from splitfeed.operator import lifecycle, planning
+    from tests.support.builders import OWNER, T0
 
     m = template_with(MALFORMED[case])
     with pytest.raises(admission.Rejected) as info:
         admission.review_job(m)
     assert "spec.trainer.template" in str(info.value)
     job = admission.parse(m)
-    d = rescaling.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
+    d = lifecycle.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
     assert d.permanent_error and not d.create
     (validated,) = [c for c in d.status["conditions"] if c["type"] == "Validated"]
     assert validated["reason"] == "InvalidSpec" and "spec.trainer.template" in validated["message"]

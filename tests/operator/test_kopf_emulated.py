@@ -23,7 +23,8 @@ import pytest
 import pytest_asyncio
 
 from splitfeed.operator import configs, handlers, kube, planning, reconciling, webhooks  # noqa: F401 (handlers registers)
-from tests.operator.builders import manifest
+from tests.support.builders import manifest
+from tests.support.ports import free_port
 
 JOBS = "splitfeed.io/v1alpha1/streamingjobs"
 PODS = "v1/pods"
@@ -196,14 +197,6 @@ async def test_an_operator_restarted_mid_rescale_finishes_it(cluster):
         await until(lambda: (job_of(cluster)["status"].get("worldEpoch"), phase(cluster)) == (1, "Running"),
                     what="world 1 running after the restart")
         assert sorted(pods_of(cluster)) == ["resnet-w1-0"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def review(obj: dict[str, Any], *, operation: str, old: dict[str, Any] | None = None,

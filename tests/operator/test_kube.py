@@ -29,7 +29,7 @@ import kubernetes
 import pytest
 
 from splitfeed.operator import configs, handlers, kube, leader, planning, reconciling, rescaling
-from tests.operator.builders import manifest
+from tests.support.builders import manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 

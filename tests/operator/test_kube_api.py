@@ -31,8 +31,10 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.envtest.controlplane import MISSING_ASSETS_HINT, ControlPlane, strip_cel, KubectlError, find_assets, free_port
-from tests.operator.builders import manifest
+from tests.support.controlplane import MISSING_ASSETS_HINT, ControlPlane, strip_cel, KubectlError, find_assets
+from tests.support import waiting
+from tests.support.ports import free_port
+from tests.support.builders import manifest
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(240)]
 
@@ -69,15 +71,7 @@ def make_certs(d: Path) -> None:
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            last = check()
-            if last:
-                return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what or check} (last: {last!r})")
+    return waiting.wait_for(check, timeout, what, ignore=(Exception,))
 
 
 class Env:

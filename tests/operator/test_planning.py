@@ -10,7 +10,7 @@ import pytest
 from splitfeed.operator import planning
 from splitfeed.trainer_client import specs
 from tests.operator import pss
-from tests.operator.builders import OWNER, manifest
+from tests.support.builders import OWNER, manifest
 
 NATIVE = planning.Settings()
 CONTAINER = planning.Settings(sidecar_mode="container")

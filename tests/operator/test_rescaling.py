@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from splitfeed.operator import planning, rescaling
+from splitfeed.operator import lifecycle, planning
 from splitfeed.trainer_client import specs
-from tests.operator.builders import OWNER, T0, manifest
+from tests.support.builders import OWNER, T0, manifest
 
 SETTINGS = planning.Settings()
 
@@ -60,17 +60,17 @@ class Cluster:
         self.pods: dict[str, dict] = {}
         self.others: dict[str, dict] = {}
         self.now = T0
-        self.log: list[rescaling.Decision] = []
+        self.log: list[lifecycle.Decision] = []
 
     @property
     def job(self):
         return specs.parse_job(self.manifest, check_replicas=False)
 
     def decide(self):
-        return rescaling.decide(self.job, self.status, list(self.pods.values()), owner=OWNER,
+        return lifecycle.decide(self.job, self.status, list(self.pods.values()), owner=OWNER,
                                 settings=SETTINGS, now=self.now, generation=1)
 
-    def step(self, *, act: bool = True) -> rescaling.Decision:
+    def step(self, *, act: bool = True) -> lifecycle.Decision:
         d = self.decide()
         self.log.append(d)
         assert_declared(d.status, STATUS_SCHEMA)
@@ -170,7 +170,7 @@ def test_an_invalid_new_job_fails_permanently_without_pods():
 def test_fixing_an_invalid_spec_starts_the_job():
     c = Cluster(replicas=5)
     c.step()
-    assert not rescaling.is_terminal(c.status)
+    assert not lifecycle.is_terminal(c.status)
     c.scale(6)
     c.step()
     assert c.status["phase"] == "Running" and c.status["replicas"] == 6 and len(c.pods) == 6
@@ -377,7 +377,7 @@ def test_a_vanished_pod_of_a_started_world_is_a_failure():
 def test_a_trainer_that_exited_non_zero_fails_its_pod_while_a_plain_sidecar_still_runs():
     """--sidecar-mode container, restartPolicy Never: nothing restarts the trainer, the pod stays Running."""
     c = Cluster().running()
-    exited = T0 - datetime.timedelta(seconds=rescaling.REPORT_GRACE_S)
+    exited = T0 - datetime.timedelta(seconds=lifecycle.REPORT_GRACE_S)
     c.pods["resnet-w0-1"]["status"] = {"phase": "Running", "containerStatuses": [
         {"name": "trainer", "state": {"terminated": {"exitCode": 137, "finishedAt": ts(exited)}}},
         {"name": "splitfeed-sidecar", "state": {"running": {}}}]}
@@ -416,7 +416,7 @@ def test_a_data_error_reported_just_after_the_trainer_exits_still_spends_no_rest
 def test_a_sidecar_that_never_reports_delays_the_restart_by_the_grace_only():
     c = Cluster(maxRestarts=3).running()
     trainer_exited_sidecar_running(c, "resnet-w0-0")
-    c.now += datetime.timedelta(seconds=rescaling.REPORT_GRACE_S - 1)
+    c.now += datetime.timedelta(seconds=lifecycle.REPORT_GRACE_S - 1)
     assert c.step().step == "AwaitingSidecarReport"
     c.now += datetime.timedelta(seconds=1)
     assert c.step().step == "RemovingOldWorld" and c.status["restarts"] == 1
@@ -441,7 +441,7 @@ def test_a_permanent_data_error_fails_the_job_without_spending_the_restart_budge
     assert c.status["phase"] == "Failed" and c.reason("Failed") == "DataError"
     assert c.status.get("restarts") is None
     assert "'nope' does not exist" in d.events[0].message and d.events[0].reason == "DataError"
-    assert rescaling.is_terminal(c.status)
+    assert lifecycle.is_terminal(c.status)
 
 
 def test_the_restart_budget_ends_in_failed_with_the_reason():
@@ -459,7 +459,7 @@ def test_the_restart_budget_ends_in_failed_with_the_reason():
     msg = [x for x in c.status["conditions"] if x["type"] == "Failed"][0]["message"]
     assert "table has 10 rows" in msg and "1/1 restarts" in msg
     assert sorted(d.delete) == [f"resnet-w1-{i}" for i in range(3)]
-    assert rescaling.is_terminal(c.status)
+    assert lifecycle.is_terminal(c.status)
     assert c.step().status == {}
 
 
@@ -469,7 +469,7 @@ def test_all_pods_succeeded_without_a_drain_is_success():
     d = c.step()
     assert c.status["phase"] == "Succeeded" and c.reason("Complete") == "AllPodsSucceeded"
     assert [e.reason for e in d.events] == ["Succeeded"]
-    assert rescaling.is_terminal(c.status)
+    assert lifecycle.is_terminal(c.status)
     c.scale(8)
     assert c.step().annotate == {}
 
@@ -499,12 +499,12 @@ def test_conditions_keep_their_transition_time_while_unchanged():
 def test_an_unparseable_spec_fails_a_new_job_but_spares_a_running_world():
     from splitfeed.operator import admission
     problem = admission.Rejected("field spec.data.table", "spec.data.table: is required")
-    d = rescaling.rejected({}, problem, now=T0)
+    d = lifecycle.rejected({}, problem, now=T0)
     assert d.status["phase"] == "Failed" and d.permanent_error and d.events[0].reason == "InvalidSpec"
     running = Cluster().running()
-    d = rescaling.rejected(running.status, problem, now=T0)
+    d = lifecycle.rejected(running.status, problem, now=T0)
     assert "phase" not in d.status and d.status["conditions"][0]["reason"] == "InvalidSpec"
-    again = rescaling.rejected(merge(running.status, d.status), problem, now=T0)
+    again = lifecycle.rejected(merge(running.status, d.status), problem, now=T0)
     assert again.status == {} and again.events == []
 
 
@@ -547,7 +547,7 @@ def sidecar_env(pod: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in side["env"]}
 
 
-def events(d: rescaling.Decision, reason: str) -> list[rescaling.Event]:
+def events(d: lifecycle.Decision, reason: str) -> list[lifecycle.Event]:
     return [e for e in d.events if e.reason == reason]
 
 
@@ -780,7 +780,7 @@ def test_notify_waits_for_replica_zeros_ip_and_brackets_ipv6():
 
 # --- failure policy: back-off, disruptions, in-place restarts (issue #9) ----------------------
 
-def fail_and_restart(c: Cluster, pod: str) -> rescaling.Decision:
+def fail_and_restart(c: Cluster, pod: str) -> lifecycle.Decision:
     c.set_phase("Running")
     c.set_phase("Failed", pod)
     d = c.step()
@@ -898,8 +898,8 @@ def test_in_place_restarts_and_world_restarts_share_one_budget():
 # --- objects the apiserver refuses to create --------------------------------------------------
 
 def refused(c: Cluster, status: int, reason: str, message: str, kind: str = "Pod",
-            name: str = "resnet-w0-2") -> rescaling.Decision:
-    d = rescaling.creation_failed(c.job, c.status, rescaling.CreationFailure(kind, name, status, reason, message),
+            name: str = "resnet-w0-2") -> lifecycle.Decision:
+    d = lifecycle.creation_failed(c.job, c.status, lifecycle.CreationFailure(kind, name, status, reason, message),
                                   settings=SETTINGS, now=c.now, generation=1)
     assert_declared(d.status, STATUS_SCHEMA)
     c.status = merge(c.status, d.status)
@@ -938,7 +938,7 @@ def test_a_pod_the_apiserver_calls_invalid_fails_the_job_and_removes_the_world()
                 name="resnet-w1-0")
     assert c.status["phase"] == "Failed" and c.reason("Failed") == "InvalidPodTemplate"
     assert "spec.containers[0].image: Required value" in d.events[0].message
-    assert rescaling.is_terminal(c.status)
+    assert lifecycle.is_terminal(c.status)
     c.pods["resnet-w1-3"] = merge(planning.pod(c.job, 1, 3, OWNER, SETTINGS), {"status": {"phase": "Pending"}})
     assert c.step().delete == ["resnet-w1-3"]  # whatever was created goes
 

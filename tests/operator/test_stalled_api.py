@@ -30,8 +30,9 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.envtest.controlplane import MISSING_ASSETS_HINT, ControlPlane, find_assets, free_port, strip_cel
-from tests.operator.builders import manifest
+from tests.support.controlplane import MISSING_ASSETS_HINT, ControlPlane, find_assets, strip_cel
+from tests.support.ports import free_port
+from tests.support.builders import manifest
 from tests.operator.test_kube_api import wait_for
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]

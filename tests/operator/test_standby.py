@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from splitfeed.operator import standby
-from tests.envtest.controlplane import free_port
+from tests.support.ports import free_port
 
 
 def _get(url: str) -> tuple[int, dict[str, object]]:

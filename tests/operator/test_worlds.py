@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from splitfeed.operator import reconciling, rescaling
+from splitfeed.operator import lifecycle, reconciling
 from splitfeed.trainer_client import worlds
 from splitfeed.trainer_client import messages
 
@@ -127,7 +127,7 @@ class RecordingKube:
 def test_the_reconciler_sends_a_decisions_notify_after_its_status_and_annotations(router):
     kube = RecordingKube(router)
     ctx = reconciling.Context(kube=kube, settings=None)  # type: ignore[arg-type]
-    d = rescaling.Decision(step="CheckpointRequested", status={"phase": "Rescaling"},
+    d = lifecycle.Decision(step="CheckpointRequested", status={"phase": "Rescaling"},
                            annotate={"resnet-w0-0": {"splitfeed.io/drain": "rescale-w0"}},
                            notify=(router.address, "rescale-w0", "rescale"))
     body = {"metadata": {"namespace": "ns", "name": "resnet", "resourceVersion": "41"}}

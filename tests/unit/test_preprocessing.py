@@ -64,7 +64,7 @@ def test_a_failing_row_becomes_a_marker_and_the_rest_keep_their_outputs():
 
 def test_loading_binds_the_json_arguments():
     data = specs.DataSpec(uri="/x", table="t", num_splits=1, global_batch_size=1,
-                          transform="tests.data.transforms:features", transform_args='{"scale": 3.0}')
+                          transform="tests.support.transforms:features", transform_args='{"scale": 3.0}')
     fn = preprocessing.load_transform(data)
     batch = pa.record_batch({"id": [7], "label": [1], "vec": pa.FixedSizeListArray.from_arrays(
         pa.array([1.0, 2.0, 3.0, 4.0], pa.float32()), 4)})

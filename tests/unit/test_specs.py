@@ -139,6 +139,19 @@ def test_the_maxima_are_refused_when_parsing_too_so_local_and_plan_say_the_same(
         _specs.parse_job(manifest, check_replicas=False)
 
 
+def test_every_spec_field_is_declared_once_with_its_rule():
+    """A field added to a section's dataclass without a Rule would never be parsed."""
+    import dataclasses
+
+    for model in (specs.DataSpec, specs.CheckpointSpec, specs.SidecarSpec, specs.TrainerSpec, specs.ResumeFrom,
+                  specs.PackSpec):
+        assert {f.name for f in dataclasses.fields(model)} == {f.name for f in specs.wire_fields(model).values()}
+    assert {f.name for f in dataclasses.fields(specs.JobSpec)} - {
+        f.name for f in specs.wire_fields(specs.JobSpec).values()} == {"name", "namespace"}
+    assert specs.wire_fields(specs.DataSpec)["numSplits"].rule == specs.Rule("int", 1, 1_000_000)
+    assert specs.MAXIMA["spec.data.numSplits"] == 1_000_000
+
+
 # --- preprocessing fields ----------------------------------------------------------
 
 PACK = {"column": "tokens", "blockSize": 512, "eosId": 2, "padId": 0, "blocksPerEpoch": 96}

@@ -1,0 +1,51 @@
+"""Checks every test of every tier gets: nothing left running, nothing left in shared memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support import guards
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_shared_memory() -> Iterator[None]:
+    """This session's own memory-backed directory (guards.session_shm), removed at the end."""
+    guards.session_shm()
+    yield
+    guards.remove_session_shm()
+
+
+class _WiderFixtures:
+    """What a fixture of wider scope than a test starts is that fixture's, whichever test
+    happened to set it up (also late, through `request.getfixturevalue`).
+
+    A plugin of its own, not a hook of this conftest: a conftest's hooks are not called
+    for session-scoped fixtures, whose node is the session."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[object]) -> Iterator[None]:
+        if fixturedef.scope == "function":
+            yield
+            return
+        before = guards.Snapshot.take()
+        yield
+        before.adopt()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_WiderFixtures(), "splitfeed-wider-fixtures")
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """Fail a test that leaves child processes, threads or shared-memory files behind.
+
+    What session, package and module fixtures start (a control plane, a moto server)
+    is theirs, not the test's (pytest_fixture_setup).
+    """
+    before = guards.Snapshot.take()
+    yield
+    leaks = before.leaks()
+    assert not leaks, "left behind by this test: " + "; ".join(leaks)

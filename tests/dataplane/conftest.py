@@ -1,3 +1,0 @@
-"""Data-plane fixtures; the machinery lives in harness.py."""
-
-from tests.dataplane.harness import pods, socket_root, table_uri  # noqa: F401  (fixtures)

@@ -1,0 +1,260 @@
+"""`splitfeed local`: the ranks of a StreamingJob as processes, as pods would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.streaming.harness import manifest, reference_batches
+
+SCRIPT = Path(__file__).with_name("trainer_script.py")
+
+
+def splitfeed(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "splitfeed.trainer_client.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def job_file(tmp_path: Path, job: dict) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+def test_local_runs_every_rank_with_the_pod_environment(table_uri, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    job = manifest(table_uri)
+    # The trainer command comes from the template, as in a pod.
+    job["spec"]["trainer"] = {"template": {"spec": {"containers": [{
+        "name": "trainer", "command": [sys.executable, "-c",
+            "import os, runpy, sys; sys.argv=['t', os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.jsonl')];"
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')", str(logs)]}]}}}
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "global steps" in done.stderr and "rows/s" in done.stderr and "data stall" in done.stderr
+    # docs/observability.md: the summary gives the data-ready percentiles of all ranks.
+    assert re.search(r"data-ready latency p50 [0-9.]+ ms, p95 [0-9.]+ ms, p99 [0-9.]+ ms", done.stderr), done.stderr
+    for rank in range(2):
+        got = [json.loads(line)["ids"] for line in (logs / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert got == reference_batches(table_uri, {}, 2, rank)
+
+
+def test_a_failed_rank_stops_the_run_with_its_error(table_uri, tmp_path):
+    done = splitfeed("local", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "2", "--quiet",
+                     "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--fail-at", "3")
+    assert done.returncode == 1
+    assert "trainer failed on purpose at step 3" in done.stderr
+
+
+@pytest.mark.parametrize("change,args,words", [
+    pytest.param({}, ["--replicas", "5"], "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 24]",
+                 id="invalid-replicas"),
+    pytest.param({"numSplit": 24}, [], "spec.data.numSplit: unknown field; did you mean 'numSplits'?",
+                 id="unknown-field"),
+    pytest.param({"globalBatchSize": 50}, [], "globalBatchSize=50 is not divisible by numSplits=24",
+                 id="indivisible-batch"),
+])
+def test_bad_manifests_are_rejected_before_anything_starts(table_uri, tmp_path, change, args, words):
+    job = manifest(table_uri)
+    job["spec"]["data"].update(change)
+    done = splitfeed("local", "-f", job_file(tmp_path, job), *args, "--", "true")
+    assert done.returncode == 2
+    assert words in done.stderr
+
+
+def test_a_missing_table_fails_the_run_with_the_sidecars_reason(table_uri, tmp_path):
+    job = manifest(table_uri, table="nope")
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--quiet",
+                     "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"))
+    assert done.returncode == 1
+    assert "table spec.data.table='nope' does not exist" in done.stderr
+
+
+def descendants(pid: int) -> list[str]:
+    """Every process below `pid`: sidecars are children of `splitfeed local`'s fork server."""
+    found: list[str] = []
+    todo = [str(pid)]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", todo.pop()], capture_output=True, text=True).stdout.split()
+        found += out
+        todo += out
+    return found
+
+
+def test_ctrl_c_stops_every_process(table_uri, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
+         job_file(tmp_path, manifest(table_uri)), "--replicas", "2", "--quiet",
+         "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ids.jsonl").exists() or len((tmp_path / "ids.jsonl").read_text().splitlines()) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        children = descendants(proc.pid)
+        assert len(children) == 5, children  # 2 trainers; the sidecar fork server and its 2 sidecars
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert "interrupted" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
+    # A SIGKILLed launcher cannot remove its work directory either: give it a directory of
+    # its own (short: it holds ipc sockets), removed here, not the session's shared memory.
+    shm = tempfile.mkdtemp(prefix="sf-killed-")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
+         job_file(tmp_path, manifest(table_uri)), "--quiet",
+         "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "SPLITFEED_SHM_ROOT": shm})
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ids.jsonl").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        children = descendants(proc.pid)
+        assert len(children) == 3, children  # the trainer; the sidecar fork server and its sidecar
+        proc.kill()  # SIGKILL: the launcher cannot clean up
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in children):
+            assert time.monotonic() < deadline, "children outlived their launcher"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_plan_shows_valid_counts_splits_per_rank_and_steps_per_epoch(table_uri, tmp_path):
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, filter="label >= 2")),
+                     "--replicas", "3", "--read-table")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "world size 3" in out
+    assert "valid replica counts: [1, 2, 3, 4, 6, 8, 12, 24]" in out
+    assert "rank 2: splits 16..23" in out
+    assert "16 per rank" in out  # 48 rows per step / 3 ranks
+    # 800 rows pass the filter: 33 per split, 2 rows per split per step -> 16 steps
+    reference_steps = len(reference_batches(table_uri, {"filter": "label >= 2"}, 3, 0))
+    assert f"{reference_steps} steps per epoch" in out
+
+
+def test_plan_rejects_an_invalid_replica_count_with_the_valid_ones(table_uri, tmp_path):
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "7")
+    assert done.returncode == 2
+    assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 24]" in done.stderr
+
+
+E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
+
+
+def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_step(table_uri, tmp_path):
+    """`--scale-at` drains each world at one agreed step and starts the next one there.
+
+    The trainers are real DDP trainers (gloo, a backward pass every step) that follow
+    the README's loop; output goes to a pipe, so progress comes as plain lines.
+    """
+    from tests.support import exactness
+
+    logs = tmp_path / "logs"
+    store = tmp_path / "ckpt"
+    job = manifest(table_uri, str(store))
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--resume", "none",
+                     "--scale-at", "4:4", "--scale-at", "10:3",
+                     "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.25", timeout=400)
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "\r" not in err  # no bar when the output is not a terminal
+    assert "splitfeed local: world 0 (2 ranks): global step" in err
+    assert "rescale 2 -> 4 replicas at global step" in err and "rescale 4 -> 3 replicas" in err
+    assert err.count("; 0 steps redone") == 2, err
+    summary = exactness.check(
+        logs, exactness.complete_checkpoints(store / "test" / "job"),
+        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
+        lambda world, rank: reference_batches(table_uri, {}, world, rank))
+    assert [w.size for w in summary.worlds] == [2, 4, 3], summary
+    assert [w.ended for w in summary.worlds] == [exactness.DRAINED, exactness.DRAINED, exactness.END], summary
+    assert summary.replayed == 0, summary
+
+
+def test_the_demo_check_fails_on_a_single_wrong_batch(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", Path(__file__).parents[2] / "examples" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    one = {s: [s * 10 + i for i in range(4)] for s in range(8)}
+    assert demo.compare(one, {s: list(v) for s, v in one.items()}, [3, 6]) == 0
+    wrong = {s: list(v) for s, v in one.items()}
+    wrong[5][0] += 1  # one row of one global step
+    assert demo.compare(one, wrong, [3, 6]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT" in out and "7/8 global steps identical" in out
+
+
+def test_sigterm_to_one_trainer_drains_the_world_at_one_step_and_the_next_run_resumes_there(
+        table_uri, tmp_path):
+    """Preemption: the pod's trainer gets SIGTERM; every rank checkpoints at one agreed step."""
+    from tests.support import exactness
+
+    store = tmp_path / "ckpt"
+    path = job_file(tmp_path, manifest(table_uri, str(store)))
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", path, "--replicas", "2",
+         "--resume", "none", "--quiet", "--", sys.executable, str(E2E_TRAINER), str(first), "--sleep-s", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (first / "w0-r1.jsonl").exists() or '"step": 3' not in (first / "w0-r1.jsonl").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the trainers never reached step 3"
+            time.sleep(0.1)
+        start = json.loads((first / "w0-r1.jsonl").read_text().splitlines()[0])
+        os.kill(start["pid"], signal.SIGTERM)  # rank 1's trainer, as the kubelet would
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    (world,) = exactness.read_worlds(first)
+    saved = {e["rank"]: e["step"] for e in world.events if e["event"] == "checkpoint"}
+    assert len(saved) == 2 and len(set(saved.values())) == 1, world.events
+    (step,) = set(saved.values())
+    assert 3 < step < 20
+    for rank in range(2):
+        assert sorted(world.batches[rank]) == list(range(step)), f"rank {rank} went past the agreed step"
+
+    shutil.copytree(first / "models", second / "models")  # the model store the job keeps
+    done = splitfeed("local", "-f", path, "--replicas", "3", "--quiet",
+                     "--", sys.executable, str(E2E_TRAINER), str(second), timeout=300)
+    assert done.returncode == 0, done.stderr
+    (resumed,) = exactness.read_worlds(second)
+    assert resumed.resume_step == step
+    for rank in range(3):
+        expected = reference_batches(table_uri, {}, 3, rank)
+        assert {s: ids[0] for s, ids in resumed.batches[rank].items()} == {
+            s: expected[s] for s in range(step, len(expected))}

@@ -1,0 +1,164 @@
+"""The ring's flow control with an in-process sidecar: who waits for what, and who wakes whom.
+
+The sidecar's publishing thread writes batches straight into slots; these tests
+drive it with a trivial in-memory factory so that every wait is deliberate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from splitfeed.sidecar import serving
+from splitfeed.trainer_client import ring
+from splitfeed.trainer_client.client import StreamClient
+
+from tests.streaming.harness import wait_for
+
+ROWS = 8
+
+
+def factory(rank: int, first: int):
+    def batches():
+        for step in range(first, 1_000_000):
+            yield step, pa.record_batch({"id": pa.array(np.arange(step * ROWS, (step + 1) * ROWS))})
+    return batches()
+
+
+@pytest.fixture
+def serve(socket_root):
+    started = []
+
+    def start(total_steps: int, prefetch: int, source=factory) -> serving.Server:
+        server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=source,
+                                steps_per_epoch=total_steps, total_steps=total_steps, start_step=0,
+                                resume_step=0, prefetch=prefetch)
+        server.end_linger_s = 0.0
+        thread = threading.Thread(target=lambda: (server.run(), server.close()), daemon=True)
+        thread.start()
+        started.append((server, thread))
+        return server
+
+    yield start
+    for server, thread in started:
+        server.stopping.set()
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def ids(batch) -> list[int]:
+    return [int(x) for x in batch["id"]]
+
+
+def test_every_slot_held_makes_the_sidecar_wait_for_a_slot_and_a_release_wakes_it(serve, socket_root,
+                                                                                monkeypatch):
+    monkeypatch.setattr(ring, "MAX_SLOTS", 3)  # both sides are in this process
+    serve(total_steps=6, prefetch=2)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
+        it = iter(client)
+        held = [next(it) for _ in range(3)]  # every slot the ring may have
+        control = client._control
+        wait_for(lambda: control.sidecar_waiting & ring.Waiting.KIND == ring.Waiting.SLOT,
+                 what="the sidecar to wait for a slot")
+        assert control.num_slots == 3 and control.filled() == 0
+        first = ids(held.pop(0))
+        assert first == list(range(0, ROWS))
+        rest = []
+        while (batch := next(it, None)) is not None:  # the drop above freed a slot: wakes the sidecar
+            rest.append(ids(batch))
+            del batch  # a loop variable would keep a slot until the next batch is in hand
+    got = [first] + [ids(b) for b in held] + rest
+    assert got == [list(range(s * ROWS, (s + 1) * ROWS)) for s in range(6)]
+
+
+def test_holding_every_slot_while_asking_for_more_is_a_clear_error(serve, socket_root, monkeypatch):
+    from splitfeed.trainer_client import SidecarUnavailable
+
+    monkeypatch.setattr(ring, "MAX_SLOTS", 3)
+    serve(total_steps=6, prefetch=2)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=1.5, heartbeat_s=0.2) as client:
+        held = [next(client) for _ in range(3)]
+        with pytest.raises(SidecarUnavailable, match="references 3 earlier batches, every slot"):
+            next(client)
+        assert [ids(b)[0] for b in held] == [0, ROWS, 2 * ROWS]
+
+
+def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(serve, socket_root):
+    serve(total_steps=40, prefetch=4)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
+        control = client._control
+        wait_for(lambda: control.sidecar_waiting & ring.Waiting.KIND == ring.Waiting.ROOM,
+                 what="the sidecar to fill the ring")
+        assert control.filled() == 4
+        time.sleep(0.05)
+        assert control.filled() == 4  # never more than prefetch ahead
+        got = [ids(b)[0] // ROWS for b in client]
+    assert got == list(range(40))
+
+
+def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, monkeypatch):
+    """No spinning: the trainer sleeps on the socket and the `ready` message must wake it."""
+    from splitfeed.trainer_client import client as client_module
+
+    monkeypatch.setattr(client_module, "SPIN_S", 0.0)
+    gate = threading.Event()
+
+    def slow(rank: int, first: int):
+        for step in range(first, 3):
+            gate.wait(10)
+            yield step, pa.record_batch({"id": pa.array(np.arange(step * ROWS, (step + 1) * ROWS))})
+
+    serve(total_steps=3, prefetch=2, source=slow)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30, heartbeat_s=30) as client:
+        threading.Timer(0.3, gate.set).start()
+        started = time.monotonic()
+        got = [ids(b)[0] // ROWS for b in client]
+        # heartbeat_s=30: only a `ready` can have woken it this soon
+        assert time.monotonic() - started < 10
+    assert got == [0, 1, 2]
+
+
+def mixed(step: int) -> pa.RecordBatch:
+    """Every kind of column, with lengths that repeat (equal metadata) and change (new metadata)."""
+    n = (3, 5, 3, 5, 1)[step % 5]
+    base = step * 100
+    floats = [float(base + i) if (base + i) % 3 else None for i in range(n)]
+    return pa.record_batch({
+        "id": pa.array(np.arange(base, base + n), pa.int64()),
+        "maybe": pa.array(floats, pa.float32()),
+        "name": pa.array([f"row-{base + i}" for i in range(n)]),
+        "flag": pa.array([(base + i) % 2 == 0 for i in range(n)]),
+        "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(n * 4, dtype=np.float32) + base), 4),
+        "tags": pa.array([[base + i] * (i % 3) for i in range(n)], pa.list_(pa.int64())),
+    })
+
+
+def test_every_column_type_arrives_intact_and_numeric_columns_are_writable_views(serve, socket_root):
+    steps = 12
+
+    def source(rank: int, first: int):
+        return ((s, mixed(s)) for s in range(first, steps))
+
+    serve(total_steps=steps, prefetch=2, source=source)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
+        for step, batch in enumerate(client):
+            want = mixed(step)
+            assert batch.global_step == step and batch.rows == want.num_rows
+            for name in want.schema.names:
+                got = batch[name]
+                expected = want.column(name).to_numpy(zero_copy_only=False)
+                if name in ("maybe", "tags"):  # nulls / lists: compared as Python values
+                    assert pa.array(list(got) if name == "tags" else got,
+                                    want.schema.field(name).type, from_pandas=True).to_pylist() \
+                        == want.column(name).to_pylist(), name
+                elif name == "vec":
+                    assert np.array_equal(got, np.stack(expected)), name
+                else:
+                    assert list(got) == list(expected), name
+            for name in ("id", "vec"):  # views of the slot: writable, not owning their memory
+                assert batch[name].flags.writeable and not batch[name].flags.owndata
+    assert step == steps - 1

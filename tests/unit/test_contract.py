@@ -1,0 +1,122 @@
+"""The pod contract: trainer_client/contract.py and docs/pod-contract.md say the same,
+and the operator and `splitfeed local` build one environment from it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from splitfeed.operator import planning
+from splitfeed.sidecar import local
+from splitfeed.trainer_client import client, contract, specs
+from tests.support.builders import manifest
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "pod-contract.md").read_text()
+
+
+def section(title: str) -> str:
+    """The text of the `## title` section of the page."""
+    start = DOC.index(f"## {title}")
+    end = DOC.find("\n## ", start + 1)
+    return DOC[start:end if end > 0 else None]
+
+
+def first_column(text: str) -> list[str]:
+    return [line.split("|")[1] for line in text.splitlines() if line.startswith("| ")]
+
+
+def values(suffix: str, prefix: str = "") -> set[str]:
+    return {v for k, v in vars(contract).items()
+            if k.endswith(suffix) and isinstance(v, str) and v.startswith(prefix)}
+
+
+def test_the_documented_splitfeed_variables_are_the_contracts():
+    rows = first_column(section("Environment"))
+    documented = {name for row in rows for name in re.findall(r"`(SPLITFEED_[A-Z_]+)`", row)}
+    assert documented == values("_ENV", "SPLITFEED_")
+
+
+def test_the_documented_rank_variables_are_what_the_builder_sets():
+    rows = first_column(section("Environment"))
+    documented = {name for row in rows for name in re.findall(r"`([A-Z_]+)`", row)
+                  if not name.startswith(("SPLITFEED_", "PET_"))}
+    built = contract.rank_env(world_size=4, gpus_per_replica=2, replica=1, local_rank=0, master_addr="a",
+                              master_port=1, socket_dir="/s", world_epoch=0)
+    assert documented == {k for k in built if not k.startswith("SPLITFEED_")}
+
+
+def test_the_documented_labels_and_annotations_are_the_contracts():
+    documented = set(re.findall(r"`(splitfeed\.io/[a-z-]+)`", section("Names, labels and annotations")))
+    assert documented == values("", "splitfeed.io/") - {contract.API_VERSION}
+    assert documented == {contract.LABEL_JOB, contract.LABEL_REPLICA, contract.LABEL_EPOCH,
+                          contract.ANNOTATION_DRAIN, contract.ANNOTATION_CHECKSUM}
+
+
+def test_the_documented_volumes_paths_and_ports_are_the_contracts():
+    volumes = section("Volumes")
+    assert {n for row in first_column(volumes) for n in re.findall(r"`(splitfeed-[a-z]+)`", row)} == {
+        *contract.RESERVED_VOLUMES, contract.VOLUME_TRANSFORMS}
+    for path in (contract.SOCKET_DIR, contract.CONFIG_DIR, contract.PODINFO_DIR, contract.STORAGE_DIR,
+                 contract.TRANSFORMS_DIR):
+        assert f"`{path}`" in volumes, path
+    assert contract.TERMINATION_LOG in section("Containers and commands")
+    assert f"--config {contract.CONFIG_DIR}/{contract.CONFIG_FILE}" in section("Containers and commands")
+    names = section("Names, labels and annotations")
+    assert f"`rendezvous` {contract.MASTER_PORT}" in names and f"`coordinator` {contract.COORDINATOR_PORT}" in names
+    assert f"`{contract.SIDECAR_NAME}`" in section("Containers and commands")
+
+
+def test_the_documented_report_is_the_contracts():
+    line = re.search(r"`(\{\"globalStep\".*?\})`", section("What the sidecar reports"), re.S)
+    assert line is not None
+    text = line.group(1)
+    inner = re.search(r'"lastCheckpoint": (\{.*?\})', text)
+    assert inner is not None
+    assert re.findall(r'"(\w+)":', inner.group(1)) == list(contract.LAST_CHECKPOINT_FIELDS)
+    outer = re.findall(r'"(\w+)":', text.replace(inner.group(1), ""))
+    assert outer == list(contract.REPORT_FIELDS)
+    table = {row.strip(" `") for row in first_column(section("What the sidecar reports"))[2:]}
+    assert table <= set(contract.REPORT_FIELDS)
+
+
+def test_the_documented_stats_record_is_what_the_client_writes(tmp_path):
+    row = next(line for line in section("Environment").splitlines() if f"`{contract.STATS_FILE_ENV}`" in line)
+    assert re.findall(r'"(\w+)"', row) == list(contract.STATS_FIELDS)
+    stats = client._Stats(str(tmp_path / "stats.json"))
+    stats.write(final=True)
+    assert list(json.loads((tmp_path / "stats.json").read_text())) == list(contract.STATS_FIELDS)
+
+
+def test_the_crd_coordinates_are_one_set():
+    assert specs.API_VERSION == f"{planning.GROUP}/{planning.VERSION}" == contract.API_VERSION
+    assert planning.Owner("j", "u").reference()["apiVersion"] == contract.API_VERSION
+    assert specs.KIND == contract.KIND
+
+
+@pytest.mark.parametrize("gpus, replicas", [(1, 4), (2, 2), (4, 2)])
+def test_local_processes_get_the_pods_rank_variables(gpus, replicas, monkeypatch):
+    monkeypatch.setattr(local.os, "environ", {"KEEP": "1"})
+    job = specs.parse_job(manifest(replicas=replicas, gpusPerReplica=gpus))
+    for replica in range(replicas):
+        pod = planning.pod_env(job, 3, replica)
+        here = local.rank_env(job, replica, 0, Path("/tmp/s"), 1234, 3)
+        machine_specific = {contract.MASTER_ADDR, contract.MASTER_PORT_ENV, contract.SOCKET_DIR_ENV}
+        assert {k: v for k, v in here.items() if k in pod and k not in machine_specific} == {
+            k: v for k, v in pod.items() if k not in machine_specific}
+        assert here["KEEP"] == "1" and here[contract.JOB_UID_ENV] == contract.LOCAL_JOB_UID
+        assert here[contract.MASTER_ADDR] == "127.0.0.1" and here[contract.MASTER_PORT_ENV] == "1234"
+        assert pod[contract.MASTER_PORT_ENV] == str(contract.MASTER_PORT)
+        last = local.rank_env(job, replica, gpus - 1, Path("/tmp/s"), 1234, 3)
+        assert last[contract.RANK] == str(replica * gpus + gpus - 1)
+
+
+def test_the_sidecar_gets_a_resume_step_instead_of_a_resume_mode():
+    base = {"coordinator": "tcp://c:1", "job_uid": "u"}
+    assert contract.sidecar_env(**base, resume_step=None, resume="none") == {
+        "SPLITFEED_RESUME": "none", "SPLITFEED_COORDINATOR": "tcp://c:1", "SPLITFEED_JOB_UID": "u"}
+    assert contract.sidecar_env(**base, resume_step=7, table_version=3, config_checksum="abc") == {
+        "SPLITFEED_RESUME_STEP": "7", "SPLITFEED_COORDINATOR": "tcp://c:1", "SPLITFEED_JOB_UID": "u",
+        "SPLITFEED_TABLE_VERSION": "3", "SPLITFEED_CONFIG_CHECKSUM": "abc"}

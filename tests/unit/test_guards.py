@@ -1,0 +1,79 @@
+"""The leak guard every test runs under (tests/conftest.py, tests/support/guards.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+
+from tests.support import guards, processes
+
+
+def test_a_child_process_a_thread_and_a_shared_memory_file_left_behind_are_named_and_removed(monkeypatch):
+    monkeypatch.setattr(guards, "GRACE_S", 0.2)
+    before = guards.Snapshot.take()
+    child = subprocess.Popen(["sleep", "60"])
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="splitfeed-leaky", daemon=True)
+    thread.start()
+    (guards.shm_root() / "ring-leaked").write_bytes(b"x")
+    try:
+        leaks = before.leaks()
+        assert any(f"child process {child.pid} (sleep 60)" == leak for leak in leaks), leaks
+        assert "thread 'splitfeed-leaky'" in leaks
+        assert f"shared memory {guards.shm_root() / 'ring-leaked'}" in leaks
+        assert child.wait(5) == -9, "the guard kills what it found"
+        assert not (guards.shm_root() / "ring-leaked").exists()
+    finally:
+        stop.set()
+        thread.join()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_what_finishes_within_the_grace_is_not_a_leak(monkeypatch):
+    monkeypatch.setattr(guards, "GRACE_S", 5.0)
+    before = guards.Snapshot.take()
+    child = subprocess.Popen(["sleep", "0.3"])
+    thread = threading.Thread(target=lambda: None, name="splitfeed-quick")
+    thread.start()
+    assert before.leaks() == []
+    child.wait()
+    thread.join()
+
+
+def test_a_library_daemon_thread_is_not_counted_but_a_zombie_is_gone():
+    before = guards.Snapshot.take()
+    stop = threading.Event()
+    pool = threading.Thread(target=stop.wait, name="some-library-pool", daemon=True)
+    pool.start()
+    child = subprocess.Popen(["true"])
+    processes.children()  # a child that exited but is not reaped yet is a zombie: not running
+    try:
+        assert before.leaks() == []
+    finally:
+        stop.set()
+        pool.join()
+        child.wait()
+
+
+def test_the_interpreters_resource_tracker_is_not_a_leak():
+    from multiprocessing import resource_tracker
+
+    before = guards.Snapshot.take()
+    resource_tracker.ensure_running()  # started once per interpreter, on first use
+    assert before.leaks() == []
+
+
+def test_what_a_wider_fixture_starts_during_a_test_is_the_fixtures(monkeypatch):
+    monkeypatch.setattr(guards, "GRACE_S", 0.2)
+    before = guards.Snapshot.take()
+    setup = guards.Snapshot.take()
+    server = subprocess.Popen(["sleep", "60"])  # as a session fixture set up late would
+    setup.adopt()
+    try:
+        assert before.leaks() == []
+        assert server.poll() is None
+    finally:
+        server.kill()
+        server.wait()
