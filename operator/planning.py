@@ -29,8 +29,7 @@ VOLUME_SHM, VOLUME_CONFIG = contract.VOLUME_SHM, contract.VOLUME_CONFIG
 VOLUME_PODINFO, VOLUME_STORAGE = contract.VOLUME_PODINFO, contract.VOLUME_STORAGE
 VOLUME_TRANSFORMS, TRANSFORMS_DIR = contract.VOLUME_TRANSFORMS, contract.TRANSFORMS_DIR
 RESERVED_VOLUMES = contract.RESERVED_VOLUMES
-METRICS_PORT = 29502
-"""The sidecar's Prometheus /metrics (SPLITFEED_METRICS_PORT; docs/observability.md)."""
+METRICS_PORT = contract.METRICS_PORT
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
 """On every pod, unless the trainer's template sets its own (its trainer's metrics, say)."""
@@ -256,7 +255,7 @@ def sidecar_container(
         **contract.sidecar_env(
             coordinator=coordinator_address(job.name, world_epoch), job_uid=job_uid, resume_step=resume_step,
             table_version=table_version, config_checksum=config_checksum(job)),
-        "SPLITFEED_METRICS_PORT": str(METRICS_PORT),
+        contract.METRICS_PORT_ENV: str(METRICS_PORT),
     }
     if any(m.get("name") == VOLUME_TRANSFORMS for m in extra_mounts or []):
         env["PYTHONPATH"] = TRANSFORMS_DIR

@@ -29,12 +29,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitfeed.trainer_client import messages, ring, stalls
+from splitfeed.trainer_client import contract, messages, ring, stalls
 
 log = logging.getLogger(__name__)
 
-METRICS_PORT_ENV = "SPLITFEED_METRICS_PORT"
-DEFAULT_METRICS_PORT = 29502
+METRICS_PORT_ENV = contract.METRICS_PORT_ENV
+DEFAULT_METRICS_PORT = contract.METRICS_PORT
 """The sidecar's /metrics port in a pod (docs/pod-contract.md); 0 turns the endpoint off."""
 PROGRESS_EVERY_S = 2.0
 """How often a member tells the coordinator its ranks' progress."""

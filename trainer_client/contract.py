@@ -56,6 +56,8 @@ TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
 """torch.distributed's rendezvous on replica 0."""
 COORDINATOR_PORT = 29501
+METRICS_PORT = 29502
+"""The sidecar's /metrics port in a pod (container port `metrics`)."""
 """Replica 0's sidecar binds the world's agreement coordinator here (docs/agreement.md)."""
 
 # --- environment ---------------------------------------------------------------
@@ -75,6 +77,8 @@ TABLE_VERSION_ENV = "SPLITFEED_TABLE_VERSION"
 COORDINATOR_ENV = "SPLITFEED_COORDINATOR"
 CONFIG_CHECKSUM_ENV = "SPLITFEED_CONFIG_CHECKSUM"
 STATS_FILE_ENV = "SPLITFEED_STATS_FILE"
+METRICS_PORT_ENV = "SPLITFEED_METRICS_PORT"
+"""Where the sidecar serves Prometheus /metrics (docs/observability.md); 0: off."""
 """Only `splitfeed local` sets it: where a trainer's client writes its StatsRecord."""
 
 LOCAL_JOB_UID = "local"
