@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.cluster import NS, Cluster, log, wait_for
 from tests.e2e.jobs import finish, scale, wait_running
-from tests.kubelet.kubelet import host_ip
+from tests.e2e.kubelet import host_ip
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SIDECAR_METRICS_PORT = 29502
