@@ -30,7 +30,7 @@ def run_ranks(started, gpus: int, *, request_at: int, request=None, slow_rank: i
 
     def rank_loop(pod, local_rank: int) -> None:
         try:
-            client = StreamClient(pod.socket_dir, local_rank, timeout_s=60)
+            client = StreamClient(pod.socket_dir, local_rank, timeout_s=120)  # six loader workers start on 2 cores
             out = {"steps": [], "saved": None, "resume": client.resume_step}
             for batch in client:
                 if client.rank == slow_rank:
@@ -56,7 +56,7 @@ def run_ranks(started, gpus: int, *, request_at: int, request=None, slow_rank: i
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(240)
     assert not errors, errors
     return results
 
