@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import NS, Cluster, wait_for
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +18,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if "run make envtest" in str(exc):
             pytest.fail(str(exc), pytrace=False)
         raise
+
+
+@pytest.fixture(autouse=True)
+def jobs_removed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test leaves the cluster as it found it: its jobs deleted and their pods gone from the node.
+
+    The test kubelet runs pods as children of this process, so a pod still stopping when a
+    test ends would otherwise count as that test's leak (tests/conftest.py). Torn down
+    before the leak check, which is set up first (root conftest)."""
+    yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster: Cluster = request.getfixturevalue("cluster")
+    cluster.kubectl("-n", NS, "delete", "sj", "--all", "--wait=false", check=False)
+    wait_for(lambda: not [r for r in list(cluster.kubelet.runs.values()) if r.namespace == NS], 120,
+             "the test's pods to be gone from the test kubelet")
 
 
 @pytest.hookimpl(wrapper=True)
