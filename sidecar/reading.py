@@ -499,7 +499,3 @@ def _substitute(
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """lancedb's own merge of per-rank states into one topology-free state."""
     return StreamingDataset.merge_state_dicts(states)
-
-
-def steps_per_epoch(table: Any, data: specs.DataSpec) -> int:
-    return layout_epoch(table, data, 0).steps_per_epoch

@@ -332,7 +332,7 @@ def test_packing_auto_budget_is_lancedbs_epoch_0_estimate(token_uri: str) -> Non
                                     pack_sequences=BLOCK, eos_id=EOS, pad_id=PAD,
                                     blocks_per_epoch="auto")._blocks_per_epoch
         assert reading.blocks_per_epoch(reading.open_table(data), data) == estimate
-        assert reading.steps_per_epoch(reading.open_table(data), data) == estimate // 24
+        assert reading.layout_epoch(reading.open_table(data), data, 0).steps_per_epoch == estimate // 24
 
 
 def test_a_checkpoint_of_other_preprocessing_is_not_resumed(db_uri: str) -> None:
