@@ -103,6 +103,13 @@ class Snapshot:
         _LONG_LIVED[1].update(now.threads - self.threads)
         _LONG_LIVED[2].update(now.shm - self.shm)
 
+    @staticmethod
+    def adopt_running(pids: set[int], shm: set[str]) -> None:
+        """These processes and shm entries belong to something that outlives the test (a
+        cluster's own pods, restarted by their Deployment while a test ran)."""
+        _LONG_LIVED[0].update(pids)
+        _LONG_LIVED[2].update(shm)
+
     def leaks(self) -> list[str]:
         """What the test left behind (after a grace for what is still exiting); cleans it up."""
         deadline = time.monotonic() + GRACE_S
