@@ -84,7 +84,7 @@ def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_step
     # `kubectl get sj` shows the printer columns.
     table = cluster.kubectl("-n", NS, "get", "sj", name).stdout.splitlines()
     log(f"{name}: kubectl get sj\n" + "\n".join(table))
-    assert table[0].split() == ["NAME", "REPLICAS", "WORLD", "PHASE", "EPOCH", "STEP", "AGE"]
+    assert table[0].split() == ["NAME", "REPLICAS", "WORLD", "PHASE", "EPOCH", "STEP", "STALL", "AGE"]
     row = table[1].split()
     assert row[:4] == [name, "3", "3", "Succeeded"], row
     assert row[4:6] == [str(epochs), "0"], f"progress of a finished {epochs}-epoch job: {row}"
