@@ -423,4 +423,12 @@ def run(settings: SidecarSettings) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
-    return serve(sidecar)
+    return serve_to_exit(sidecar)
+
+
+def serve_to_exit(sidecar: Sidecar) -> int:
+    """`serve`, then wait for ZeroMQ to send the last replies: the process exits next."""
+    try:
+        return serve(sidecar)
+    finally:
+        serving.flush(sidecar.server.context)

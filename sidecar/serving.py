@@ -49,6 +49,9 @@ SEND_HWM = 64
 """Replies queued per trainer before more are dropped: a trainer has a few outstanding
 at most (a welcome, a checkpoint's answer, `ready`s); one that does not read is not waited for."""
 
+CLOSE_LINGER_S = 2.0
+"""How long the last replies (a drained rank's `committed`) may take to leave when the sidecar exits."""
+
 
 class Publisher:
     """One local rank's control block, its slots, and the thread that alone fills them.
@@ -411,6 +414,8 @@ class Server:
         self._commit = commit
         self.member = member
         self._ctx = context or zmq.Context.instance()
+        self.context = self._ctx
+        """The ZeroMQ context of the sidecar's sockets: `flush` it before the process exits."""
         sweep(self.directory)
         self.sock = self._ctx.socket(zmq.ROUTER)
         # MANDATORY: a full or unknown peer is an error (EAGAIN, EHOSTUNREACH) on a
@@ -551,7 +556,9 @@ class Server:
             feed.publisher.close()
         if self.member is not None:
             self.member.close()
-        self.sock.close(linger=0)
+        # A reply sent just before (the `committed` that drained the last rank) may
+        # still be queued in ZeroMQ's I/O thread: it goes out when `flush` waits for it.
+        self.sock.close(linger=int(CLOSE_LINGER_S * 1000))
         self._signals.close(linger=0)
         try:
             os.unlink(self.directory / messages.SOCKET_NAME)
@@ -730,6 +737,26 @@ class Server:
         self._send(session.peer or b"", messages.Committed(step))
         if self.member is not None and all(f.session.committed == step for f in self.feeds):
             self.member.send(messages.CommittedWorld(replica=self.member.replica, step=step))
+
+
+def flush(context: zmq.Context[Any], timeout_s: float = CLOSE_LINGER_S + 1.0) -> bool:
+    """Before the process exits: let the replies closed sockets still queue go out.
+
+    `_send` only hands a reply to ZeroMQ's I/O thread; the process exiting right
+    after (a drained sidecar stops once its last rank committed, and a forked
+    sidecar ends with os._exit) kills that thread with the reply still queued,
+    and the trainer waits in vain for its `committed`. Terminating the context
+    waits for each closed socket's queue up to its linger; a socket left open (a
+    publishing thread that did not stop) would block it forever, hence the
+    deadline. Call it last: the context is unusable afterwards. True once done.
+    """
+    done = threading.Thread(target=context.term, name="zmq-flush", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.debug("ZeroMQ's last messages were not all sent in %.1f s", timeout_s)
+        return False
+    return True
 
 
 def tune_interpreter() -> None:

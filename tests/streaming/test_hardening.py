@@ -96,6 +96,36 @@ def test_hostile_frames_get_error_replies_and_the_trainer_still_gets_its_referen
     assert pod.wait() == 0
 
 
+def test_a_forked_sidecar_that_stops_right_after_its_last_reply_still_delivers_it(socket_root):
+    """A drained sidecar exits right after its last `committed`; the reply must not die with it.
+
+    ZeroMQ sends from its I/O thread: a sidecar that closes its socket without
+    linger, or exits (os._exit, as forked sidecars do) before that thread sent
+    the reply, loses it, and the trainer waits for its answer until it times
+    out. Each of these sidecars answers one `hello` and exits at once.
+    """
+    count = 60
+    proc = subprocess.Popen([sys.executable, "-m", "tests.streaming.last_answer_sidecar", str(socket_root),
+                             str(count)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    lost = []
+    try:
+        for i in range(count):
+            sock = dealer(socket_root / str(i))
+            try:
+                sock.send(messages.Hello(local_rank=0, pid=os.getpid(), next_step=None).encode())
+                if not sock.poll(10_000):
+                    lost.append(i)
+                else:
+                    assert isinstance(messages.decode(sock.recv()), messages.Welcome)
+            finally:
+                sock.close(linger=0)
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "0"
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert not lost, f"{len(lost)} of {count} sidecars exited without delivering their last reply: {lost}"
+
+
 # -- 2. memory: a volume too small for the ring -----------------------------------------------
 
 @contextlib.contextmanager
