@@ -561,13 +561,18 @@ class StreamClient:
                 self._slot_files.pop(key).close()  # the sidecar replaced that slot's file
             slot_file = slots.open_slot(self._dir, self._instance, self.local_rank, slot, gen)
             self._slot_files[(self._instance, slot, gen)] = slot_file
+        # Before the parse: a write still under way (its trailer not yet marked) is not read at
+        # all, so a stream that fails to parse below is a real error, not a write caught midway.
+        if not slots.intact(slot_file, nbytes, step, seq):
+            control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
+            return None
         root = slots.root_of(slot_file, nbytes)
         try:
             columns, rows = self._reader.columns(slot_file._mm, root)
             broken: Exception | None = None
         except Exception as exc:  # a torn stream may not parse; the marks below decide
             broken = exc
-        # After the views: the marks before and after the payload name this step and write.
+        # After the views: the marks before and after the payload still name this step and write.
         if not slots.intact(slot_file, nbytes, step, seq):
             control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
             return None

@@ -250,7 +250,7 @@ def root_of(slot: SlotFile, nbytes: int) -> np.ndarray:
 
 
 def intact(slot: SlotFile, nbytes: int, step: int, seq: int) -> bool:
-    """Both marks name this step and this write: read after the views are built."""
+    """Both marks name this step and this write: read before the parse and after the views are built."""
     return slot.marks(nbytes) == ((step, seq), (step, seq))
 
 
