@@ -31,22 +31,9 @@ def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
     coordinator that is gone, and no socket outlives the call. The coordinator
     deduplicates by `token`, so sending again (every poll) is harmless.
     """
-    ctx = context or zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(address)
-        sock.send(messages.DrainRequest(token=token, reason=reason).encode(), zmq.NOBLOCK)
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        answer = messages.decode(sock.recv(zmq.NOBLOCK))
-    except (zmq.ZMQError, errors.ProtocolError) as exc:
-        log.debug("drain request to %s failed: %s", address, exc)
+    answer = _ask(address, messages.DrainRequest(token=token, reason=reason), timeout_s, context)
+    if answer is None:
         return None
-    finally:
-        sock.close(linger=0)
     if not isinstance(answer, messages.DrainAck) or answer.token != token:
         log.debug("drain request to %s: unexpected answer %s", address, answer)
         return None
@@ -60,6 +47,13 @@ def request_status(address: str, timeout_s: float = 1.0,
     Same shape as `request_drain`: a fresh DEALER, one frame, a bounded wait; the
     operator polls again at its next interval, so a lost answer costs nothing.
     """
+    answer = _ask(address, messages.StatusRequest(), timeout_s, context)
+    return dataclasses.asdict(answer) if isinstance(answer, messages.Status) else None
+
+
+def _ask(address: str, request: messages.Message, timeout_s: float,
+         context: zmq.Context[Any] | None) -> messages.Message | None:
+    """Send one frame on a fresh DEALER and wait a bounded time for one answer; None if none came."""
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     try:
@@ -67,13 +61,12 @@ def request_status(address: str, timeout_s: float = 1.0,
         sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)
-        sock.send(messages.StatusRequest().encode(), zmq.NOBLOCK)
+        sock.send(request.encode(), zmq.NOBLOCK)
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        answer = messages.decode(sock.recv(zmq.NOBLOCK))
+        return messages.decode(sock.recv(zmq.NOBLOCK))
     except (zmq.ZMQError, errors.ProtocolError) as exc:
-        log.debug("status request to %s failed: %s", address, exc)
+        log.debug("%s request to %s failed: %s", request.kind, address, exc)
         return None
     finally:
         sock.close(linger=0)
-    return dataclasses.asdict(answer) if isinstance(answer, messages.Status) else None
