@@ -19,6 +19,8 @@ TIMER_INTERVAL_S = 3.0
 """Every live job is looked at this often: pod phase changes arrive through it."""
 WATCH_CLIENT_MARGIN_S = 30.0
 """Kopf drops a watch connection still open this long after the apiserver should have ended it."""
+API_RETRY_S = 5.0
+"""A reconcile the API did not answer is tried again this soon (Kopf's default for errors is 60 s)."""
 
 
 @kopf.on.startup()
@@ -60,7 +62,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 
 async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, *, wait: bool) -> None:
     assert namespace is not None  # StreamingJob is a namespaced resource
-    outcome = await reconciling.reconcile(memo["ctx"], namespace, name)
+    try:
+        outcome = await reconciling.reconcile(memo["ctx"], namespace, name)
+    except kube.KubeError as exc:
+        # An unanswered or refused API call is an ordinary event for a controller: one log line
+        # and a retry soon. As a plain exception Kopf would log urllib3's whole chained
+        # traceback on every attempt and wait its 60 s error back-off.
+        if "metrics" in memo:
+            memo["metrics"].reconciled(namespace, name, "error", [])
+        raise kopf.TemporaryError(f"the Kubernetes API: {exc}", delay=API_RETRY_S) from None
     if "metrics" in memo:
         memo["metrics"].reconciled(namespace, name, "error" if outcome.permanent_error else "ok",
                                    [e.reason for e in outcome.events])

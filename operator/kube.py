@@ -78,7 +78,10 @@ def _error(exc: BaseException) -> KubeError:
         except (TypeError, ValueError):
             pass
         return (Conflict if exc.status == 409 else KubeError)(int(exc.status or 0), message, reason)
-    # urllib3: timeouts, refused connections, TLS failures.
+    # urllib3: timeouts, refused connections, TLS failures. A MaxRetryError's text repeats the
+    # pool's repr around the cause; the URL and the cause are what a reader needs.
+    if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+        return KubeError(0, f"{exc.url}: {type(exc.reason).__name__}: {exc.reason}", "NoAnswer")
     return KubeError(0, f"{type(exc).__name__}: {exc}", "NoAnswer")
 
 

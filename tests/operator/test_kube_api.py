@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import kubernetes
 import pytest
 import yaml
 
+from tests.support import processes
 from tests.support.controlplane import MISSING_ASSETS_HINT, ControlPlane, strip_cel, KubectlError, find_assets
 from tests.support import waiting
 from tests.support.ports import free_port
@@ -151,12 +151,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                 raise AssertionError(f"{exc}\noperator log:\n{e.operator_log()}") from None
             yield e
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            processes.stop(proc)
             e.api.close()
 
 
@@ -401,10 +396,5 @@ def test_a_standby_operator_is_live_and_does_not_act_while_another_holds_the_lea
         text = log.read_text()
         assert "is held by" in text and "Kopf" not in text and "handler" not in text.lower(), text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        processes.stop(proc)
     assert coordination.read_namespaced_lease("splitfeed-operator", NS).spec.holder_identity == holder

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -61,3 +62,13 @@ def command_line(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
     except OSError:
         return "?"
+
+
+def stop(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace_s` (an operator shuts down cleanly)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
