@@ -42,11 +42,13 @@ FULL = yaml.safe_load((ROOT / "examples" / "streamingjob.yaml").read_text())
 OPERATOR_DEFAULTED = {("sidecar", "image"), ("sidecar", "shmSize"), ("sidecar", "prefetchBatches")}
 
 # Optional fields the complete example leaves out because setting them changes
-# what it does: a pinned table version or tag must exist in the user's table, and
-# resumeFrom names another job's UID.
+# what it does: a pinned table version or tag must exist in the user's table,
+# resumeFrom names another job's UID, and the example has no preprocessing (the
+# transform's thread pool and queue only act with one).
 NOT_IN_THE_EXAMPLE = {("spec", "data", "version"), ("spec", "checkpoint", "resumeFrom"),
                       ("spec", "data", "transform"), ("spec", "data", "transformArgs"),
-                      ("spec", "data", "packSequences")}
+                      ("spec", "data", "packSequences"), ("spec", "data", "transformParallelism"),
+                      ("spec", "data", "transformQueueDepth")}
 
 PACK = {"column": "tokens", "blockSize": 512, "eosId": 2, "padId": 0, "blocksPerEpoch": 96}
 
