@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitfeed.trainer_client import specs, topology
+from splitfeed.trainer_client import progress, specs, topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "streamingjob.yaml").read_text())
@@ -248,9 +248,11 @@ class TestTheDefinition:
             "progress", "restarts", "conditions", "selector", "observedGeneration",
         }
         assert set(status["lastCheckpoint"]["properties"]) == {"step", "epoch", "worldSize", "time"}
+        counts = set(progress.ROW_COUNTS.values())  # else the apiserver prunes a new count
         assert set(status["progress"]["properties"]) == {
             "globalStep", "epoch", "step", "stepsPerEpoch", "rowsPerSecond", "dataStallShare", "dataReady",
-            "updatedAt"}
+            "updatedAt", progress.CARRIED} | counts
+        assert set(status["progress"]["properties"][progress.CARRIED]["properties"]) == {"worldEpoch"} | counts
         assert set(status["progress"]["properties"]["dataReady"]["properties"]) == {
             "p50Seconds", "p95Seconds", "p99Seconds"}
 
