@@ -138,7 +138,7 @@ class Poller:
             if saved is not None and saved >= timeline.requested_at:
                 timeline.agreed_at = saved
         if answer is not None:
-            live = progress.status_progress(answer, status.get("progress") or {})
+            live = progress.status_progress(answer, status.get("progress") or {}, epoch)
             if live is not None:
                 live["updatedAt"] = _iso(now)
                 patch["progress"] = live

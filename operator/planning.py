@@ -256,6 +256,9 @@ def sidecar_container(
             coordinator=coordinator_address(job.name, world_epoch), job_uid=job_uid, resume_step=resume_step,
             table_version=table_version, config_checksum=config_checksum(job)),
         contract.METRICS_PORT_ENV: str(METRICS_PORT),
+        # Its only writable directory (the root file system is read-only): multiprocessing's
+        # fork server, which starts the numWorkers loader processes, puts its socket there.
+        "TMPDIR": SOCKET_DIR,
     }
     if any(m.get("name") == VOLUME_TRANSFORMS for m in extra_mounts or []):
         env["PYTHONPATH"] = TRANSFORMS_DIR

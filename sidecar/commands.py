@@ -81,6 +81,11 @@ def _plan(args: argparse.Namespace) -> int:
     if data.transform:
         print(f"transform {data.transform} with {data.transform_kwargs or 'no arguments'}, "
               f"onTransformError {data.on_transform_error}")
+    if data.transform or data.pack_sequences is not None:
+        threads = (f"{data.transform_parallelism}" if data.transform_parallelism is not None
+                   else f"the sidecar's CPUs / {data.num_workers} (default)")
+        print(f"transform threads per loader process: {threads}; queue depth "
+              f"{data.transform_queue_depth} read batches per split")
     pack = data.pack_sequences
     if pack is not None:
         print(f"packing {pack.column!r} into blocks of {pack.block_size} tokens (eos {pack.eos_id}, "

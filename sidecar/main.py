@@ -348,7 +348,9 @@ def serve(sidecar: Sidecar) -> int:
                      [f.rank for f in server.feeds], settings.world_size, settings.socket_dir,
                      server.resume_step, server.total_steps)
             watcher = RequestWatcher(server, settings.podinfo_dir)
-            reporter = metrics.ProgressReporter(server, sidecar.steps_per_epoch)
+            reporter = metrics.ProgressReporter(
+                server, sidecar.steps_per_epoch,
+                row_counts=lambda: {"filled_rows": reading.FILLED_ROWS[0]})
 
             def tick() -> None:
                 watcher()

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitfeed.trainer_client import contract, messages, ring, stalls
+from splitfeed.trainer_client import contract, messages, progress, ring, stalls
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +217,12 @@ def metrics_port(env: Mapping[str, str], default: int = DEFAULT_METRICS_PORT) ->
     return 0
 
 
-def progress_fields(ranks: list[RankProgress], replica: int, steps_per_epoch: int) -> dict[str, Any]:
-    """The `progress` message a member sends its coordinator: its ranks' counts, summed."""
+def progress_fields(ranks: list[RankProgress], replica: int, steps_per_epoch: int,
+                    row_counts: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The `progress` message a member sends its coordinator: its ranks' counts, summed,
+    and its loaders' per-row counts (progress.ROW_COUNTS, 0 where not given)."""
     return {
+        **{k: int((row_counts or {}).get(k, 0)) for k in progress.ROW_COUNTS},
         "replica": replica,
         "global_step": min((p.global_step for p in ranks), default=0),
         "steps_per_epoch": steps_per_epoch,
@@ -234,9 +237,11 @@ def progress_fields(ranks: list[RankProgress], replica: int, steps_per_epoch: in
 class ProgressReporter:
     """A serving-loop tick: every PROGRESS_EVERY_S, send `progress` to the coordinator."""
 
-    def __init__(self, server: Any, steps_per_epoch: int, every_s: float = PROGRESS_EVERY_S) -> None:
+    def __init__(self, server: Any, steps_per_epoch: int, every_s: float = PROGRESS_EVERY_S,
+                 row_counts: Callable[[], Mapping[str, int]] | None = None) -> None:
         self._server = server
         self._steps_per_epoch = steps_per_epoch
+        self._row_counts = row_counts or dict
         self._every_s = every_s
         self._next = 0.0
 
@@ -248,7 +253,8 @@ class ProgressReporter:
         self._next = now + self._every_s
         try:
             ranks = [read_rank(feed) for feed in self._server.feeds]
-            member.send(messages.Progress(**progress_fields(ranks, member.replica, self._steps_per_epoch)))
+            member.send(messages.Progress(**progress_fields(ranks, member.replica, self._steps_per_epoch,
+                                                            self._row_counts())))
         except (ValueError, AttributeError):
             return  # a control block closed meanwhile
         except Exception:  # a bug here must never stop the world: report it and stop reporting

@@ -17,6 +17,9 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
+import os
+import pathlib
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -339,10 +342,63 @@ def _packed_steps(table: Any, data: specs.DataSpec) -> int:
     return steps
 
 
-TRANSFORM_QUEUE_DEPTH = 4
-"""Transformed read batches a split may hold ahead of the step being assembled: without
-a bound lancedb keeps transforming while the ring is full, and decoded images are
-many times the size of the rows they came from. It changes nothing in the order."""
+CGROUP_CPU_FILES = (
+    ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "<quota|max> <period>"
+    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),  # v1
+)
+"""Where Linux says a container's CPU limit (the pod's resources.limits.cpu)."""
+
+
+def cpu_quota(quota: str, period: str | None = None) -> float | None:
+    """CPUs a cgroup quota allows: cgroup v2's cpu.max text ("200000 100000" is 2 CPUs,
+    "max 100000" no limit), or v1's cfs_quota_us and cfs_period_us ("-1": no limit)."""
+    parts = quota.split()
+    if period is None and len(parts) == 2:
+        parts, period = parts[:1], parts[1]
+    if len(parts) != 1 or period is None or parts[0] in ("max", "-1"):
+        return None
+    try:
+        q, p = int(parts[0]), int(period.strip())
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def usable_cpus(affinity: int | None, quota: float | None) -> int:
+    """CPUs this process may use: its affinity mask, capped by the cgroup quota (rounded
+    up: a limit of 1.5 CPUs still runs two threads part-time), at least 1."""
+    cpus = affinity or 1
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+def _read_quota() -> float | None:
+    for quota_file, period_file in CGROUP_CPU_FILES:
+        try:
+            quota = pathlib.Path(quota_file).read_text()
+            period = pathlib.Path(period_file).read_text() if period_file else None
+        except OSError:
+            continue
+        return cpu_quota(quota, period)
+    return None
+
+
+def process_cpus() -> int:
+    """usable_cpus for this process (os.cpu_count() counts the node's, not the pod's)."""
+    try:
+        affinity: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        affinity = os.cpu_count()
+    return usable_cpus(affinity, _read_quota())
+
+
+def transform_parallelism(data: specs.DataSpec, cpus: int) -> int:
+    """spec.data.transformParallelism, or the `cpus` this sidecar may use shared among its
+    numWorkers loader processes (each runs its own StreamingDataset and thread pool)."""
+    if data.transform_parallelism is not None:
+        return data.transform_parallelism
+    return max(1, -(-cpus // data.num_workers))
 
 
 def _streaming_dataset(
@@ -371,7 +427,8 @@ def _streaming_dataset(
             shuffle_clump_size=data.shuffle_clump_size or None,
             read_batch_size=data.read_batch_size,
             transform=transform,
-            transform_queue_depth=TRANSFORM_QUEUE_DEPTH,
+            transform_parallelism=transform_parallelism(data, process_cpus()),
+            transform_queue_depth=data.transform_queue_depth,
             **extra,
         )
     except ValueError as exc:  # lancedb's checks of packing arguments against the table

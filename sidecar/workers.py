@@ -9,8 +9,13 @@ same rows in the same order as one reader would (the determinism contract in
 docs/architecture.md does not depend on K).
 
 Worker processes exist because decoding and copying Arrow data holds the GIL
-for part of each read; they are started with 'spawn' because lancedb's Rust
-runtime (its thread pool and object-store clients) is not fork-safe. Blocks
+for part of each read. They are not forked from the sidecar, whose lancedb Rust
+runtime (its thread pool and object-store clients) is running and not fork-safe,
+but from multiprocessing's 'forkserver': a server process started once per
+sidecar that imports this module (lancedb, and torch through lancedb.streaming)
+and runs nothing, then forks each worker. A spawned worker spent seconds of CPU
+on those imports, per worker and per world; a forked one starts at once. Forking
+after imports alone is safe for the reason sidecar/forkserver.py gives. Blocks
 travel as Arrow IPC bytes over a one-way Pipe: self-describing, no pickle of
 user data, and the pipe's small buffer keeps each worker about one step ahead.
 """
@@ -26,6 +31,7 @@ import os
 import struct
 import threading
 import traceback
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -34,8 +40,13 @@ import pyarrow as pa
 from splitfeed.trainer_client import errors, specs, topology
 
 from . import batching, reading
+from .forkserver import FORK_WARNING
 
 log = logging.getLogger(__name__)
+
+warnings.filterwarnings("ignore", message=FORK_WARNING, category=RuntimeWarning)
+"""lancedb warns at every fork of a process that imported it; the fork server, which imports
+this module and forks before any lancedb call, is that process (module doc)."""
 
 JOIN_TIMEOUT_S = 5.0
 """How long a worker gets to exit after SIGTERM before it is killed."""
@@ -139,6 +150,13 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="splitfeed-parent-watch", daemon=True).start()
 
 
+def _context() -> Any:
+    """The 'forkserver' context whose server has imported what a worker imports (module doc)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 def _worker_main(
     conn: multiprocessing.connection.Connection,
     data: specs.DataSpec,
@@ -228,7 +246,7 @@ def _iter_in_processes(
     stop: int | None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Start K workers, then merge their step-k blocks into the rank's batch k."""
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []

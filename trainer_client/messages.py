@@ -282,6 +282,9 @@ class Progress(Message):
     wait_s: float | int
     wall_s: float | int
     buckets: list[int]
+    filled_rows: int
+    """Rows the member's loaders replaced under onTransformError=fill so far (its share of
+    progress.ROW_COUNTS; a new per-row count is one more field here and in Status)."""
 
 
 @_wire("status_request")
@@ -307,6 +310,8 @@ class Status(Message):
     wall_s: float | int
     buckets: list[int]
     drain_step: int | None
+    filled_rows: int
+    """The members' filled_rows summed (progress.ROW_COUNTS)."""
 
 
 def decode(frame: bytes) -> Message:

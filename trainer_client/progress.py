@@ -15,6 +15,14 @@ from .errors import ProtocolError
 
 _SUMMED = ("rows", "rows_per_s", "wait_s", "wall_s")
 
+ROW_COUNTS: dict[str, str] = {"filled_rows": "filledRows"}
+"""Per-row outcomes the loaders count (wire field -> status.progress field): summed over
+a world's members like _SUMMED, and carried from world to world in status.progress. A new
+count (skipped rows, say) is one entry here plus its field in messages.Progress and Status."""
+CARRIED = "carried"
+"""status.progress.carried: {worldEpoch, <ROW_COUNTS fields>}, the totals of the worlds
+before `worldEpoch`, to which that world's live sums are added."""
+
 
 def checked(message: Mapping[str, Any]) -> dict[str, Any]:
     """A member's `progress` message with its histogram checked (the protocol checks the rest)."""
@@ -36,6 +44,7 @@ def world_status(members: Sequence[Mapping[str, Any]], *, replicas: int, total_s
         "total_steps": total_steps,
         "resume_step": resume_step,
         **{k: sum(m[k] for m in members) for k in _SUMMED},
+        **{k: sum(int(m.get(k) or 0) for m in members) for k in ROW_COUNTS},
         "buckets": stalls.merge([m["buckets"] for m in members]),
         "drain_step": drain_step,
     }
@@ -46,11 +55,28 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def status_progress(answer: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any] | None:
+def row_counts(answer: Mapping[str, Any], old: Mapping[str, Any], world_epoch: int) -> dict[str, Any]:
+    """The ROW_COUNTS fields of status.progress: world `world_epoch`'s sums plus the totals
+    of the worlds before it (`carried`, taken from `old` when the world changes).
+
+    A count only grows within a world (a loader never un-fills a row), so a smaller
+    answer (a member not yet heard again) keeps the old total.
+    """
+    carried = old.get(CARRIED)
+    if not isinstance(carried, Mapping) or carried.get("worldEpoch") != world_epoch:
+        carried = {"worldEpoch": world_epoch, **{k: int(old.get(k) or 0) for k in ROW_COUNTS.values()}}
+    out: dict[str, Any] = {CARRIED: dict(carried)}
+    for wire, key in ROW_COUNTS.items():
+        out[key] = max(int(old.get(key) or 0), int(carried.get(key) or 0) + int(answer.get(wire) or 0))
+    return out
+
+
+def status_progress(answer: Mapping[str, Any], old: Mapping[str, Any],
+                    world_epoch: int = 0) -> dict[str, Any] | None:
     """status.progress from a coordinator's `status` answer; None when no rank has taken a batch yet.
 
     globalStep only moves forward (the CRD says so, and a report of a world that
-    ended may already be ahead).
+    ended may already be ahead); the row counts add up over the job's worlds.
     """
     step = answer.get("global_step")
     if int(answer.get("reporting") or 0) < int(answer.get("replicas") or 1):
@@ -69,4 +95,4 @@ def status_progress(answer: Mapping[str, Any], old: Mapping[str, Any]) -> dict[s
                                         ("p95Seconds", _round(summary.p95_s, 6)),
                                         ("p99Seconds", _round(summary.p99_s, 6))) if v is not None},
     }
-    return {**old, **out}
+    return {**old, **out, **row_counts(answer, old, world_epoch)}

@@ -77,6 +77,14 @@ ranks) end an epoch at different steps; splitfeed does not offer them yet (fill 
 every split's length instead, docs/preprocessing.md)."""
 
 
+MAX_TRANSFORM_PARALLELISM = 256
+"""More transform threads than that per loader process only adds contention."""
+DEFAULT_TRANSFORM_QUEUE_DEPTH = 4
+MAX_TRANSFORM_QUEUE_DEPTH = 64
+"""A queue of 64 read batches per split already holds ~ 64 x readBatchSize decoded rows
+per split in memory; more would only hide a slow trainer."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
     uri: str = dataclasses.field(metadata=_rule("str"))
@@ -116,6 +124,15 @@ class DataSpec:
     pack_sequences: PackSpec | None = dataclasses.field(
         default=None, metadata=_rule("packSequences", model=PackSpec))
     """Sequence packing (lancedb's pack_sequences) of one token-list column."""
+    transform_parallelism: int | None = dataclasses.field(
+        default=None, metadata=_rule("int", 1, MAX_TRANSFORM_PARALLELISM))
+    """Transform threads per loader process (lancedb's transform_parallelism). None: the
+    CPUs the sidecar may use (affinity and cgroup quota), shared among numWorkers
+    processes (reading.transform_parallelism, docs/preprocessing.md)."""
+    transform_queue_depth: int = dataclasses.field(
+        default=DEFAULT_TRANSFORM_QUEUE_DEPTH, metadata=_rule("int", 1, MAX_TRANSFORM_QUEUE_DEPTH))
+    """Transformed read batches a split may hold ahead of the step being assembled
+    (lancedb's transform_queue_depth): bounds decoded rows in memory while the ring is full."""
 
     @property
     def transform_kwargs(self) -> dict[str, Any]:
@@ -509,6 +526,8 @@ def _data_to_wire(data: DataSpec) -> dict[str, Any]:
             continue
         if key == "onTransformError" and value == "raise" and not data.transform:
             continue  # the default, kept off configs of jobs without a transform
+        if key == "transformQueueDepth" and value == DEFAULT_TRANSFORM_QUEUE_DEPTH:
+            continue  # the default: configs of jobs that leave it out stay as they were
         out[key] = value
     return out
 

@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitfeed.trainer_client import specs, topology
+from splitfeed.trainer_client import progress, specs, topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "streamingjob.yaml").read_text())
@@ -42,11 +42,13 @@ FULL = yaml.safe_load((ROOT / "examples" / "streamingjob.yaml").read_text())
 OPERATOR_DEFAULTED = {("sidecar", "image"), ("sidecar", "shmSize"), ("sidecar", "prefetchBatches")}
 
 # Optional fields the complete example leaves out because setting them changes
-# what it does: a pinned table version or tag must exist in the user's table, and
-# resumeFrom names another job's UID.
+# what it does: a pinned table version or tag must exist in the user's table,
+# resumeFrom names another job's UID, and the example has no preprocessing (the
+# transform's thread pool and queue only act with one).
 NOT_IN_THE_EXAMPLE = {("spec", "data", "version"), ("spec", "checkpoint", "resumeFrom"),
                       ("spec", "data", "transform"), ("spec", "data", "transformArgs"),
-                      ("spec", "data", "packSequences")}
+                      ("spec", "data", "packSequences"), ("spec", "data", "transformParallelism"),
+                      ("spec", "data", "transformQueueDepth")}
 
 PACK = {"column": "tokens", "blockSize": 512, "eosId": 2, "padId": 0, "blocksPerEpoch": 96}
 
@@ -246,9 +248,11 @@ class TestTheDefinition:
             "progress", "restarts", "conditions", "selector", "observedGeneration",
         }
         assert set(status["lastCheckpoint"]["properties"]) == {"step", "epoch", "worldSize", "time"}
+        counts = set(progress.ROW_COUNTS.values())  # else the apiserver prunes a new count
         assert set(status["progress"]["properties"]) == {
             "globalStep", "epoch", "step", "stepsPerEpoch", "rowsPerSecond", "dataStallShare", "dataReady",
-            "updatedAt"}
+            "updatedAt", progress.CARRIED} | counts
+        assert set(status["progress"]["properties"][progress.CARRIED]["properties"]) == {"worldEpoch"} | counts
         assert set(status["progress"]["properties"]["dataReady"]["properties"]) == {
             "p50Seconds", "p95Seconds", "p99Seconds"}
 

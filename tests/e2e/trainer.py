@@ -1,6 +1,6 @@
 """The trainer container of the end-to-end tests: a real synchronous data-parallel trainer.
 
-    python trainer.py LOG_DIR [--sleep-s S] [--checkpoint-every K] [--timeout-s T]
+    python trainer.py LOG_DIR [--sleep-s S] [--checkpoint-every K] [--timeout-s T] [--log-column C]...
 
 The pods' `trainer` container runs this (the test kubelet runs it as a local
 process). It is what a user writes: torch.distributed with gloo on CPU
@@ -36,7 +36,8 @@ with "t" (time.time()), each flushed before the next batch is asked for:
 
     {"event": "start", "pid", "world", "worldSize", "rank", "resumeStep", "model": <digest> | null,
      "startup": {"imports": s, "client": s, "rendezvous": s}}
-    {"event": "batch", "step": <global step>, "ids": [...], "requested": bool, "loss": float}
+    {"event": "batch", "step": <global step>, "ids": [...], "requested": bool, "loss": float,
+     "columns": {C: [...]} (only with --log-column C: a transform's output column, row by row)}
     {"event": "checkpoint", "step": <steps completed>, "drained": bool, "model": <digest>}
     {"event": "checkpoint-failed", "step": <steps completed>, "error": "..."}
     {"event": "model-missing", "step": <resume step>, "path": "..."}
@@ -90,6 +91,7 @@ def main() -> int:
     parser.add_argument("--sleep-s", type=float, default=0.0, help="pause after each step")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="StreamClient and collective timeout")
+    parser.add_argument("--log-column", action="append", default=[], help="also log this column's values")
     args = parser.parse_args()
     world, rank = int(os.environ["SPLITFEED_WORLD_EPOCH"]), int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -125,6 +127,7 @@ def main() -> int:
     for batch in client:
         step = batch.global_step
         ids = batch["id"].tolist()
+        logged = {"columns": {c: batch[c].tolist() for c in args.log_column}} if args.log_column else {}
         loss = torch.nn.functional.cross_entropy(model(batch["vec"].float()), batch["label"].long())
         optimizer.zero_grad()
         loss.backward()  # DDP all-reduces the gradients: every rank waits for every other
@@ -132,7 +135,7 @@ def main() -> int:
         loss_value = loss.item()
         del batch, loss  # the graph holds the batch's tensors: free its ring slot
         requested = client.checkpoint_requested
-        record(event="batch", step=step, ids=ids, requested=requested, loss=round(loss_value, 6))
+        record(event="batch", step=step, ids=ids, requested=requested, loss=round(loss_value, 6), **logged)
         time.sleep(args.sleep_s)
         want_to_save = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0
         if requested or want_to_save:

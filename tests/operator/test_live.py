@@ -98,3 +98,12 @@ def test_a_world_is_asked_every_interval_and_every_pass_while_it_rescales():
     draining = {**running, "status": {**running["status"], "phase": "Rescaling", "drain": {"reason": "Rescale"}}}
     assert poller.due(KEY, draining)
     assert not poller.due(KEY, {"status": {"phase": "Succeeded"}})
+
+
+def test_filled_rows_of_every_world_add_up_in_status_progress():
+    poller = live.Poller()
+    patch, _ = poller.observe(KEY, {"worldEpoch": 0, "phase": "Running"}, {**answer(5), "filled_rows": 2}, at(0))
+    assert patch["progress"]["filledRows"] == 2
+    world1 = {"worldEpoch": 1, "phase": "Running", "progress": patch["progress"]}
+    patch, _ = poller.observe(KEY, world1, {**answer(9, resume=7), "filled_rows": 1}, at(30))
+    assert patch["progress"]["filledRows"] == 3  # world 0's 2, carried, and world 1's 1

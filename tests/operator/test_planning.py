@@ -208,6 +208,14 @@ def test_sidecar_only_env_resume_coordinator_and_checksum():
         assert name not in trainer
 
 
+def test_the_sidecars_temp_dir_is_its_writable_memory_volume():
+    """Its root file system is read-only; the fork server of its loader workers needs a socket."""
+    sidecar = containers(planning.pod(job(), 0, 0, OWNER, NATIVE))["splitfeed-sidecar"]
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    shm = next(m for m in sidecar["volumeMounts"] if m["name"] == "splitfeed-shm")
+    assert env_of(sidecar)["TMPDIR"] == shm["mountPath"] and not shm.get("readOnly")
+
+
 @pytest.mark.parametrize("step", [0, 7])
 def test_a_resume_step_replaces_latest_in_every_sidecar_of_the_world(step):
     pods = [o for o in planning.world(job(), 1, OWNER, NATIVE, resume_step=step) if o["kind"] == "Pod"]

@@ -122,6 +122,51 @@ def test_transformed_batches_are_streaming_datasets_rows_for_every_rank(
         assert [as_features(batch) for _, batch in ours] == expected, f"rank {rank}"
 
 
+def test_transform_threads_and_queue_depth_reach_streaming_dataset_and_keep_the_order(
+    memo: Memo, db_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spec.data.transformParallelism / transformQueueDepth are lancedb's own arguments;
+    with 1 thread or 3, a queue of 1 batch or 64, every rank gets the reference rows."""
+    built: list[tuple[Any, Any]] = []
+
+    class Recording(StreamingDataset):  # the real StreamingDataset, its arguments noted
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs.get("transform") is not None:
+                built.append((kwargs.get("transform_parallelism"), kwargs.get("transform_queue_depth")))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(reading, "StreamingDataset", Recording)
+    world_size = 3
+    for threads, depth in ((1, 1), (3, 64)):
+        data = transform_job(db_uri, transform_parallelism=threads, transform_queue_depth=depth)
+        built.clear()
+        for rank in range(world_size):
+            expected = []
+            for epoch in range(data.epochs):
+                rows = memo.ref(transform_job(db_uri), epoch, rank, world_size)
+                expected += whole_steps(reference_features(rows), G // world_size)
+            assert [as_features(b) for _, b in run(data, rank, world_size)] == expected, (threads, rank)
+        assert built and set(built) == {(threads, depth)}
+
+
+def test_default_transform_threads_are_the_cpus_the_sidecar_may_use_shared_among_workers(
+    db_uri: str
+) -> None:
+    assert reading.cpu_quota("200000 100000") == 2.0
+    assert reading.cpu_quota("150000 100000") == 1.5
+    assert reading.cpu_quota("max 100000") is None
+    assert reading.cpu_quota("50000", "100000") == 0.5  # cgroup v1
+    assert reading.cpu_quota("-1", "100000") is None
+    assert reading.cpu_quota("garbage") is None
+    assert reading.usable_cpus(64, 2.0) == 2  # a 2-CPU pod on a 64-CPU node
+    assert reading.usable_cpus(64, 1.5) == 2 and reading.usable_cpus(64, 0.5) == 1
+    assert reading.usable_cpus(4, 16.0) == 4 and reading.usable_cpus(8, None) == 8
+    assert reading.transform_parallelism(transform_job(db_uri), 8) == 8
+    assert reading.transform_parallelism(transform_job(db_uri, num_workers=2), 8) == 4
+    assert reading.transform_parallelism(transform_job(db_uri, num_workers=4), 2) == 1
+    assert reading.transform_parallelism(transform_job(db_uri, transform_parallelism=3), 8) == 3
+
+
 def test_elastic_resume_4_then_2_then_3_mid_epoch_gives_every_global_step_once(
     memo: Memo, db_uri: str
 ) -> None:

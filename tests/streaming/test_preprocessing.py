@@ -20,11 +20,12 @@ import torch
 import yaml
 
 from splitfeed.sidecar import reading
-from splitfeed.trainer_client import errors, specs, topology
+from splitfeed.trainer_client import errors, specs, topology, worlds
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.support import transforms
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
+from tests.support.waiting import wait_for
 
 IMAGE = {"transform": "tests.support.transforms:image", "transformArgs": '{"scale": 2.0}'}
 
@@ -82,15 +83,21 @@ def test_a_failing_row_under_raise_fails_the_trainer_and_the_report_naming_it(po
     assert f"corrupt JPEG in row id {bad}" in report["error"] and f"'id': {bad}" in report["error"]
 
 
-def test_fill_counts_substituted_rows_in_the_report(pods, table_uri):
+def test_fill_counts_substituted_rows_in_the_live_status_and_the_report(pods, table_uri):
     data = specs.parse_job(manifest(table_uri), check_replicas=False).data
     table = reading.open_table(data)
     bad = list(reading.reference_dataset(table, data, epoch=0, rank=0, world_size=1))[5]["id"]
     job = manifest(table_uri, transform="tests.support.transforms:image_fragile",
                    transformArgs=json.dumps({"bad": bad}), onTransformError="fill", numWorkers=2)
-    pod = pods("pod", job, replicas=1, replica=0).start_process()
+    address = coordinator_address()
+    pod = pods("pod", job, replicas=1, replica=0, coordinator=address).start_process()
     with StreamClient(pod.socket_dir, 0, timeout_s=60) as client:
-        steps = sum(1 for _ in client)
+        batches = iter(client)
+        next(batches)  # step 0 holds the filled row: the member's `progress` carries it
+        live = wait_for(lambda: (worlds.request_status(address, timeout_s=5) or {}).get("filled_rows"),
+                        timeout=30, what="the coordinator's status counting the filled row")
+        steps = 1 + sum(1 for _ in batches)
+    assert live == 1
     assert steps == client.total_steps
     assert pod.wait() == 0
     assert json.loads(pod.termination_log.read_text())["filledRows"] == 1

@@ -201,3 +201,28 @@ def test_bad_preprocessing_fields_name_the_field(fields, field, words):
         specs.parse_job(with_data(**fields))
     assert info.value.field == field
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("transformParallelism", 0, "must be at least 1, got 0"),
+    ("transformParallelism", 257, "must be at most 256, got 257"),
+    ("transformParallelism", "4", "must be an integer, got '4'"),
+    ("transformQueueDepth", 0, "must be at least 1, got 0"),
+    ("transformQueueDepth", 65, "must be at most 64, got 65"),
+    ("transformQueueDepth", True, "must be an integer, got True"),
+])
+def test_bad_transform_pool_settings_are_refused_naming_the_field(field, value, message):
+    with pytest.raises(specs.SpecError) as info:
+        specs.parse_job(with_(f"spec.data.{field}", value))
+    assert info.value.field == f"spec.data.{field}"
+    assert str(info.value) == f"spec.data.{field}: {message}"
+
+
+def test_transform_pool_settings_reach_the_loaders_config_and_default_to_lancedbs_bound():
+    job = specs.parse_job(GOOD)
+    assert job.data.transform_parallelism is None and job.data.transform_queue_depth == 4
+    assert "transformQueueDepth" not in job.data_config()["data"]  # configs of older jobs unchanged
+    manifest = with_("spec.data.transformParallelism", 3)
+    manifest["spec"]["data"]["transformQueueDepth"] = 9
+    back = specs.parse_data_config(specs.parse_job(manifest).data_config())
+    assert (back.data.transform_parallelism, back.data.transform_queue_depth) == (3, 9)
