@@ -231,15 +231,15 @@ def skipping(data: specs.DataSpec) -> bool:
     return bool(data.transform) and data.on_transform_error in reading.SKIPPING
 
 
-class Ledger(dict[int, dict[int, int]]):
-    """global step -> split positions after it, the newest `keep` steps only."""
+class Ledger(dict[int, reading.Passed]):
+    """global step -> what it passed (split positions after it), the newest `keep` steps only."""
 
     def __init__(self, keep: int) -> None:
         super().__init__()
         self.keep = keep
 
-    def __setitem__(self, step: int, at: dict[int, int]) -> None:
-        super().__setitem__(step, at)
+    def __setitem__(self, step: int, passed: reading.Passed) -> None:
+        super().__setitem__(step, passed)
         while len(self) > self.keep:
             del self[next(iter(self))]
 
@@ -260,7 +260,7 @@ class SkipLedgers:
         self.merged = resume_state
         self._ledgers: dict[int, Ledger] = {}
 
-    def ledger(self, rank: int) -> dict[int, dict[int, int]] | None:
+    def ledger(self, rank: int) -> Ledger | None:
         if self.data is None or not skipping(self.data):
             return None
         return self._ledgers.setdefault(rank, Ledger(self.KEEP))
@@ -272,12 +272,19 @@ class SkipLedgers:
         if not skipping(self.data) or position.step == 0:
             return positions.state_dict(self.data, position)
         ledger = self._ledgers.get(rank)
-        at = None if ledger is None else ledger.get(step - 1)
-        if at is None and step == self.start_step and self.merged is not None:
+        passed = None if ledger is None else ledger.get(step - 1)
+        if passed is None and step == self.start_step and self.merged is not None:
             return dict(self.merged)  # nothing read yet: the world's resume state
-        if at is None:
+        if passed is None:
             raise errors.SidecarFailed(f"rank {rank} holds no split positions for global step {step - 1}")
-        return positions.state_after(self.data, position, at)
+        return positions.state_after(self.data, position, passed.at)
+
+    def published(self, rank: int, step: int) -> None:
+        """Count the rows a published step dropped (the report's skippedRows)."""
+        ledger = self._ledgers.get(rank)
+        passed = None if ledger is None else ledger.get(step)
+        if passed is not None:
+            reading.SKIPPED_ROWS[0] += passed.skipped
 
     def resume_state(self, rank: int, step: int) -> dict[str, Any] | None:
         """What a reader starting at `step` resumes from (skip jobs, mid-epoch)."""
@@ -394,7 +401,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         start_step=start_step, resume_step=start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
         member=member if failure is None else None, instance=instance,
-        skipping=data is not None and skipping(data))
+        skipping=data is not None and skipping(data), on_published=ledgers.published)
     if failure is not None and member is not None:
         member.close()
     observed.feeds = lambda: server.feeds

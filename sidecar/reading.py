@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import typing
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -516,23 +517,32 @@ SKIPPING = ("skip", "warn")
 """onTransformError values that drop failing rows (lancedb's skip and warn)."""
 
 SKIPPED_ROWS = [0]
-"""Rows dropped by onTransformError=skip/warn in this process (reported by the sidecar):
-the failing rows a delivered row of their split has passed, so each is counted once."""
+"""Rows dropped by onTransformError=skip/warn before the rows of the steps this sidecar
+published (counted by the sidecar as it publishes, from each step's `Passed.skipped`)."""
 
 POSITIONS_KEY = b"splitfeed.positions"
-"""Schema metadata of a skip job's block: JSON [[split, position], ...], each split's
-permutation position after the block's last row (lancedb's positions_consumed_per_split).
-Only between the reader and the sidecar: `take_positions` strips it before the ring."""
+"""Schema metadata of a skip job's block: JSON {"at": [[split, position], ...], "skipped": n},
+each split's permutation position after the block's last row (lancedb's
+positions_consumed_per_split) and the failing rows dropped in between. Only between the
+reader and the sidecar: `take_positions` strips it before the ring."""
 
 
-def take_positions(block: pa.RecordBatch) -> tuple[pa.RecordBatch, dict[int, int]]:
-    """A block without its positions metadata, and the positions ({} for other jobs)."""
+class Passed(typing.NamedTuple):
+    """What a skip job's step passed: its splits' positions after it, and the rows dropped."""
+
+    at: dict[int, int]
+    skipped: int
+
+
+def take_positions(block: pa.RecordBatch) -> tuple[pa.RecordBatch, Passed | None]:
+    """A block without its positions metadata, and what it passed (None for other jobs)."""
     metadata = block.schema.metadata or {}
     if POSITIONS_KEY not in metadata:
-        return block, {}
-    found = {int(s): int(p) for s, p in json.loads(metadata[POSITIONS_KEY])}
+        return block, None
+    found = json.loads(metadata[POSITIONS_KEY])
     rest = {k: v for k, v in metadata.items() if k != POSITIONS_KEY}
-    return block.replace_schema_metadata(rest or None), found
+    passed = Passed({int(s): int(p) for s, p in found["at"]}, int(found["skipped"]))
+    return block.replace_schema_metadata(rest or None), passed
 
 
 def split_starts(data: specs.DataSpec, splits: Sequence[int], pos: positions.Position,
@@ -601,10 +611,10 @@ def _iter_skipping(
                 taken = next(epoch_steps, None)
                 if taken is None:
                     break  # a split of these ran dry: this epoch ends here
-                rows, at = taken
+                rows, at, skipped = taken
                 block = preprocessing.collate(rows, name)
-                metadata = {**(block.schema.metadata or {}),
-                            POSITIONS_KEY: json.dumps(sorted(at.items())).encode()}
+                passed = {"at": sorted(at.items()), "skipped": skipped}
+                metadata = {**(block.schema.metadata or {}), POSITIONS_KEY: json.dumps(passed).encode()}
                 yield global_step, block.replace_schema_metadata(metadata)
                 global_step += 1
             global_step = (pos.epoch + 1) * spe
@@ -624,9 +634,9 @@ def _skip_state(data: specs.DataSpec, pos: positions.Position, splits: Sequence[
 def _skipping_epoch(
     rows_iter: Iterator[Any], data: specs.DataSpec, splits: Sequence[int], starts: Sequence[int],
     cycles: int, epoch: int, name: str,
-) -> Iterator[tuple[list[Any], dict[int, int]]]:
-    """Each step's rows (reference order) and the splits' positions after it, until a
-    split cannot give `cycles` more surviving rows."""
+) -> Iterator[tuple[list[Any], dict[int, int], int]]:
+    """Each step's rows (reference order), the splits' positions after it and the rows it
+    dropped, until a split cannot give `cycles` more surviving rows."""
     m = len(splits)
     ready: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in splits]
     failed: list[collections.deque[tuple[int, preprocessing.Failed]]] = [
@@ -647,18 +657,19 @@ def _skipping_epoch(
         if any(len(q) < cycles for q in ready):
             return
         taken = [[ready[i].popleft() for _ in range(cycles)] for i in range(m)]
+        skipped = 0
         for i in range(m):
             after[i] = taken[i][-1][0] + 1
             while failed[i] and failed[i][0][0] < after[i]:
                 position, row = failed[i].popleft()
                 _skipped(data, name, epoch, splits[i], position, row)
+                skipped += 1
         rows = [taken[i][c][1] for c in range(cycles) for i in range(m)]
-        yield rows, {splits[i]: after[i] for i in range(m)}
+        yield rows, {splits[i]: after[i] for i in range(m)}, skipped
 
 
 def _skipped(data: specs.DataSpec, name: str, epoch: int, split: int, position: int,
              row: preprocessing.Failed) -> None:
-    SKIPPED_ROWS[0] += 1
     if data.on_transform_error == "warn":
         log.warning(
             "spec.data.transform=%r failed on position %d of split %d in epoch %d (%s: %s); "

@@ -173,7 +173,7 @@ class AgreedSteps:
             while not self._stopped():
                 _, generation = world.verdict(0)
                 if len(self._held) >= self._lookahead and world.need <= self._last:
-                    world.wait(self._closed if self._stop.is_set() else self._stop, generation)
+                    world.wait(self._stop, generation)  # close() and halt() wake it
                     continue
                 item = next(self._iterator, None)
                 step = self._total if item is None else item[0]
@@ -242,7 +242,8 @@ class Publisher:
     def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
                  factory: SourceFactory, prefetch: int, start_step: int, total_steps: int,
                  signal: tuple[zmq.Context[Any], str] | None = None, local_ranks: int = 1,
-                 world: WorldView | None = None) -> None:
+                 world: WorldView | None = None,
+                 on_published: Callable[[int, int], None] | None = None) -> None:
         self.local_rank = local_rank
         self.local_ranks = local_ranks
         self.rank = rank
@@ -269,6 +270,7 @@ class Publisher:
         self._waits = 0  # numbers this publisher's waits in sidecar_waiting
         self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
         self.world = world
+        self._on_published = on_published
         self.control.skipping = int(world is not None)
         """Skip jobs: publish a step only once the world agreed it exists (WorldView)."""
         self.outbox: queue.SimpleQueue[messages.Ready | messages.End | Assembled | BaseException] = (
@@ -368,6 +370,8 @@ class Publisher:
             for global_step, batch in iterator:
                 if not self._publish(global_step, batch, stop):
                     return
+                if self._on_published is not None:
+                    self._on_published(self.rank, global_step)
                 next_step = global_step + 1
                 waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
                 if slots.ready_due(waiting, self._readied):
@@ -603,7 +607,8 @@ class Server:
                  member: agreement.Member | None = None,
                  instance: str | None = None,
                  context: zmq.Context[Any] | None = None,
-                 skipping: bool = False) -> None:
+                 skipping: bool = False,
+                 on_published: Callable[[int, int], None] | None = None) -> None:
         self.directory = Path(directory)
         self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
@@ -645,7 +650,7 @@ class Server:
             Feed(Publisher(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
                            factory=factory, signal=(self._ctx, signal_address), prefetch=prefetch,
                            start_step=start_step, total_steps=total_steps, local_ranks=len(ranks),
-                           world=self.world),
+                           world=self.world, on_published=on_published),
                  Session(rank=rank, start_step=start_step, total_steps=total_steps))
             for i, rank in enumerate(ranks)
         ]

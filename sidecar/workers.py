@@ -50,13 +50,14 @@ def iter_rank_batches(
     start_global_step: int,
     stop_global_step: int | None = None,
     resume_state: Mapping[str, Any] | None = None,
-    ledger: MutableMapping[int, dict[int, int]] | None = None,
+    ledger: MutableMapping[int, reading.Passed] | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Yield (global_step, batch) for `rank`: G/W rows per step, in reference order.
 
     Under onTransformError=skip/warn: a step exists only when every worker's portion
     does (an epoch ends at the first step one of them cannot fill), `ledger` receives
-    each yielded step's split positions (what a checkpoint of the next step records),
+    each yielded step's split positions (what a checkpoint of the next step records) and
+    the failing rows it dropped,
     and a resume mid-epoch needs the checkpoint's merged `resume_state`.
 
     Steps run from `start_global_step` through the job's last epoch, or up to
@@ -99,7 +100,7 @@ def _iter_in_process(
     start: int,
     stop: int | None,
     state: dict[str, Any] | None = None,
-    ledger: MutableMapping[int, dict[int, int]] | None = None,
+    ledger: MutableMapping[int, reading.Passed] | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Read in the caller's thread.
 
@@ -113,9 +114,9 @@ def _iter_in_process(
                                  resume_state=state)
     with contextlib.closing(blocks):
         for step, block in blocks:
-            block, at = reading.take_positions(block)
-            if ledger is not None and at:
-                ledger[step] = at
+            block, passed = reading.take_positions(block)
+            if ledger is not None and passed is not None:
+                ledger[step] = passed
             yield step, block
 
 
@@ -123,12 +124,12 @@ def _iter_in_process(
 
 # A frame is a header (kind, global step, rows the worker filled so far) and a payload:
 # Arrow IPC for a block, UTF-8 text for an error.
-_HEADER = struct.Struct("<Bqqq")
+_HEADER = struct.Struct("<Bqq")
 _BLOCK, _END, _USER_ERROR, _FAILURE, _DATA_ERROR = 1, 2, 3, 4, 5
 
 
 def _frame(kind: int, step: int = -1, payload: bytes = b"") -> bytes:
-    return _HEADER.pack(kind, step, reading.FILLED_ROWS[0], reading.SKIPPED_ROWS[0]) + payload
+    return _HEADER.pack(kind, step, reading.FILLED_ROWS[0]) + payload
 
 
 def _to_ipc(batch: pa.RecordBatch) -> bytes:
@@ -198,7 +199,6 @@ def _receive(
     worker: int,
     rank: int,
     filled_seen: dict[int, int] | None = None,
-    skipped_seen: dict[int, int] | None = None,
 ) -> tuple[int, int, memoryview]:
     try:
         raw = conn.recv_bytes()
@@ -208,13 +208,10 @@ def _receive(
             f"loader worker {worker} of rank {rank} exited (code {process.exitcode}) "
             "without a result"
         ) from None
-    kind, step, filled, skipped = _HEADER.unpack_from(raw)
+    kind, step, filled = _HEADER.unpack_from(raw)
     if filled_seen is not None:  # onTransformError=fill: counted into this process's report
         reading.FILLED_ROWS[0] += filled - filled_seen.get(worker, 0)
         filled_seen[worker] = filled
-    if skipped_seen is not None:  # onTransformError=skip/warn: likewise
-        reading.SKIPPED_ROWS[0] += skipped - skipped_seen.get(worker, 0)
-        skipped_seen[worker] = skipped
     payload = memoryview(raw)[_HEADER.size :]
     if kind == _DATA_ERROR:
         raise errors.DataError(bytes(payload).decode())
@@ -267,7 +264,7 @@ def _iter_in_processes(
     start: int,
     stop: int | None,
     state: dict[str, Any] | None = None,
-    ledger: MutableMapping[int, dict[int, int]] | None = None,
+    ledger: MutableMapping[int, reading.Passed] | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Start K workers, then merge their step-k blocks into the rank's batch k.
 
@@ -280,7 +277,6 @@ def _iter_in_processes(
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []
     filled_seen: dict[int, int] = {}
-    skipped_seen: dict[int, int] = {}
     skipping = bool(data.transform) and data.on_transform_error in reading.SKIPPING
     try:
         for worker in range(data.num_workers):
@@ -300,7 +296,7 @@ def _iter_in_processes(
         expected = start
 
         def receive(worker: int) -> tuple[int, int, memoryview]:
-            return _receive(conns[worker], processes[worker], worker, rank, filled_seen, skipped_seen)
+            return _receive(conns[worker], processes[worker], worker, rank, filled_seen)
 
         while True:
             frames = [receive(worker) for worker in range(len(conns))]
@@ -317,13 +313,15 @@ def _iter_in_processes(
                     f"frames {[kind for kind, _, _ in frames]}, steps {steps}"
                 )
             expected = steps[0]
-            blocks, at = [], {}
+            blocks, at, skipped = [], {}, 0
             for _, _, payload in frames:
-                block, positions = reading.take_positions(_from_ipc(payload))
+                block, passed = reading.take_positions(_from_ipc(payload))
                 blocks.append(block)
-                at.update(positions)
+                if passed is not None:
+                    at.update(passed.at)
+                    skipped += passed.skipped
             if ledger is not None and at:
-                ledger[expected] = at
+                ledger[expected] = reading.Passed(at, skipped)
             yield expected, batching.interleave(blocks, cycles)
             expected += 1
     finally:

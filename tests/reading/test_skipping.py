@@ -107,7 +107,7 @@ def test_skip_yields_lancedb_skip_rows_for_every_rank_up_to_the_world_end(
     spe = reading.layout_epoch(reading.open_table(data), data, 0).steps_per_epoch
     per_step = G // world_size
     for rank in range(world_size):
-        ledger: dict[int, dict[int, int]] = {}
+        ledger: dict[int, reading.Passed] = {}
         ours = dict(workers.iter_rank_batches(data, {}, rank=rank, world_size=world_size,
                                               start_global_step=0, ledger=ledger))
         for epoch, end in enumerate(ends):
@@ -132,11 +132,11 @@ def test_checkpoint_positions_are_lancedbs_and_resume_is_exact_on_another_world_
     cut = 10
     states, steps = [], {}
     for rank in range(2):
-        ledger: dict[int, dict[int, int]] = {}
+        ledger: dict[int, reading.Passed] = {}
         for step, batch in workers.iter_rank_batches(data, {}, rank=rank, world_size=2,
                                                      start_global_step=0, stop_global_step=cut, ledger=ledger):
             steps.setdefault(step, []).extend(as_features(batch))
-        states.append(positions.state_after(data, positions.position_of(cut, spe), ledger[cut - 1]))
+        states.append(positions.state_after(data, positions.position_of(cut, spe), ledger[cut - 1].at))
         # lancedb's own state after the same rows of this rank: the same positions
         ref = StreamingDataset(
             open_reference_table(data), num_splits=N, shuffle=True, shuffle_seed=data.shuffle_seed, rank=rank,
@@ -166,14 +166,14 @@ def test_warn_logs_each_skipped_row_with_its_split_and_position_and_counts_it(
     db_uri: str, bad_ids: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
     data = skip_job(db_uri, bad_ids, "warn")
-    before = reading.SKIPPED_ROWS[0]
+    ledger: dict[int, reading.Passed] = {}
     with caplog.at_level(logging.WARNING, logger="splitfeed.sidecar.reading"):
         out = list(workers.iter_rank_batches(data, {}, rank=3, world_size=24, start_global_step=0,
-                                             stop_global_step=12))
+                                             stop_global_step=12, ledger=ledger))
     assert len(out) == 12
     lines = [r.getMessage() for r in caplog.records if "row skipped" in r.getMessage()]
     # split 3 (rank 3 of 24) lost positions 2..5 and 10..11 of epoch 0, all passed by step 11
     assert [line.split(" failed on ")[1].split(" (")[0] for line in lines] == [
         f"position {p} of split 3 in epoch 0" for p in (2, 3, 4, 5, 10, 11)]
-    assert reading.SKIPPED_ROWS[0] - before == 6
+    assert [ledger[k].skipped for k in range(12)] == [0, 2, 2, 0, 0, 2] + [0] * 6  # rows 2-3, 4-5, 10-11
     assert np.all(["cannot decode ids" in line for line in lines])
