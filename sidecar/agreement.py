@@ -135,19 +135,19 @@ def flat_ends(ends: dict[int, int]) -> list[int]:
     return [v for epoch, end in sorted(ends.items()) for v in (epoch, end)]
 
 
-def settle_cut(step: int, watermark: Watermark, total_steps: int) -> int | None:
-    """A drain step S for a skip job: batch S - 1 must exist (be IN), since a trainer never
-    stops on a step that is absent; S - 1 OUT moves S past the gap to one step after the
-    next epoch's first. None while S - 1 is not known yet."""
+def settle_cut(step: int, watermark: Watermark, total_steps: int) -> tuple[int, bool]:
+    """A drain step S for a skip job, and whether it is final: batch S - 1 must exist (be
+    IN), since a trainer never stops on a step that is absent; S - 1 OUT moves S past the
+    gap to one step after the next epoch's first. Not final while S - 1 is not known yet."""
     spe = watermark.steps_per_epoch
     while step < total_steps:
         seen = watermark.verdict(step - 1)
         if seen == IN:
-            return step
+            return step, True
         if seen is None:
-            return None
+            return step, False
         step = ((step - 1) // spe + 1) * spe + 1
-    return total_steps
+    return total_steps, True
 
 
 class Coordinator:
@@ -225,9 +225,10 @@ class Coordinator:
     def _settle(self) -> list[Out]:
         """A skip job's drain step, once the watermark knows where it may be."""
         assert self.watermark is not None and self.candidate is not None
-        step = settle_cut(self.candidate, self.watermark, self.total_steps)
-        if step is None:
-            return [Out(EVERY, self._agreed(need=self.candidate - 1))]
+        step, final = settle_cut(self.candidate, self.watermark, self.total_steps)
+        if not final:
+            self.candidate = step
+            return [Out(EVERY, self._agreed(need=step - 1))]
         self.candidate = None
         return [Out(EVERY, self._agreed())] + self._commit(step)
 
