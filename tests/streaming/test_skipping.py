@@ -14,8 +14,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 import pytest
 from lancedb.streaming import StreamingDataset
@@ -25,7 +30,7 @@ from splitfeed.trainer_client import specs
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.streaming.harness import coordinator_address, manifest
-from tests.support import skipping_transforms
+from tests.support import exactness, skipping_transforms
 
 N, G, EPOCHS = 24, 48, 2
 TRANSFORM = "tests.support.skipping_transforms:ids_fragile"
@@ -183,3 +188,32 @@ def test_a_checkpoint_after_skips_resumes_exactly_on_another_world_size(pods, ta
     reference = expected_steps(plan, 1, 0)
     assert sorted(steps) == sorted(reference)
     assert all(sorted(steps[k]) == sorted(reference[k]) for k in reference)
+
+
+E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
+
+
+def test_splitfeed_local_with_ddp_trainers_rescaled_2_to_3_trains_exactly_on_the_skipped_rows(
+    table_uri, plan, tmp_path
+):
+    """`splitfeed local` runs real sidecars (the same agreement) and real DDP trainers (gloo,
+    an all_reduce every step): a world whose ranks lose unequal rows neither hangs nor
+    diverges, and a live rescale mid-epoch 0 keeps every global step exact."""
+    logs, store = tmp_path / "logs", tmp_path / "ckpt"
+    job_ = manifest(table_uri, str(store), transform="tests.support.skipping_transforms:passthrough_fragile",
+                    transformArgs=json.dumps({"bad": plan["bad"]}), onTransformError="skip", epochs=EPOCHS,
+                    numWorkers=2)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_))
+    done = subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", str(path), "--replicas", "2",
+         "--resume", "none", "--scale-at", "6:3", "--", sys.executable, str(E2E_TRAINER), str(logs),
+         "--sleep-s", "0.1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spe = plan["spe"]
+    absent = frozenset(e * spe + k for e, end in enumerate(plan["ends"]) for k in range(end, spe))
+    grid = [set(expected_steps(plan, 1, 0).get(s, [])) for s in range(EPOCHS * spe)]
+    summary = exactness.check(logs, exactness.complete_checkpoints(store / "test" / "job"), grid,
+                              lambda world, rank: expected_steps(plan, world, rank), absent)
+    assert [w.size for w in summary.worlds] == [2, 3], summary
+    assert summary.replayed == 0, summary
