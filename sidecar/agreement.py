@@ -21,7 +21,7 @@ import zmq
 
 from splitfeed.trainer_client import errors, messages, progress
 from splitfeed.trainer_client.messages import (
-    CommitAt, Complete, CommittedWorld, DrainAck, DrainRequest, Error, Freeze, Frozen, Join, Joined, Progress,
+    Agreed, Reach, CommitAt, Complete, CommittedWorld, DrainAck, DrainRequest, Error, Freeze, Frozen, Join, Joined, Progress,
     Status, StatusRequest,
 )
 
@@ -50,11 +50,115 @@ def cut_step(published: list[int], total_steps: int) -> int:
     return min(max(published) + 2, total_steps)
 
 
+IN, OUT = "in", "out"
+
+
+class Watermark:
+    """Which global steps exist, under onTransformError=skip/warn (docs/preprocessing.md).
+
+    A rank's epoch ends where one of its splits runs dry; the world's epoch ends at
+    the smallest such end. Each rank reports the highest step it holds ready
+    (`reach`) and the ends it found; a step is IN once every rank holds it and no
+    end excludes it, OUT once some rank's end excludes it (both final), else not
+    yet known. Ranks read ahead, so reports normally run steps ahead of the
+    trainers. Pure: the coordinator keeps one for the world, a member-less
+    sidecar one for its own ranks, and publishers read `verdict` from its
+    published values (`through`, `ends`).
+    """
+
+    def __init__(self, *, ranks: int, steps_per_epoch: int) -> None:
+        self.ranks = ranks
+        self.steps_per_epoch = steps_per_epoch
+        self.reach: dict[int, int] = {}
+        self.ends: dict[int, int] = {}
+
+    def report(self, rank: int, assembled: int, ends: dict[int, int]) -> bool:
+        """One rank's report; True when `through` or `ends` changed."""
+        if not 0 <= rank < self.ranks:
+            raise errors.ProtocolError(f"rank {rank} is not in this world (0..{self.ranks - 1})")
+        before = (self.through, dict(self.ends))
+        self.reach[rank] = max(self.reach.get(rank, -1), assembled)
+        for epoch, end in ends.items():
+            self.ends[epoch] = min(self.ends.get(epoch, end), end)
+        return (self.through, self.ends) != before
+
+    @property
+    def through(self) -> int:
+        return min(self.reach.values()) if len(self.reach) == self.ranks else -1
+
+    def verdict(self, step: int) -> str | None:
+        return verdict(step, self.through, self.ends, self.steps_per_epoch)
+
+
+def verdict(step: int, through: int, ends: dict[int, int], steps_per_epoch: int) -> str | None:
+    """IN, OUT or None (not known yet) for `step` (see Watermark)."""
+    epoch, within = divmod(step, steps_per_epoch)
+    if within >= ends.get(epoch, steps_per_epoch):
+        return OUT
+    return IN if step <= through else None
+
+
+def flat_reports(reports: dict[int, tuple[int, dict[int, int]]]) -> list[int]:
+    """Reach.reports from {rank: (assembled, ends)}."""
+    out: list[int] = []
+    for rank, (assembled, ends) in sorted(reports.items()):
+        out += [rank, assembled, len(ends)]
+        for epoch, end in sorted(ends.items()):
+            out += [epoch, end]
+    return out
+
+
+def parse_reports(flat: list[int]) -> dict[int, tuple[int, dict[int, int]]]:
+    """The inverse of flat_reports; ProtocolError for a malformed list."""
+    out: dict[int, tuple[int, dict[int, int]]] = {}
+    i = 0
+    try:
+        while i < len(flat):
+            rank, assembled, count = (int(v) for v in flat[i:i + 3])
+            pairs = flat[i + 3:i + 3 + 2 * count]
+            if len(pairs) != 2 * count or count < 0:
+                raise ValueError("short")
+            out[rank] = (assembled, {int(pairs[j]): int(pairs[j + 1]) for j in range(0, len(pairs), 2)})
+            i += 3 + 2 * count
+    except (TypeError, ValueError) as exc:
+        raise errors.ProtocolError(f"malformed reach reports: {exc}") from None
+    return out
+
+
+def parse_ends(flat: list[int]) -> dict[int, int]:
+    if len(flat) % 2 or not all(isinstance(v, int) for v in flat):
+        raise errors.ProtocolError("malformed agreed ends")
+    return {flat[j]: flat[j + 1] for j in range(0, len(flat), 2)}
+
+
+def flat_ends(ends: dict[int, int]) -> list[int]:
+    return [v for epoch, end in sorted(ends.items()) for v in (epoch, end)]
+
+
+def settle_cut(step: int, watermark: Watermark, total_steps: int) -> tuple[int, bool]:
+    """A drain step S for a skip job, and whether it is final: batch S - 1 must exist (be
+    IN), since a trainer never stops on a step that is absent; S - 1 OUT moves S past the
+    gap to one step after the next epoch's first. Not final while S - 1 is not known yet."""
+    spe = watermark.steps_per_epoch
+    while step < total_steps:
+        seen = watermark.verdict(step - 1)
+        if seen == IN:
+            return step, True
+        if seen is None:
+            return step, False
+        step = ((step - 1) // spe + 1) * spe + 1
+    return total_steps, True
+
+
 class Coordinator:
     """Decides the world's drain step; knows the members and the last complete step."""
 
     def __init__(self, *, replicas: int, total_steps: int, resume_step: int,
-                 table_version: int | None = None) -> None:
+                 table_version: int | None = None, watermark: Watermark | None = None) -> None:
+        self.watermark = watermark
+        """Skip jobs only: which steps exist (see Watermark)."""
+        self.candidate: int | None = None
+        """A drain step waiting for the watermark to know whether its previous step exists."""
         self.replicas = replicas
         self.total_steps = total_steps
         self.resume_step = resume_step
@@ -86,6 +190,8 @@ class Coordinator:
             out.append(Out(peer, self._commit_at()))
         if self.complete_step is not None:
             out.append(Out(peer, Complete(step=self.complete_step)))
+        if self.watermark is not None:
+            out.append(Out(peer, self._agreed(need=-1 if self.candidate is None else self.candidate - 1)))
         return out
 
     def on_request(self, peer: bytes, token: str, reason: str) -> list[Out]:
@@ -110,7 +216,39 @@ class Coordinator:
         self.answers[replica] = published
         if len(self.answers) < self.replicas:
             return []
-        self.step = cut_step(list(self.answers.values()), self.total_steps)
+        step = cut_step(list(self.answers.values()), self.total_steps)
+        if self.watermark is not None:
+            self.candidate = step
+            return self._settle()
+        return self._commit(step)
+
+    def _settle(self) -> list[Out]:
+        """A skip job's drain step, once the watermark knows where it may be."""
+        assert self.watermark is not None and self.candidate is not None
+        step, final = settle_cut(self.candidate, self.watermark, self.total_steps)
+        if not final:
+            self.candidate = step
+            return [Out(EVERY, self._agreed(need=step - 1))]
+        self.candidate = None
+        return [Out(EVERY, self._agreed())] + self._commit(step)
+
+    def _agreed(self, need: int = -1) -> Agreed:
+        assert self.watermark is not None
+        return Agreed(through=self.watermark.through, ends=flat_ends(self.watermark.ends), need=need)
+
+    def on_reach(self, reports: list[int]) -> list[Out]:
+        """Ranks' look-ahead (skip jobs): tell every member when what exists changed."""
+        if self.watermark is None:
+            raise errors.ProtocolError("this job does not skip rows: no reach reports")
+        changed = False
+        for rank, (assembled, ends) in parse_reports(reports).items():
+            changed |= self.watermark.report(rank, assembled, ends)
+        if self.candidate is not None:
+            return self._settle()
+        return [Out(EVERY, self._agreed())] if changed else []
+
+    def _commit(self, step: int) -> list[Out]:
+        self.step = step
         self.phase = COMMITTED
         log.info("the world drains at global step %d (highest published: %s)", self.step,
                  dict(sorted(self.answers.items())))
@@ -201,6 +339,8 @@ class CoordinatorThread:
                 return c.on_request(peer, message.token, message.reason)
             case Frozen():
                 return c.on_frozen(message.replica, message.round, message.published)
+            case Reach():
+                return c.on_reach(message.reports)
             case CommittedWorld():
                 return c.on_committed(message.replica, message.step)
             case Progress():

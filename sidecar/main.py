@@ -209,10 +209,11 @@ def choose_resume_step(job: specs.JobSpec, data: specs.DataSpec, settings: Sidec
 
 
 def check_resume_step(data: specs.DataSpec, stores: list[checkpoints.Store], step: int,
-                      steps_per_epoch: int, expect: Mapping[str, Any]) -> None:
-    """Load exactly the world's resume step; a store that disagrees is an error, never a guess."""
+                      steps_per_epoch: int, expect: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Load exactly the world's resume step (its merged state); a store that disagrees is an
+    error, never a guess."""
     if step == 0:
-        return
+        return None
     if not stores:
         raise errors.UserError(
             f"the world resumes at global step {step} but the job has no spec.checkpoint.uri")
@@ -222,6 +223,74 @@ def check_resume_step(data: specs.DataSpec, stores: list[checkpoints.Store], ste
         raise errors.UserError(
             f"checkpoint step {step} holds the position of epoch {position.epoch} step "
             f"{position.step}, not global step {step}")
+    return merged
+
+
+def skipping(data: specs.DataSpec) -> bool:
+    """onTransformError=skip/warn: epochs may end early, the world agrees where."""
+    return bool(data.transform) and data.on_transform_error in reading.SKIPPING
+
+
+class Ledger(dict[int, reading.Passed]):
+    """global step -> what it passed (split positions after it), the newest `keep` steps only."""
+
+    def __init__(self, keep: int) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def __setitem__(self, step: int, passed: reading.Passed) -> None:
+        super().__setitem__(step, passed)
+        while len(self) > self.keep:
+            del self[next(iter(self))]
+
+
+class SkipLedgers:
+    """Each local rank's split positions after each step it read (skip jobs), for its
+    checkpoints and for a reader that restarts mid-epoch: under skip a step no longer
+    fixes the positions (docs/preprocessing.md). Other jobs: positions from the step."""
+
+    KEEP = 4096
+    """Steps remembered per rank: a checkpoint is of a step the trainer just took."""
+
+    def __init__(self, data: specs.DataSpec | None, steps_per_epoch: int, start_step: int,
+                 resume_state: dict[str, Any] | None) -> None:
+        self.data = data
+        self.spe = max(1, steps_per_epoch)
+        self.start_step = start_step
+        self.merged = resume_state
+        self._ledgers: dict[int, Ledger] = {}
+
+    def ledger(self, rank: int) -> Ledger | None:
+        if self.data is None or not skipping(self.data):
+            return None
+        return self._ledgers.setdefault(rank, Ledger(self.KEEP))
+
+    def state(self, rank: int, step: int) -> dict[str, Any]:
+        """The rank's checkpoint state once `step` steps are taken."""
+        assert self.data is not None
+        position = positions.position_of(step, self.spe)
+        if not skipping(self.data) or position.step == 0:
+            return positions.state_dict(self.data, position)
+        ledger = self._ledgers.get(rank)
+        passed = None if ledger is None else ledger.get(step - 1)
+        if passed is None and step == self.start_step and self.merged is not None:
+            return dict(self.merged)  # nothing read yet: the world's resume state
+        if passed is None:
+            raise errors.SidecarFailed(f"rank {rank} holds no split positions for global step {step - 1}")
+        return positions.state_after(self.data, position, passed.at)
+
+    def published(self, rank: int, step: int) -> None:
+        """Count the rows a published step dropped (the report's skippedRows)."""
+        ledger = self._ledgers.get(rank)
+        passed = None if ledger is None else ledger.get(step)
+        if passed is not None:
+            reading.SKIPPED_ROWS[0] += passed.skipped
+
+    def resume_state(self, rank: int, step: int) -> dict[str, Any] | None:
+        """What a reader starting at `step` resumes from (skip jobs, mid-epoch)."""
+        if self.data is None or not skipping(self.data) or step % self.spe == 0:
+            return None
+        return self.state(rank, step)
 
 
 @dataclasses.dataclass
@@ -262,6 +331,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
     steps_per_epoch, total_steps, start_step = 1, 0, 0
     data: specs.DataSpec | None = None
     stores: list[checkpoints.Store] = []
+    resume_state: dict[str, Any] | None = None
     try:
         job = load_job(settings)
         bind, address = coordinator_addresses(settings)
@@ -277,9 +347,12 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             resume_step = choose_resume_step(job, data, settings, stores, expect)
             if stores:
                 stores[0].start_world(resume_step=resume_step)  # fences every older world
+            watermark = (agreement.Watermark(ranks=settings.world_size, steps_per_epoch=steps_per_epoch)
+                         if skipping(data) else None)
             coordinator = agreement.CoordinatorThread(
                 agreement.Coordinator(replicas=replicas_of(settings), total_steps=steps_per_epoch * data.epochs,
-                                      resume_step=resume_step, table_version=int(data.version)),
+                                      resume_step=resume_step, table_version=int(data.version),
+                                      watermark=watermark),
                 bind)
             address = address or coordinator.address
         member = agreement.Member(address, replica, instance)
@@ -293,7 +366,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         assert data is not None
         total_steps = steps_per_epoch * data.epochs
         del table
-        check_resume_step(data, stores, start_step, steps_per_epoch, expect)
+        resume_state = check_resume_step(data, stores, start_step, steps_per_epoch, expect)
     except errors.UserError as exc:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
@@ -302,19 +375,20 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         job=job.name if job else "", namespace=job.namespace if job else "",
         world=settings.world_epoch, replica=replica_of(settings)))
 
+    ledgers = SkipLedgers(data, steps_per_epoch, start_step, resume_state)
+
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]
         assert data is not None  # every worker opens the pinned version
-        return observed.timed_batches(workers.iter_rank_batches(data, storage_options, rank=rank,
-                                                                world_size=settings.world_size,
-                                                                start_global_step=first_step))
+        return observed.timed_batches(workers.iter_rank_batches(
+            data, storage_options, rank=rank, world_size=settings.world_size, start_global_step=first_step,
+            resume_state=ledgers.resume_state(rank, first_step), ledger=ledgers.ledger(rank)))
 
     checkpoint = commit = None
     if data is not None and stores:
-        pinned, world, spe, st = data, settings.world_size, steps_per_epoch, stores[0]
+        world, st = settings.world_size, stores[0]
 
         def write_checkpoint(rank: int, step: int) -> str:
-            state = positions.state_dict(pinned, positions.position_of(step, spe))
-            return st.write(global_step=step, rank=rank, world_size=world, state=state)
+            return st.write(global_step=step, rank=rank, world_size=world, state=ledgers.state(rank, step))
 
         def commit(rank: int, step: int) -> None:
             st.commit(global_step=step, rank=rank, world_size=world)
@@ -326,7 +400,8 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         factory=factory, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         start_step=start_step, resume_step=start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
-        member=member if failure is None else None, instance=instance)
+        member=member if failure is None else None, instance=instance,
+        skipping=data is not None and skipping(data), on_published=ledgers.published)
     if failure is not None and member is not None:
         member.close()
     observed.feeds = lambda: server.feeds
@@ -379,6 +454,7 @@ def serve(sidecar: Sidecar) -> int:
                 (sidecar.permanent and failure == sidecar.failure)
                 or any(f.session.permanent and f.session.failure == failure for f in server.feeds)),
             "filledRows": reading.FILLED_ROWS[0],
+            "skippedRows": reading.SKIPPED_ROWS[0],
         }
         server.close()
         if sidecar.coordinator is not None:

@@ -1,7 +1,9 @@
 """Data positions: global step <-> (epoch, step) <-> StreamingDataset state dicts.
 
 Pure. At a step boundary every split has consumed the same number of rows
-(G / N per step), so a position is fully described by (epoch, step); the state
+(G / N per step), so a position is fully described by (epoch, step), except under
+onTransformError=skip/warn, where each split's permutation position also counts the
+rows it skipped and the state carries them per split (`state_after`); the state
 dicts written into checkpoints are in `StreamingDataset.state_dict()`'s format
 so that `StreamingDataset.merge_state_dicts` and `load_state_dict` accept them,
 and tests compare them with what lancedb itself reports.
@@ -44,6 +46,18 @@ def state_dict(data: specs.DataSpec, position: Position) -> dict[str, Any]:
     }
 
 
+def state_after(data: specs.DataSpec, position: Position, at: Mapping[int, int]) -> dict[str, Any]:
+    """A rank's state at `position` of a skip job: the uniform row count, and the exact
+    positions of the splits in `at` (the rank's own; the rest stay at the row count, a lower
+    bound, so `StreamingDataset.merge_state_dicts`' elementwise maximum recovers every split)."""
+    state = state_dict(data, position)
+    held = list(state["positions_consumed_per_split"])
+    for split, value in at.items():
+        held[split] = int(value)
+    state["positions_consumed_per_split"] = held
+    return state
+
+
 class IncompatibleState(errors.SplitfeedError, ValueError):
     """A checkpoint state that cannot continue this job (other seed, splits, ...)."""
 
@@ -58,7 +72,12 @@ def position_from_state(data: specs.DataSpec, state: Mapping[str, Any]) -> Posit
             )
     samples = list(state.get("samples_consumed_per_split") or [])
     positions = list(state.get("positions_consumed_per_split") or samples)
-    if len(samples) != data.num_splits or len(set(samples)) != 1 or positions != samples:
+    # Under onTransformError=skip/warn a split's position runs ahead of its row count
+    # by the rows it skipped; otherwise the two are equal.
+    skipping = data.on_transform_error in ("skip", "warn") and bool(data.transform)
+    if (len(samples) != data.num_splits or len(set(samples)) != 1 or len(positions) != len(samples)
+            or (positions != samples and not (skipping and all(
+                int(p) >= int(c) for p, c in zip(positions, samples))))):
         raise IncompatibleState(
             "checkpoint is not at a global step boundary "
             f"(samples_consumed_per_split={samples[:8]}...)"

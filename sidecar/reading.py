@@ -13,13 +13,16 @@ the pinned lancedb.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import math
 import os
 import pathlib
+import typing
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -269,15 +272,22 @@ def iter_blocks(
     *,
     start_global_step: int,
     stop_global_step: int | None = None,
+    resume_state: Mapping[str, Any] | None = None,
 ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
     """Yield (global_step, block) for `splits`: G/N cycles over them, reference order.
 
     `splits` is a rank's block (one sidecar, numWorkers=1) or a worker's
     sub-block; blocks of a rank's workers are merged with batching.interleave.
     Runs through every epoch of the job unless `stop_global_step` comes first.
+    Under onTransformError=skip/warn an epoch may end early (see `_iter_skipping`),
+    each block carries its splits' positions (`take_positions`), and a resume
+    mid-epoch needs the checkpoint's merged `resume_state`.
     """
     with _version_guard(table, data):
-        if data.transform or data.pack_sequences is not None:
+        if data.transform and data.on_transform_error in SKIPPING:
+            yield from _iter_skipping(table, data, splits, start_global_step, stop_global_step,
+                                      resume_state)
+        elif data.transform or data.pack_sequences is not None:
             yield from _iter_preprocessed(table, data, splits, start_global_step, stop_global_step)
         else:
             yield from _iter_blocks(table, data, splits, start_global_step, stop_global_step)
@@ -556,3 +566,168 @@ def _substitute(
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """lancedb's own merge of per-rank states into one topology-free state."""
     return StreamingDataset.merge_state_dicts(states)
+
+
+# --- onTransformError=skip / warn ------------------------------------------------------
+
+SKIPPING = ("skip", "warn")
+"""onTransformError values that drop failing rows (lancedb's skip and warn)."""
+
+SKIPPED_ROWS = [0]
+"""Rows dropped by onTransformError=skip/warn before the rows of the steps this sidecar
+published (counted by the sidecar as it publishes, from each step's `Passed.skipped`)."""
+
+POSITIONS_KEY = b"splitfeed.positions"
+"""Schema metadata of a skip job's block: JSON {"at": [[split, position], ...], "skipped": n},
+each split's permutation position after the block's last row (lancedb's
+positions_consumed_per_split) and the failing rows dropped in between. Only between the
+reader and the sidecar: `take_positions` strips it before the ring."""
+
+
+class Passed(typing.NamedTuple):
+    """What a skip job's step passed: its splits' positions after it, and the rows dropped."""
+
+    at: dict[int, int]
+    skipped: int
+
+
+def take_positions(block: pa.RecordBatch) -> tuple[pa.RecordBatch, Passed | None]:
+    """A block without its positions metadata, and what it passed (None for other jobs)."""
+    metadata = block.schema.metadata or {}
+    if POSITIONS_KEY not in metadata:
+        return block, None
+    found = json.loads(metadata[POSITIONS_KEY])
+    rest = {k: v for k, v in metadata.items() if k != POSITIONS_KEY}
+    passed = Passed({int(s): int(p) for s, p in found["at"]}, int(found["skipped"]))
+    return block.replace_schema_metadata(rest or None), passed
+
+
+def split_starts(data: specs.DataSpec, splits: Sequence[int], pos: positions.Position,
+                 state: Mapping[str, Any] | None) -> list[int]:
+    """Where each split of `splits` resumes in the epoch of `pos` under skip: 0 at an epoch
+    start, else the checkpoint's per-split positions (a step no longer fixes them)."""
+    if pos.step == 0:
+        return [0] * len(splits)
+    if state is None:
+        raise errors.UserError(
+            f"onTransformError={data.on_transform_error}: resuming at step {pos.step} of epoch "
+            f"{pos.epoch} needs the checkpoint's per-split positions, and none was given")
+    found = positions.position_from_state(data, state)
+    if found != pos:
+        raise errors.UserError(
+            f"the checkpoint holds epoch {found.epoch} step {found.step}, not epoch {pos.epoch} "
+            f"step {pos.step}")
+    at = list(state["positions_consumed_per_split"])
+    return [int(at[s]) for s in splits]
+
+
+def _iter_skipping(
+    table: Any, data: specs.DataSpec, splits: Sequence[int], start_global_step: int,
+    stop_global_step: int | None, resume_state: Mapping[str, Any] | None,
+) -> Generator[tuple[int, pa.RecordBatch], None, None]:
+    """iter_blocks under onTransformError=skip/warn: lancedb's skip order, numbered on a grid.
+
+    lancedb runs `Guarded`, so every row arrives (a failing one as a marker at its
+    split and absolute position). Each split's surviving rows queue up in permutation
+    order, and a step takes G/N of them from every split: cycle c of split s is its
+    c-th survivor, which is what StreamingDataset(on_transform_error="skip") yields.
+    These splits' epoch ends at the first step one of them cannot fill; global steps
+    keep the grid epoch * stepsPerEpoch + step (stepsPerEpoch as without skips), so a
+    step's (epoch, step) never depends on the data, and the steps an epoch lost are
+    simply absent. The world stops each epoch at the smallest end of all its ranks
+    (agreement.py's watermark), which is a prefix of what this yields.
+    """
+    m = len(splits)
+    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    name = data.transform or ""
+    guarded = preprocessing.Guarded(preprocessing.load_transform(data), name)
+    layout = layout_epoch(table, data, 0)
+    spe = layout.steps_per_epoch
+    end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
+    global_step = start_global_step
+    state = resume_state
+    while global_step < end:
+        pos = positions.position_of(global_step, spe)
+        if layout.epoch != pos.epoch:
+            layout = layout_epoch(table, data, pos.epoch)
+        starts = split_starts(data, splits, pos, state)
+        state = None  # only the first epoch resumes mid-way
+        dataset = _streaming_dataset(
+            table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
+            transform=guarded, blocks=None,
+        )
+        if pos.step:
+            dataset.load_state_dict(_skip_state(data, pos, splits, starts))
+        rows_iter = iter(dataset)
+        try:
+            epoch_steps = _skipping_epoch(rows_iter, data, splits, starts, cycles, layout.epoch,
+                                          name)
+            for step in range(pos.step, spe):
+                if global_step >= end:
+                    return
+                taken = next(epoch_steps, None)
+                if taken is None:
+                    break  # a split of these ran dry: this epoch ends here
+                rows, at, skipped = taken
+                block = preprocessing.collate(rows, name)
+                passed = {"at": sorted(at.items()), "skipped": skipped}
+                metadata = {**(block.schema.metadata or {}), POSITIONS_KEY: json.dumps(passed).encode()}
+                yield global_step, block.replace_schema_metadata(metadata)
+                global_step += 1
+            global_step = (pos.epoch + 1) * spe
+        finally:
+            close = getattr(rows_iter, "close", None)
+            if close is not None:
+                close()
+
+
+def _skip_state(data: specs.DataSpec, pos: positions.Position, splits: Sequence[int],
+                starts: Sequence[int]) -> dict[str, Any]:
+    """What lancedb resumes these splits from: the uniform row count of `pos`, and each
+    split's own position (later than the count by its skipped rows)."""
+    return positions.state_after(data, pos, dict(zip(splits, starts)))
+
+
+def _skipping_epoch(
+    rows_iter: Iterator[Any], data: specs.DataSpec, splits: Sequence[int], starts: Sequence[int],
+    cycles: int, epoch: int, name: str,
+) -> Iterator[tuple[list[Any], dict[int, int], int]]:
+    """Each step's rows (reference order), the splits' positions after it and the rows it
+    dropped, until a split cannot give `cycles` more surviving rows."""
+    m = len(splits)
+    ready: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in splits]
+    failed: list[collections.deque[tuple[int, preprocessing.Failed]]] = [
+        collections.deque() for _ in splits]
+    next_position = list(starts)
+    after = list(starts)
+    exhausted = False
+    while True:
+        while not exhausted and any(len(q) < cycles for q in ready):
+            cycle = list(itertools.islice(rows_iter, m))
+            if len(cycle) < m:
+                exhausted = True  # Guarded drops nothing, so the splits end together
+                break
+            for i, row in enumerate(cycle):
+                where = failed[i] if isinstance(row, preprocessing.Failed) else ready[i]
+                where.append((next_position[i], row))
+                next_position[i] += 1
+        if any(len(q) < cycles for q in ready):
+            return
+        taken = [[ready[i].popleft() for _ in range(cycles)] for i in range(m)]
+        skipped = 0
+        for i in range(m):
+            after[i] = taken[i][-1][0] + 1
+            while failed[i] and failed[i][0][0] < after[i]:
+                position, row = failed[i].popleft()
+                _skipped(data, name, epoch, splits[i], position, row)
+                skipped += 1
+        rows = [taken[i][c][1] for c in range(cycles) for i in range(m)]
+        yield rows, {splits[i]: after[i] for i in range(m)}, skipped
+
+
+def _skipped(data: specs.DataSpec, name: str, epoch: int, split: int, position: int,
+             row: preprocessing.Failed) -> None:
+    if data.on_transform_error == "warn":
+        log.warning(
+            "spec.data.transform=%r failed on position %d of split %d in epoch %d (%s: %s); "
+            "row skipped", name, position, split, epoch, type(row.error).__name__, row.error)

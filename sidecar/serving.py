@@ -14,6 +14,7 @@ does not read loses them).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import logging
@@ -53,6 +54,179 @@ CLOSE_LINGER_S = 2.0
 """How long the last replies (a drained rank's `committed`) may take to leave when the sidecar exits."""
 
 
+LOOKAHEAD_MIN = 2
+"""Steps a skip job's publisher holds ready beyond what it published (at least; prefetch
+if larger): its reports run that far ahead of its trainer, so the world's agreement that
+a step exists rarely makes a trainer wait."""
+
+
+@dataclasses.dataclass
+class Assembled:
+    """Publisher -> loop (skip jobs): the rank holds steps up to `reach` ready; `ends`:
+    epochs its splits ended early (steps within the epoch)."""
+
+    rank: int
+    reach: int
+    ends: dict[int, int]
+
+
+class WorldView:
+    """What the world agreed exists (skip jobs; agreement.Watermark), as this sidecar's
+    publishers see it: the loop writes it, publishing threads wait on it."""
+
+    def __init__(self, steps_per_epoch: int) -> None:
+        self.steps_per_epoch = steps_per_epoch
+        self.through = -1
+        self.ends: dict[int, int] = {}
+        self.need = -1
+        self.generation = 0
+        self._changed = threading.Condition()
+
+    def update(self, through: int, ends: dict[int, int], need: int) -> None:
+        with self._changed:
+            self.through = max(self.through, through)
+            for epoch, end in ends.items():
+                self.ends[epoch] = min(self.ends.get(epoch, end), end)
+            self.need = need
+            self.generation += 1
+            self._changed.notify_all()
+
+    def verdict(self, step: int) -> tuple[str | None, int]:
+        """IN, OUT or None for `step`, and the generation it was read at (for `wait`)."""
+        with self._changed:
+            return (agreement.verdict(step, self.through, self.ends, self.steps_per_epoch),
+                    self.generation)
+
+    def wait(self, stop: threading.Event, generation: int) -> None:
+        """Until the agreement changes after `generation`, or `stop`."""
+        with self._changed:
+            while not stop.is_set() and self.generation == generation:
+                self._changed.wait(1.0)
+
+    def wake(self) -> None:
+        with self._changed:
+            self.generation += 1
+            self._changed.notify_all()
+
+
+def epoch_ends(previous: int, step: int, steps_per_epoch: int) -> dict[int, int]:
+    """The epoch ends a reader's jump from `previous` (the step before the first: start - 1)
+    to `step` reveals: the epoch of previous + 1 ends there, skipped epochs hold nothing."""
+    spe = steps_per_epoch
+    nxt = previous + 1
+    if step == nxt:
+        return {}
+    first = nxt // spe
+    ends = {first: nxt - first * spe} if nxt % spe or step // spe > first else {}
+    for epoch in range(first + 1, step // spe):
+        ends[epoch] = 0
+    return {e: v for e, v in ends.items() if v < spe}
+
+
+class AgreedSteps:
+    """The steps the world agreed exist, from one rank's own (skip jobs).
+
+    A reading thread of its own reads ahead (`lookahead` steps; further while a
+    drain waits to know whether step `need` exists, even while the publisher is
+    frozen), reporting what it holds and the epoch ends it finds. The publishing
+    thread iterating this lets a step through once IN and drops it once OUT
+    (another rank's epoch ended before it), so every rank ends each epoch at the
+    same step; otherwise it waits for the agreement to move.
+    """
+
+    def __init__(self, iterator: Iterator[tuple[int, pa.RecordBatch]], *, first_step: int, rank: int,
+                 world: WorldView, lookahead: int, total_steps: int, stop: threading.Event,
+                 outbox: queue.SimpleQueue[Any], signal: tuple[zmq.Context[Any], str] | None) -> None:
+        self._iterator = iterator
+        self._world = world
+        self._lookahead = lookahead
+        self._total = total_steps
+        self._rank = rank
+        self._stop = stop
+        self._closed = threading.Event()
+        self._outbox = outbox
+        self._signal = signal
+        self._held: collections.deque[tuple[int, pa.RecordBatch]] = collections.deque()
+        self._last = first_step - 1
+        self._done = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name=f"read-ahead-r{rank}", daemon=True)
+        self._thread.start()
+
+    def _stopped(self) -> bool:
+        return self._stop.is_set() or self._closed.is_set()
+
+    def _read(self) -> None:
+        world = self._world
+        signal = None
+        if self._signal is not None:
+            signal = self._signal[0].socket(zmq.PUSH)  # this thread's own
+            signal.setsockopt(zmq.LINGER, 0)
+            signal.connect(self._signal[1])
+
+        def tell(news: Assembled) -> None:
+            self._outbox.put(news)
+            if signal is not None:
+                signal.send(b"", zmq.NOBLOCK)
+
+        try:
+            while not self._stopped():
+                _, generation = world.verdict(0)
+                if len(self._held) >= self._lookahead and world.need <= self._last:
+                    world.wait(self._stop, generation)  # close() and halt() wake it
+                    continue
+                item = next(self._iterator, None)
+                step = self._total if item is None else item[0]
+                ends = epoch_ends(self._last, step, world.steps_per_epoch)
+                if item is not None:
+                    self._held.append(item)
+                    self._last = step
+                tell(Assembled(self._rank, step, ends))
+                if item is None:
+                    self._done = True
+                    return
+                world.wake()
+        except BaseException as exc:  # the publishing thread raises it
+            self._error = exc
+        finally:
+            self._done = True
+            world.wake()
+            close = getattr(self._iterator, "close", None)
+            if close is not None:
+                close()
+            if signal is not None:
+                signal.close()
+
+    def __iter__(self) -> AgreedSteps:
+        return self
+
+    def __next__(self) -> tuple[int, pa.RecordBatch]:
+        world = self._world
+        while not self._stop.is_set():
+            generation = world.generation  # first: a change after it ends the wait below
+            seen = world.verdict(self._held[0][0])[0] if self._held else None
+            if self._held and seen == agreement.OUT:
+                self._held.popleft()
+                world.wake()
+                continue
+            if self._held and seen == agreement.IN:
+                item = self._held.popleft()
+                world.wake()
+                return item
+            if not self._held and self._done:
+                if self._error is not None:
+                    raise self._error
+                raise StopIteration
+            world.wait(self._stop, generation)
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop the reading thread, which closes the rank's iterator (its own)."""
+        self._closed.set()
+        self._world.wake()
+        self._thread.join(timeout=30)
+
+
 class Publisher:
     """One local rank's control block, its slots, and the thread that alone fills them.
 
@@ -67,7 +241,9 @@ class Publisher:
 
     def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
                  factory: SourceFactory, prefetch: int, start_step: int, total_steps: int,
-                 signal: tuple[zmq.Context[Any], str] | None = None, local_ranks: int = 1) -> None:
+                 signal: tuple[zmq.Context[Any], str] | None = None, local_ranks: int = 1,
+                 world: WorldView | None = None,
+                 on_published: Callable[[int, int], None] | None = None) -> None:
         self.local_rank = local_rank
         self.local_ranks = local_ranks
         self.rank = rank
@@ -93,7 +269,12 @@ class Publisher:
         self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
         self._waits = 0  # numbers this publisher's waits in sidecar_waiting
         self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
-        self.outbox: queue.SimpleQueue[messages.Ready | messages.End | BaseException] = queue.SimpleQueue()
+        self.world = world
+        self._on_published = on_published
+        self.control.skipping = int(world is not None)
+        """Skip jobs: publish a step only once the world agreed it exists (WorldView)."""
+        self.outbox: queue.SimpleQueue[messages.Ready | messages.End | Assembled | BaseException] = (
+            queue.SimpleQueue())
         """What the loop should say: a `ready`, the `end`, or the exception that stopped the publisher."""
         # The gate between the publisher and the world's agreement: frozen while the
         # coordinator fixes the drain step, then no step at or past `_limit`.
@@ -119,6 +300,8 @@ class Publisher:
         """Ask the publisher to publish nothing more (its rank drained or failed); returns at once."""
         self._stop.set()
         self._woken.set()
+        if self.world is not None:
+            self.world.wake()
         with self._gate:
             self._gate.notify_all()
 
@@ -173,7 +356,7 @@ class Publisher:
             signal.setsockopt(zmq.LINGER, 0)
             signal.connect(self._signal[1])
 
-        def tell(news: messages.Ready | messages.End | BaseException) -> None:
+        def tell(news: messages.Ready | messages.End | Assembled | BaseException) -> None:
             self.outbox.put(news)
             if signal is not None:
                 signal.send(b"", zmq.NOBLOCK)
@@ -182,15 +365,21 @@ class Publisher:
         try:
             iterator = self._factory(self.rank, first_step)
             next_step = first_step
+            if self.world is not None:
+                iterator = self._agreed_steps(iterator, first_step, stop)
             for global_step, batch in iterator:
                 if not self._publish(global_step, batch, stop):
                     return
+                if self._on_published is not None:
+                    self._on_published(self.rank, global_step)
                 next_step = global_step + 1
                 waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
                 if slots.ready_due(waiting, self._readied):
                     self._readied = waiting
                     tell(messages.Ready(global_step))
             if not stop.is_set():
+                if self.world is not None:  # the world's last epoch may end early
+                    self.control.end_step = min(self.total_steps, next_step)
                 tell(messages.End(next_step))
         except BaseException as exc:  # the loop reports it to the trainer
             if not stop.is_set():
@@ -201,6 +390,13 @@ class Publisher:
                 close()
             if signal is not None:
                 signal.close()
+
+    def _agreed_steps(self, iterator: Iterator[tuple[int, pa.RecordBatch]], first_step: int,
+                      stop: threading.Event) -> AgreedSteps:
+        assert self.world is not None
+        return AgreedSteps(iterator, first_step=first_step, rank=self.rank, world=self.world,
+                           lookahead=max(LOOKAHEAD_MIN, self.prefetch), total_steps=self.total_steps,
+                           stop=stop, outbox=self.outbox, signal=self._signal)
 
     def _publish(self, global_step: int, batch: pa.RecordBatch, stop: threading.Event) -> bool:
         """Write one batch into a slot once there is room; False if stopped first."""
@@ -316,8 +512,13 @@ class Publisher:
             state = control.acquire(i)
             if state == ring.SlotState.FILLED or (trainer_gone and state == ring.SlotState.TAKEN):
                 control.transition(i, state, ring.SlotState.FREE)
+        kept = []
         while not self.outbox.empty():
-            self.outbox.get_nowait()  # news of the stopped publisher
+            news = self.outbox.get_nowait()  # news of the stopped publisher
+            if isinstance(news, Assembled):
+                kept.append(news)  # what the rank holds stays true (and the world may need its ends)
+        for news in kept:
+            self.outbox.put(news)
         control.sidecar_waiting = ring.Waiting.NO
         self._readied = 0
         if trainer_gone:
@@ -366,9 +567,11 @@ class Session:
         self.committed: int | None = None
         """The step of its last `commit` (phase two: its model for that step is saved)."""
 
-    def all_taken(self, acked: int) -> bool:
-        """The trainer was told `end` and took every batch."""
-        return self.end_sent and acked + 1 >= self.total_steps
+    def all_taken(self, acked: int, end_step: int | None = None) -> bool:
+        """The trainer was told `end` and took every batch (up to `end_step`, default the
+        job's last step: a skip job's last epoch may end earlier)."""
+        end = self.total_steps if end_step is None else end_step
+        return self.end_sent and acked + 1 >= end
 
     def finished(self, now: float, linger_s: float) -> bool:
         """Drained, said bye, or took its last batch `linger_s` ago (a pure check)."""
@@ -403,7 +606,9 @@ class Server:
                  commit: Callable[[int, int], None] | None = None,
                  member: agreement.Member | None = None,
                  instance: str | None = None,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None,
+                 skipping: bool = False,
+                 on_published: Callable[[int, int], None] | None = None) -> None:
         self.directory = Path(directory)
         self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
@@ -435,10 +640,17 @@ class Server:
         self._poller.register(self._signals, zmq.POLLIN)
         if member is not None:
             self._poller.register(member.socket, zmq.POLLIN)
+        self.world = WorldView(steps_per_epoch) if skipping else None
+        """Skip jobs: which steps the world agreed exist (from the coordinator, or without
+        one from `_watermark` over this sidecar's own ranks, then the whole world)."""
+        self._watermark = (agreement.Watermark(ranks=world_size, steps_per_epoch=steps_per_epoch)
+                           if skipping and member is None else None)
+        self._reports: dict[int, tuple[int, dict[int, int]]] = {}
         self.feeds = [
             Feed(Publisher(directory=self.directory, instance=self.instance, local_rank=i, rank=rank,
                            factory=factory, signal=(self._ctx, signal_address), prefetch=prefetch,
-                           start_step=start_step, total_steps=total_steps, local_ranks=len(ranks)),
+                           start_step=start_step, total_steps=total_steps, local_ranks=len(ranks),
+                           world=self.world, on_published=on_published),
                  Session(rank=rank, start_step=start_step, total_steps=total_steps))
             for i, rank in enumerate(ranks)
         ]
@@ -484,6 +696,9 @@ class Server:
                         feed.publisher.commit_at(step, drain=message.drain)
                 case Complete():
                     self.world_complete = max(self.world_complete or -1, message.step)
+                case messages.Agreed():
+                    if self.world is not None:
+                        self.world.update(message.through, agreement.parse_ends(message.ends), message.need)
                 case Error():
                     log.warning("coordinator: %s", message.message)
                 case _:
@@ -518,7 +733,7 @@ class Server:
 
     def _note_all_taken(self, now: float) -> None:
         for f in self.feeds:
-            if f.session.all_taken_at is None and f.session.all_taken(f.control.acked):
+            if f.session.all_taken_at is None and f.session.all_taken(f.control.acked, f.control.end_step):
                 f.session.all_taken_at = now
 
     def run(self, tick: Callable[[], None] | None = None) -> None:
@@ -539,6 +754,7 @@ class Server:
                         break
                 for feed in self.feeds:
                     self._deliver(feed)
+                self._report_reach()
             if self.sock in events:
                 self._receive()
             if self.preempt_requested:
@@ -592,12 +808,28 @@ class Server:
                 news = feed.publisher.outbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(news, BaseException):
+            if isinstance(news, Assembled):
+                reach, ends = self._reports.get(news.rank, (-1, {}))
+                self._reports[news.rank] = (max(reach, news.reach), {**ends, **news.ends})
+            elif isinstance(news, BaseException):
                 self._fail(session, news)
             elif session.peer is not None and not session.failure:
                 self._send(session.peer, news)
                 if isinstance(news, messages.End):
                     session.end_sent = True
+
+    def _report_reach(self) -> None:
+        """What this sidecar's ranks hold ready, in one message per loop turn (skip jobs)."""
+        if not self._reports:
+            return
+        reports, self._reports = self._reports, {}
+        if self.member is not None:
+            self.member.send(messages.Reach(replica=self.member.replica,
+                                            reports=agreement.flat_reports(reports)))
+        elif self._watermark is not None and self.world is not None:
+            for rank, (reach, ends) in reports.items():
+                self._watermark.report(rank, reach, ends)
+            self.world.update(self._watermark.through, self._watermark.ends, -1)
 
     def _fail(self, session: Session, exc: BaseException) -> None:
         user = isinstance(exc, (errors.UserError, errors.SidecarFailed))

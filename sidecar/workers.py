@@ -32,7 +32,7 @@ import struct
 import threading
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import pyarrow as pa
@@ -60,8 +60,16 @@ def iter_rank_batches(
     world_size: int,
     start_global_step: int,
     stop_global_step: int | None = None,
+    resume_state: Mapping[str, Any] | None = None,
+    ledger: MutableMapping[int, reading.Passed] | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Yield (global_step, batch) for `rank`: G/W rows per step, in reference order.
+
+    Under onTransformError=skip/warn: a step exists only when every worker's portion
+    does (an epoch ends at the first step one of them cannot fill), `ledger` receives
+    each yielded step's split positions (what a checkpoint of the next step records) and
+    the failing rows it dropped,
+    and a resume mid-epoch needs the checkpoint's merged `resume_state`.
 
     Steps run from `start_global_step` through the job's last epoch, or up to
     (excluding) `stop_global_step`. Raises errors.UserError for a topology the
@@ -84,9 +92,12 @@ def iter_rank_batches(
     if start_global_step < 0:
         raise ValueError(f"start_global_step must be >= 0, got {start_global_step}")
     options = dict(storage_options or {})
+    state = dict(resume_state) if resume_state is not None else None
     if data.num_workers == 1:
-        return _iter_in_process(data, options, rank, world_size, start_global_step, stop_global_step)
-    return _iter_in_processes(data, options, rank, world_size, start_global_step, stop_global_step)
+        return _iter_in_process(data, options, rank, world_size, start_global_step, stop_global_step,
+                                state, ledger)
+    return _iter_in_processes(data, options, rank, world_size, start_global_step, stop_global_step,
+                              state, ledger)
 
 
 # --- numWorkers = 1: in the caller's thread -----------------------------------------
@@ -99,6 +110,8 @@ def _iter_in_process(
     world_size: int,
     start: int,
     stop: int | None,
+    state: dict[str, Any] | None = None,
+    ledger: MutableMapping[int, reading.Passed] | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Read in the caller's thread.
 
@@ -108,9 +121,14 @@ def _iter_in_process(
     """
     table = reading.open_table(data, storage_options)
     splits = topology.rank_splits(rank, world_size, data.num_splits)
-    blocks = reading.iter_blocks(table, data, splits, start_global_step=start, stop_global_step=stop)
+    blocks = reading.iter_blocks(table, data, splits, start_global_step=start, stop_global_step=stop,
+                                 resume_state=state)
     with contextlib.closing(blocks):
-        yield from blocks
+        for step, block in blocks:
+            block, passed = reading.take_positions(block)
+            if ledger is not None and passed is not None:
+                ledger[step] = passed
+            yield step, block
 
 
 # --- numWorkers = K > 1: worker processes ------------------------------------------
@@ -166,6 +184,7 @@ def _worker_main(
     worker: int,
     start: int,
     stop: int | None,
+    state: dict[str, Any] | None = None,
 ) -> None:
     """Entry point of loader worker `worker`: stream its sub-block's steps to the parent."""
     _exit_with_parent()
@@ -173,7 +192,7 @@ def _worker_main(
         table = reading.open_table(data, storage_options)
         splits = topology.worker_splits(rank, world_size, data.num_splits, data.num_workers, worker)
         for step, block in reading.iter_blocks(
-            table, data, splits, start_global_step=start, stop_global_step=stop
+            table, data, splits, start_global_step=start, stop_global_step=stop, resume_state=state
         ):
             conn.send_bytes(_frame(_BLOCK, step, _to_ipc(block)))
         conn.send_bytes(_frame(_END))
@@ -223,6 +242,24 @@ def _receive(
     return kind, step, payload
 
 
+def _aligned(frames: list[tuple[int, int, memoryview]],
+             receive: Callable[[int], tuple[int, int, memoryview]]) -> list[tuple[int, int, memoryview]]:
+    """Each worker's frame of the same step: a worker behind the highest step skips ahead
+    (the others' epoch already ended there); one at its end ends them all."""
+    frames = list(frames)
+    while True:
+        if any(kind == _END for kind, _, _ in frames):
+            return [(_END, -1, memoryview(b""))] * len(frames)
+        if any(kind != _BLOCK for kind, _, _ in frames):
+            return frames
+        top = max(step for _, step, _ in frames)
+        behind = [w for w, (_, step, _) in enumerate(frames) if step < top]
+        if not behind:
+            return frames
+        for worker in behind:
+            frames[worker] = receive(worker)
+
+
 def _stop(processes: list[multiprocessing.process.BaseProcess]) -> None:
     """Terminate, join with a timeout, kill: no worker outlives the generator."""
     for process in processes:
@@ -244,20 +281,28 @@ def _iter_in_processes(
     world_size: int,
     start: int,
     stop: int | None,
+    state: dict[str, Any] | None = None,
+    ledger: MutableMapping[int, reading.Passed] | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """Start K workers, then merge their step-k blocks into the rank's batch k."""
+    """Start K workers, then merge their step-k blocks into the rank's batch k.
+
+    Under skip a worker's epoch may end before another's: steps that not every
+    worker has are dropped (each worker's steps rise, and an epoch's lost steps
+    only end where the next epoch starts, so aligning on the highest step is exact).
+    """
     context = _context()
     cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []
     filled_seen: dict[int, int] = {}
+    skipping = bool(data.transform) and data.on_transform_error in reading.SKIPPING
     try:
         for worker in range(data.num_workers):
             receiver, sender = context.Pipe(duplex=False)
             conns.append(receiver)
             process = context.Process(
                 target=_worker_main,
-                args=(sender, data, storage_options, rank, world_size, worker, start, stop),
+                args=(sender, data, storage_options, rank, world_size, worker, start, stop, state),
                 name=f"splitfeed-loader-{rank}-{worker}",
                 daemon=True,
             )
@@ -267,21 +312,34 @@ def _iter_in_processes(
                 sender.close()  # the worker holds the only writer now: its death reads as EOF
             processes.append(process)
         expected = start
+
+        def receive(worker: int) -> tuple[int, int, memoryview]:
+            return _receive(conns[worker], processes[worker], worker, rank, filled_seen)
+
         while True:
-            frames = [
-                _receive(conn, process, worker, rank, filled_seen)
-                for worker, (conn, process) in enumerate(zip(conns, processes))
-            ]
+            frames = [receive(worker) for worker in range(len(conns))]
+            if skipping:
+                frames = _aligned(frames, receive)
             kinds = {kind for kind, _, _ in frames}
             if kinds == {_END}:
                 return
             steps = [step for _, step, _ in frames]
-            if kinds != {_BLOCK} or steps != [expected] * len(frames):
+            if kinds != {_BLOCK} or (steps != [expected] * len(frames) and not (
+                    skipping and len(set(steps)) == 1 and steps[0] > expected)):
                 raise errors.SidecarFailed(
                     f"loader workers of rank {rank} disagree at step {expected}: "
                     f"frames {[kind for kind, _, _ in frames]}, steps {steps}"
                 )
-            blocks = [_from_ipc(payload) for _, _, payload in frames]
+            expected = steps[0]
+            blocks, at, skipped = [], {}, 0
+            for _, _, payload in frames:
+                block, passed = reading.take_positions(_from_ipc(payload))
+                blocks.append(block)
+                if passed is not None:
+                    at.update(passed.at)
+                    skipped += passed.skipped
+            if ledger is not None and at:
+                ledger[expected] = reading.Passed(at, skipped)
             yield expected, batching.interleave(blocks, cycles)
             expected += 1
     finally:

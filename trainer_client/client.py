@@ -303,6 +303,10 @@ class StreamClient:
                         self._waits = slots.next_trainer_wait(self._waits)
                         control.trainer_waiting, self._waiting = self._waits, True
                     index = control.find(step, scan=True)  # it may have landed meanwhile
+                if index is None and control.skipping:
+                    later = control.find_after(step)
+                    if later is not None:  # `step` does not exist: the world's epoch ended before it
+                        index, step = later
                 if index is not None:
                     batch = self._take(control, index, step)
                     if batch is not None:

@@ -160,6 +160,8 @@ class Report(TypedDict, total=False):
     permanent: bool
     filledRows: int
     """Rows whose transform failed and were replaced (spec.data.onTransformError: fill)."""
+    skippedRows: int
+    """Rows whose transform failed and were dropped (spec.data.onTransformError: skip, warn)."""
 
 
 REPORT_FIELDS: tuple[str, ...] = tuple(Report.__annotations__)

@@ -267,6 +267,31 @@ class DrainAck(Message):
     state: str
 
 
+# -- onTransformError=skip/warn: the world's look-ahead watermark (docs/preprocessing.md) ------
+
+@_wire("reach")
+@dataclasses.dataclass(frozen=True)
+class Reach(Message):
+    """Member -> coordinator, flat: per rank `rank, assembled, n, epoch_1, end_1, ... epoch_n,
+    end_n`: the highest global step it holds ready (total steps once its reader is done), and
+    where its epochs ended early (an epoch's end counted in steps within the epoch)."""
+
+    replica: int
+    reports: list[int]
+
+
+@_wire("agreed")
+@dataclasses.dataclass(frozen=True)
+class Agreed(Message):
+    """Coordinator -> every member: every rank holds each step up to `through`; an epoch in
+    `ends` (flat: `epoch, end, ...`) has no step at or past `end` anywhere; `need` (-1: none)
+    is the step a drain waits to hear about (ranks read on until they hold it)."""
+
+    through: int
+    ends: list[int]
+    need: int
+
+
 # -- live progress (docs/observability.md) -----------------------------------------------------
 
 @_wire("progress")

@@ -180,6 +180,7 @@ class Control:
     acked = _Word(3)                 # last global step the trainer received (consumer commit)
     end_step = _Word(4)              # no batch at or after this global step
     prefetch = _Word(5)              # a waiting sidecar is woken below half of it
+    skipping = _Word(6)              # 1: steps may be absent (onTransformError=skip/warn ends epochs early)
     checkpoint_at = _Word(8)         # the world's agreed step: checkpoint once this many steps are taken (-1: none)
     drain_at = _Word(9)              # the same step when the world drains: no batch at or after it (-1: none)
     trainer_waiting = _Flag(0)       # non-zero: the trainer sleeps on the socket for a batch (the trainer writes it)
@@ -263,6 +264,20 @@ class Control:
             return None
         found = np.flatnonzero((self.step == step) & (self.state == SlotState.FILLED))
         return int(found[0]) if len(found) else None
+
+    def find_after(self, step: int) -> tuple[int, int] | None:
+        """(slot, step) of the lowest FILLED step after `step`, or None.
+
+        For a skip job: the sidecar posts steps in rising order, so a later step
+        posted while `step` is not means `step` does not exist (the world's epoch
+        ended before it; docs/preprocessing.md).
+        """
+        n = int(self.num_slots)
+        found = np.flatnonzero((self.state[:n] == SlotState.FILLED) & (self.step[:n] > step))
+        if not len(found):
+            return None
+        index = int(found[np.argmin(self.step[found])])
+        return index, int(self.step[index])
 
     def read_progress(self) -> tuple[list[int], dict[str, int]]:
         """The trainer's data-ready bucket counts and its PROGRESS_FIELDS (the sidecar's side)."""

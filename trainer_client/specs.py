@@ -71,10 +71,9 @@ class PackSpec:
     """A multiple of numSplits, or "auto" (estimated once, from epoch 0, for the job)."""
 
 
-ON_TRANSFORM_ERROR = ("raise", "fill")
-"""Accepted spec.data.onTransformError values. lancedb's skip/warn make splits (and so
-ranks) end an epoch at different steps; splitfeed does not offer them yet (fill keeps
-every split's length instead, docs/preprocessing.md)."""
+ON_TRANSFORM_ERROR = ("raise", "fill", "skip", "warn")
+"""Accepted spec.data.onTransformError values: raise, fill (a substitute row), and lancedb's
+skip/warn (the row is dropped; the world agrees where each epoch ends, docs/preprocessing.md)."""
 
 
 MAX_TRANSFORM_PARALLELISM = 256
@@ -361,12 +360,7 @@ def _convert(path: str, rule: Rule, value: Any) -> Any:
         return text
     if kind == "onTransformError":
         if value not in ON_TRANSFORM_ERROR:
-            extra = (
-                "; skip and warn would end the epoch at different steps on different ranks, "
-                "use fill (a deterministic substitute row from the same split)"
-                if value in ("skip", "warn") else ""
-            )
-            raise SpecError(path, f"must be one of {', '.join(ON_TRANSFORM_ERROR)}, got {value!r}{extra}")
+            raise SpecError(path, f"must be one of {', '.join(ON_TRANSFORM_ERROR)}, got {value!r}")
         return value
     if kind == "blocksPerEpoch":
         if value == "auto":

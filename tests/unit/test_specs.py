@@ -173,6 +173,8 @@ def test_preprocessing_fields_parse_and_survive_the_config_map():
     assert packed.data.pack_sequences == specs.PackSpec("tokens", 512, 2, 0, "auto")
     assert specs.parse_data_config(packed.data_config()).data == packed.data
     assert specs.parse_job(GOOD).data.on_transform_error == "raise"
+    for mode in ("skip", "warn"):
+        assert specs.parse_job(with_data(transform="m:f", onTransformError=mode)).data.on_transform_error == mode
 
 
 @pytest.mark.parametrize(
@@ -183,8 +185,8 @@ def test_preprocessing_fields_parse_and_survive_the_config_map():
         ({"transform": "m:f", "transformArgs": "[1]"}, "spec.data.transformArgs", "JSON object"),
         ({"transform": "m:f", "transformArgs": "{size"}, "spec.data.transformArgs", "JSON object"),
         ({"transformArgs": '{"a": 1}'}, "spec.data.transformArgs", "needs spec.data.transform"),
-        ({"transform": "m:f", "onTransformError": "skip"}, "spec.data.onTransformError", "use fill"),
-        ({"transform": "m:f", "onTransformError": "ignore"}, "spec.data.onTransformError", "raise, fill"),
+        ({"transform": "m:f", "onTransformError": "ignore"}, "spec.data.onTransformError",
+         "raise, fill, skip, warn"),
         ({"transform": "m:f", "packSequences": PACK}, "spec.data.packSequences", "cannot be combined"),
         ({"packSequences": {**PACK, "blocksPerEpoch": 100}}, "spec.data.packSequences.blocksPerEpoch",
          "multiple of spec.data.numSplits=48"),

@@ -1,0 +1,219 @@
+"""onTransformError=skip through real sidecars, their coordinator and the ring.
+
+Ranks whose splits lose different numbers of rows must all end each epoch at the
+same global step: the trainers here step in lockstep (a barrier stands in for a
+DDP all_reduce: a rank that ran out while the others wait breaks it, a rank that
+is never given a batch the others got times it out). Expected rows come from
+lancedb's StreamingDataset(on_transform_error="skip") in-process for each rank,
+cut at the world's end E, which the test computes from each split's rows and the
+failing ids (tests/reading/test_skipping.py covers the reader for more world sizes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import pytest
+from lancedb.streaming import StreamingDataset
+
+from splitfeed.sidecar import reading
+from splitfeed.trainer_client import specs
+from splitfeed.trainer_client.client import StreamClient
+
+from tests.streaming.harness import coordinator_address, manifest
+from tests.support import exactness, skipping_transforms
+
+N, G, EPOCHS = 24, 48, 2
+TRANSFORM = "tests.support.skipping_transforms:ids_fragile"
+
+
+def lancedb_ids(data: specs.DataSpec, *, epoch: int, rank: int, world: int, bad: list[int] | None) -> list[int]:
+    extra: dict[str, Any] = {}
+    if bad is not None:
+        extra = dict(transform=functools.partial(skipping_transforms.ids_fragile, bad=bad),
+                     on_transform_error="skip")
+    dataset = StreamingDataset(
+        reading.open_table(data), num_splits=N, shuffle=True, shuffle_seed=data.shuffle_seed, epoch=epoch,
+        rank=rank, world_size=world, read_batch_size=data.read_batch_size, **extra)
+    with contextlib.closing(iter(dataset)) as rows:
+        return [int(r["id"]) for r in rows]
+
+
+def job(uri: str, bad: list[int], checkpoint_uri: str | None = None) -> dict[str, Any]:
+    return manifest(uri, checkpoint_uri, transform=TRANSFORM, transformArgs=json.dumps({"bad": bad}),
+                    onTransformError="skip", epochs=EPOCHS)
+
+
+@pytest.fixture(scope="module")
+def plan(table_uri: str) -> dict[str, Any]:
+    """Failing ids concentrated in splits 5 (7 rows) and 11 (2 rows) of epoch 0 and split 8
+    (3 rows) of epoch 1, the world's end E of each epoch (from the splits' own rows), and the
+    steps per epoch."""
+    data = specs.parse_job(manifest(table_uri, epochs=EPOCHS), check_replicas=False).data
+    splits = {e: [lancedb_ids(data, epoch=e, rank=s, world=N, bad=None) for s in range(N)] for e in range(EPOCHS)}
+    bad = splits[0][5][3:10] + splits[0][11][30:32]
+    bad += [i for i in splits[1][8] if i not in bad][:3]
+    spe = len(splits[0][0]) // (G // N)
+    ends = [min(spe, *(sum(i not in bad for i in ids) // (G // N) for ids in splits[e])) for e in range(EPOCHS)]
+    # The failing rows before the last delivered row of their split: what the sidecars drop.
+    dropped = 0
+    for epoch, end in enumerate(ends):
+        for ids in splits[epoch]:
+            survivors = [p for p, i in enumerate(ids) if i not in bad]
+            dropped += sum(i in bad for i in ids[:survivors[end * (G // N) - 1] + 1])
+    assert ends[0] == spe - 3 and ends[1] < spe and ends[1] != ends[0], ends  # both epochs end early
+    data = specs.parse_job(job(table_uri, bad), check_replicas=False).data
+    return {"bad": bad, "ends": ends, "spe": spe, "data": data, "dropped": dropped}
+
+
+def expected_steps(plan: dict[str, Any], world: int, rank: int) -> dict[int, list[int]]:
+    """Global step -> this rank's ids: lancedb's skip order, cut at the world's end."""
+    per_rank = G // world
+    out = {}
+    for epoch, end in enumerate(plan["ends"]):
+        ids = lancedb_ids(plan["data"], epoch=epoch, rank=rank, world=world, bad=plan["bad"])
+        for k in range(end):
+            out[epoch * plan["spe"] + k] = ids[k * per_rank:(k + 1) * per_rank]
+    return out
+
+
+def lockstep(world: int, socket_dirs: list, body) -> list[Any]:  # type: ignore[no-untyped-def]
+    """Run `body(client, barrier)` for each rank in a thread; re-raise the first failure."""
+    barrier = threading.Barrier(world, timeout=60)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            with StreamClient(socket_dirs[rank], 0, timeout_s=60) as client:
+                results[rank] = body(client, barrier)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a trainer hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_ranks_with_unequal_skips_end_every_epoch_at_the_same_step(pods, table_uri, plan):
+    world = 3
+    manifest_ = job(table_uri, plan["bad"])
+    coordinator = coordinator_address()
+    started = [pods(f"pod{r}", manifest_, replicas=world, replica=r, coordinator=coordinator).start_thread()
+               for r in range(world)]
+    own_ends = [len(lancedb_ids(plan["data"], epoch=0, rank=r, world=world, bad=plan["bad"])) // (G // world)
+                for r in range(world)]
+    assert min(own_ends) == plan["ends"][0] < max(own_ends)  # lancedb alone would end them apart
+
+    def train(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+        got = {}
+        for batch in client:
+            barrier.wait()  # the all_reduce: every rank is at this step
+            assert (batch.epoch, batch.step) == divmod(batch.global_step, plan["spe"])
+            got[batch.global_step] = batch["id"].tolist()
+        barrier.wait()  # and every rank ended after the same step
+        return got
+
+    results = lockstep(world, [p.socket_dir for p in started], train)
+    for rank, got in enumerate(results):
+        assert got == expected_steps(plan, world, rank), f"rank {rank}"
+    reports = []
+    for pod in started:
+        assert pod.wait() == 0
+        reports.append(json.loads(pod.termination_log.read_text())["skippedRows"])
+    # The pods are threads of this process and share its count, complete once all published.
+    assert plan["dropped"] < len(plan["bad"]) * EPOCHS and reports == [plan["dropped"]] * world
+
+
+def test_a_checkpoint_after_skips_resumes_exactly_on_another_world_size(pods, table_uri, plan, tmp_path):
+    """World 2 checkpoints at step 12 of epoch 0 (split 5 has skipped rows by then) and stops;
+    world 3 resumes there: every global step holds the reference rows exactly once."""
+    store = str(tmp_path / "ckpt")
+    manifest_ = job(table_uri, plan["bad"], store)
+    cut = 12
+    steps: dict[int, list[int]] = {}
+
+    def first(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+        got = {}
+        for batch in client:
+            got[batch.global_step] = batch["id"].tolist()
+            if batch.global_step == cut - 1:
+                break
+        barrier.wait()
+        assert client.checkpoint() == cut
+        client.commit()
+        return got
+
+    coordinator = coordinator_address()
+    old = [pods(f"a{r}", manifest_, replicas=2, replica=r, coordinator=coordinator).start_thread()
+           for r in range(2)]
+    for got in lockstep(2, [p.socket_dir for p in old], first):
+        for step, ids in got.items():
+            steps.setdefault(step, []).extend(ids)
+    for pod in old:
+        pod.stop()
+
+    def rest(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+        got = {}
+        for batch in client:
+            barrier.wait()
+            got[batch.global_step] = batch["id"].tolist()
+        barrier.wait()
+        return got
+
+    coordinator = coordinator_address()
+    new = [pods(f"b{r}", manifest_, replicas=3, replica=r, coordinator=coordinator, world_epoch=1).start_thread()
+           for r in range(3)]
+    results = lockstep(3, [p.socket_dir for p in new], rest)
+    assert min(min(got) for got in results) == cut
+    for got in results:
+        for step, ids in got.items():
+            steps.setdefault(step, []).extend(ids)
+    reference = expected_steps(plan, 1, 0)
+    assert sorted(steps) == sorted(reference)
+    assert all(sorted(steps[k]) == sorted(reference[k]) for k in reference)
+
+
+E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
+
+
+def test_splitfeed_local_with_ddp_trainers_rescaled_2_to_3_trains_exactly_on_the_skipped_rows(
+    table_uri, plan, tmp_path
+):
+    """`splitfeed local` runs real sidecars (the same agreement) and real DDP trainers (gloo,
+    an all_reduce every step): a world whose ranks lose unequal rows neither hangs nor
+    diverges, and a live rescale mid-epoch 0 keeps every global step exact."""
+    logs, store = tmp_path / "logs", tmp_path / "ckpt"
+    job_ = manifest(table_uri, str(store), transform="tests.support.skipping_transforms:passthrough_fragile",
+                    transformArgs=json.dumps({"bad": plan["bad"]}), onTransformError="skip", epochs=EPOCHS,
+                    numWorkers=2)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_))
+    done = subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", str(path), "--replicas", "2",
+         "--resume", "none", "--scale-at", "6:3", "--", sys.executable, str(E2E_TRAINER), str(logs),
+         "--sleep-s", "0.1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spe = plan["spe"]
+    absent = frozenset(e * spe + k for e, end in enumerate(plan["ends"]) for k in range(end, spe))
+    grid = [set(expected_steps(plan, 1, 0).get(s, [])) for s in range(EPOCHS * spe)]
+    summary = exactness.check(logs, exactness.complete_checkpoints(store / "test" / "job"), grid,
+                              lambda world, rank: expected_steps(plan, world, rank), absent)
+    assert [w.size for w in summary.worlds] == [2, 3], summary
+    assert summary.replayed == 0, summary
