@@ -425,7 +425,8 @@ def serve(sidecar: Sidecar) -> int:
             watcher = RequestWatcher(server, settings.podinfo_dir)
             reporter = metrics.ProgressReporter(
                 server, sidecar.steps_per_epoch,
-                row_counts=lambda: {"filled_rows": reading.FILLED_ROWS[0]})
+                row_counts=lambda: {"filled_rows": reading.FILLED_ROWS[0],
+                                    "skipped_rows": reading.SKIPPED_ROWS[0]})
 
             def tick() -> None:
                 watcher()

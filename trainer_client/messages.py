@@ -310,6 +310,8 @@ class Progress(Message):
     filled_rows: int
     """Rows the member's loaders replaced under onTransformError=fill so far (its share of
     progress.ROW_COUNTS; a new per-row count is one more field here and in Status)."""
+    skipped_rows: int
+    """Rows dropped under onTransformError=skip/warn from the steps the member published."""
 
 
 @_wire("status_request")
@@ -337,6 +339,8 @@ class Status(Message):
     drain_step: int | None
     filled_rows: int
     """The members' filled_rows summed (progress.ROW_COUNTS)."""
+    skipped_rows: int
+    """The members' skipped_rows summed (progress.ROW_COUNTS)."""
 
 
 def decode(frame: bytes) -> Message:

@@ -15,7 +15,7 @@ from .errors import ProtocolError
 
 _SUMMED = ("rows", "rows_per_s", "wait_s", "wall_s")
 
-ROW_COUNTS: dict[str, str] = {"filled_rows": "filledRows"}
+ROW_COUNTS: dict[str, str] = {"filled_rows": "filledRows", "skipped_rows": "skippedRows"}
 """Per-row outcomes the loaders count (wire field -> status.progress field): summed over
 a world's members like _SUMMED, and carried from world to world in status.progress. A new
 count (skipped rows, say) is one entry here plus its field in messages.Progress and Status."""

@@ -26,11 +26,12 @@ import pytest
 from lancedb.streaming import StreamingDataset
 
 from splitfeed.sidecar import reading
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client import specs, worlds
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.streaming.harness import coordinator_address, manifest
 from tests.support import exactness, skipping_transforms
+from tests.support.waiting import wait_for
 
 N, G, EPOCHS = 24, 48, 2
 TRANSFORM = "tests.support.skipping_transforms:ids_fragile"
@@ -139,6 +140,22 @@ def test_ranks_with_unequal_skips_end_every_epoch_at_the_same_step(pods, table_u
         reports.append(json.loads(pod.termination_log.read_text())["skippedRows"])
     # The pods are threads of this process and share its count, complete once all published.
     assert plan["dropped"] < len(plan["bad"]) * EPOCHS and reports == [plan["dropped"]] * world
+
+
+def test_skipped_rows_reach_the_live_status_and_the_report(pods, table_uri, plan):
+    """One sidecar process (its own count): once its trainer has every step, the coordinator's
+    status (what the operator writes to status.progress.skippedRows) and the report give the
+    rows dropped from the published steps, which the test counted from the splits' own rows."""
+    address = coordinator_address()
+    pod = pods("pod", job(table_uri, plan["bad"]), replicas=1, replica=0, coordinator=address).start_process()
+    with StreamClient(pod.socket_dir, 0, timeout_s=60) as client:
+        got = {batch.global_step: batch["id"].tolist() for batch in client}
+        live = wait_for(lambda: (worlds.request_status(address, timeout_s=5) or {}).get("skipped_rows")
+                        == plan["dropped"], timeout=30, what="the coordinator's status counting the skipped rows")
+    assert live
+    assert got == expected_steps(plan, 1, 0)
+    assert pod.wait() == 0
+    assert json.loads(pod.termination_log.read_text())["skippedRows"] == plan["dropped"]
 
 
 def test_a_checkpoint_after_skips_resumes_exactly_on_another_world_size(pods, table_uri, plan, tmp_path):

@@ -87,11 +87,11 @@ def test_a_members_histogram_of_the_wrong_shape_is_a_protocol_error():
 
 
 def test_filled_rows_are_summed_over_the_world_and_carried_across_worlds():
-    world0 = progress.world_status([member(0, 5, filled_rows=2), member(1, 5, filled_rows=3)], replicas=2,
-                                   total_steps=60, resume_step=0, drain_step=None)
-    assert world0["filled_rows"] == 5
+    world0 = progress.world_status([member(0, 5, filled_rows=2, skipped_rows=1), member(1, 5, filled_rows=3)],
+                                   replicas=2, total_steps=60, resume_step=0, drain_step=None)
+    assert world0["filled_rows"] == 5 and world0["skipped_rows"] == 1
     first = progress.status_progress(world0, {}, 0)
-    assert first is not None and first["filledRows"] == 5
+    assert first is not None and first["filledRows"] == 5 and first["skippedRows"] == 1
     # The same world, one member not heard again yet: the total never goes back.
     later = progress.world_status([member(0, 6, filled_rows=1), member(1, 6, filled_rows=3)], replicas=2,
                                   total_steps=60, resume_step=0, drain_step=None)
@@ -100,6 +100,6 @@ def test_filled_rows_are_summed_over_the_world_and_carried_across_worlds():
     world1 = progress.world_status([member(0, 7, filled_rows=4)], replicas=1, total_steps=60, resume_step=5,
                                    drain_step=None)
     second = progress.status_progress(world1, first, 1)
-    assert second["filledRows"] == 9 and second["carried"] == {"worldEpoch": 1, "filledRows": 5}
+    assert second["filledRows"] == 9 and second["carried"] == {"worldEpoch": 1, "filledRows": 5, "skippedRows": 1}
     world1_more = {**world1, "filled_rows": 6}
     assert progress.status_progress(world1_more, second, 1)["filledRows"] == 11
