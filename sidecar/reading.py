@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -346,17 +345,6 @@ a bound lancedb keeps transforming while the ring is full, and decoded images ar
 many times the size of the rows they came from. It changes nothing in the order."""
 
 
-def transform_threads(num_workers: int) -> int:
-    """lancedb's transform pool size for one of a rank's numWorkers loader processes.
-
-    lancedb's default, os.cpu_count() threads in each process, runs numWorkers times
-    as many transform threads as there are CPUs: they then only take turns (and
-    evict each other's caches). The CPUs this process may run on are shared out.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // num_workers)
-
-
 def _streaming_dataset(
     table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int,
     transform: Any, blocks: int | str | None,
@@ -384,7 +372,6 @@ def _streaming_dataset(
             read_batch_size=data.read_batch_size,
             transform=transform,
             transform_queue_depth=TRANSFORM_QUEUE_DEPTH,
-            transform_parallelism=transform_threads(data.num_workers),
             **extra,
         )
     except ValueError as exc:  # lancedb's checks of packing arguments against the table
