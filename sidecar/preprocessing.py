@@ -146,6 +146,35 @@ def _as_array(value: Any) -> np.ndarray | None:
     return array if array.dtype.kind in "iuf" else None
 
 
+def _uniform(values: Sequence[Any]) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
+    """(shape, dtype) when every value is a numeric numpy array or scalar of one type.
+
+    The common case (a transform returning numpy), checked without a per-value
+    conversion: the general path below costs more than the copy it feeds.
+    """
+    first = values[0]
+    kind = type(first)
+    if kind is np.ndarray:
+        shape, dtype = first.shape, first.dtype
+        if dtype.kind in "iuf" and all(
+            type(v) is np.ndarray and v.shape == shape and v.dtype == dtype for v in values
+        ):
+            return shape, dtype
+    elif isinstance(first, np.generic) and first.dtype.kind in "iuf":
+        if all(type(v) is kind for v in values):
+            return (), first.dtype
+    return None
+
+
+def _stack(values: Sequence[Any], shape: tuple[int, ...], dtype: np.dtype[Any]) -> pa.Array:
+    """One C-ordered copy of the values (whatever their strides): the slot's layout."""
+    if not shape:
+        return pa.array(np.fromiter(values, dtype, len(values)))
+    out = np.empty((len(values), *shape), dtype)
+    np.stack(values, out=out)  # a transposed array (HWC -> CHW) is read strided, written once
+    return pa.FixedShapeTensorArray.from_numpy_ndarray(out)
+
+
 def column(values: Sequence[Any]) -> pa.Array:
     """One column of a step's rows.
 
@@ -155,21 +184,27 @@ def column(values: Sequence[Any]) -> pa.Array:
     Anything else goes through `pa.array` (strings, ragged lists, dicts as
     structs), which the trainer receives copied, as numpy object arrays.
     """
+    uniform = _uniform(values)
+    if uniform is not None:
+        return _stack(values, *uniform)
     arrays = [_as_array(v) for v in values]
     first = arrays[0]
     if first is not None and all(
         a is not None and a.shape == first.shape and a.dtype == first.dtype for a in arrays
     ):
-        stacked = np.ascontiguousarray(np.stack(arrays))  # type: ignore[arg-type]
-        if stacked.ndim == 1:
-            return pa.array(stacked)
-        return pa.FixedShapeTensorArray.from_numpy_ndarray(stacked)
+        return _stack(arrays, first.shape, first.dtype)
     return pa.array([v.tolist() if isinstance(v, np.ndarray) else v for v in values])
 
 
 def collate(rows: Sequence[Any], name: str) -> pa.RecordBatch:
     """A step's output rows as one record batch, one column per field of the rows."""
-    names, values_of = _row_fields(rows[0])
+    first = rows[0]
+    if type(first) is dict:  # the common case, without a per-row _row_fields
+        names = [str(k) for k in first]
+        keys = tuple(first)
+        if all(type(row) is dict and tuple(row) == keys for row in rows):
+            return _batch([[row[k] for row in rows] for k in keys], names, name)
+    names, values_of = _row_fields(first)
     columns: list[list[Any]] = [[] for _ in names]
     for row in rows:
         if _row_fields(row)[0] != names:
@@ -179,6 +214,10 @@ def collate(rows: Sequence[Any], name: str) -> pa.RecordBatch:
             )
         for out, value in zip(columns, values_of(row)):
             out.append(value)
+    return _batch(columns, names, name)
+
+
+def _batch(columns: list[list[Any]], names: list[str], name: str) -> pa.RecordBatch:
     try:
         arrays = [column(values) for values in columns]
     except (pa.ArrowException, ValueError, TypeError) as exc:
