@@ -93,7 +93,7 @@ class Publisher:
         self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
         self._waits = 0  # numbers this publisher's waits in sidecar_waiting
         self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
-        self.outbox: queue.SimpleQueue[messages.Ready | messages.End | BaseException] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[messages.End | BaseException] = queue.SimpleQueue()
         """What the loop should say: a `ready`, the `end`, or the exception that stopped the publisher."""
         # The gate between the publisher and the world's agreement: frozen while the
         # coordinator fixes the drain step, then no step at or past `_limit`.
@@ -103,7 +103,6 @@ class Publisher:
         self.bytes_published = 0
         self.published = start_step - 1
         """The highest step the publisher has let through the gate (counted before it is written)."""
-        self._woken = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -118,7 +117,7 @@ class Publisher:
     def halt(self) -> None:
         """Ask the publisher to publish nothing more (its rank drained or failed); returns at once."""
         self._stop.set()
-        self._woken.set()
+        self.wake()
         with self._gate:
             self._gate.notify_all()
 
@@ -130,8 +129,9 @@ class Publisher:
             self._thread = None
 
     def wake(self) -> None:
-        """The trainer made room (its `wake` message)."""
-        self._woken.set()
+        """Wake the publishing thread if it sleeps for room (it looks at the ring, and at `stop`)."""
+        self.control.bump(ring.ROOM)
+        self.control.wake(ring.ROOM)
 
     # -- the world's agreement (loop thread) -------------------------------------------
 
@@ -173,7 +173,7 @@ class Publisher:
             signal.setsockopt(zmq.LINGER, 0)
             signal.connect(self._signal[1])
 
-        def tell(news: messages.Ready | messages.End | BaseException) -> None:
+        def tell(news: messages.End | BaseException) -> None:
             self.outbox.put(news)
             if signal is not None:
                 signal.send(b"", zmq.NOBLOCK)
@@ -189,7 +189,7 @@ class Publisher:
                 waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
                 if slots.ready_due(waiting, self._readied):
                     self._readied = waiting
-                    tell(messages.Ready(global_step))
+                    slots.ready(self.control)
             if not stop.is_set():
                 tell(messages.End(next_step))
         except BaseException as exc:  # the loop reports it to the trainer
@@ -224,17 +224,17 @@ class Publisher:
         waiting = ring.Waiting.NO
         try:
             while not stop.is_set():
-                if self._woken.is_set():
-                    self._woken.clear()
+                seen = control.room  # before a look at the ring: a wake-up after it changes the word
                 index, waiting_for = self._try_slot(size)
                 if index is None and waiting != waiting_for:
                     self._waits += 1
                     control.sidecar_waiting = ring.Waiting.episode(self._waits, waiting_for)
                     waiting = waiting_for
+                    seen = control.room
                     index, _ = self._try_slot(size)
                 if index is not None:
                     return index
-                self._woken.wait(slots.ROOM_RECHECK_S)
+                control.sleep(ring.ROOM, seen, slots.ROOM_RECHECK_S)  # the trainer's futex wake, or the re-check
             return None
         finally:
             if waiting != ring.Waiting.NO:

@@ -52,15 +52,15 @@ from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavai
 log = logging.getLogger(__name__)
 
 SPIN_S = 200e-6
-"""How long the trainer polls the ring for its next batch before sleeping on the socket."""
+"""How long the trainer polls the ring for its next batch before it sleeps."""
+
+WAIT_SLICE_S = 0.01
+"""A trainer asleep on the ring's `posts` futex looks at its socket this often (errors, a new sidecar)."""
 
 TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
 
 _torch: Any = None
-
-_WAKE = messages.Wake().encode()
-"""Encoded once: `wake` has no fields."""
 
 _Answer = TypeVar("_Answer", messages.Checkpointed, messages.Committed)
 
@@ -302,6 +302,7 @@ class StreamClient:
                     if not self._waiting:
                         self._waits = slots.next_trainer_wait(self._waits)
                         control.trainer_waiting, self._waiting = self._waits, True
+                    seen = control.posts  # after the flag, before the last look (slots, rule 1)
                     index = control.find(step, scan=True)  # it may have landed meanwhile
                 if index is not None:
                     batch = self._take(control, index, step)
@@ -314,15 +315,24 @@ class StreamClient:
                         raise SidecarFailed(self._why_torn(control, index, step))
                     time.sleep(TORN_RETRY_S)
                     continue
+                now = time.monotonic()
                 if deadline is None:
-                    deadline = time.monotonic() + self._timeout_s
-                elif time.monotonic() > deadline:  # answers to heartbeats are no batch
+                    deadline, quiet_since = now + self._timeout_s, now
+                elif now > deadline:  # answers to heartbeats are no batch
                     raise SidecarUnavailable(self._why_no_batch())
                 self._ask_drain_on_sigterm()
-                message = self._receive(deadline)
-                if isinstance(message, messages.Welcome):
-                    self._welcome(message)
-                # ready / end are wake-ups: look at the ring again
+                if self._inbox or self._sock.poll(0):
+                    message = self._receive_raw(0)
+                    if isinstance(message, messages.Welcome):
+                        self._welcome(message)
+                    quiet_since = now  # an `end` or an answer: look at the ring again
+                    continue
+                if now - quiet_since > self._heartbeat_s:
+                    self._say_hello()  # a silent sidecar may have restarted: its welcome says so
+                    quiet_since = now
+                # The sidecar bumps `posts` and wakes this futex when it posts a batch; the
+                # socket is looked at between slices (a failure, a restarted sidecar's welcome).
+                control.sleep(ring.POSTS, seen, min(WAIT_SLICE_S, max(0.0, deadline - now)))
         finally:
             if self._waiting and self._control is not None:
                 self._control.trainer_waiting, self._waiting = 0, False
@@ -601,4 +611,5 @@ class StreamClient:
         waiting = control.sidecar_waiting
         if slots.wake_due(control, waiting, self._woken):
             self._woken = waiting
-            self._sock.send(_WAKE)
+            control.bump(ring.ROOM)
+            control.wake(ring.ROOM)

@@ -155,6 +155,12 @@ def post(control: ring.Control, index: int, step: int, nbytes: int, seq: int) ->
     control.posted[step % ring.MAX_SLOTS] = index
     if not control.transition(index, ring.SlotState.FREE, ring.SlotState.FILLED):
         raise AssertionError(f"slot {index} changed state while the sidecar wrote it")
+    control.bump(ring.POSTS)  # after FILLED: a trainer that read `posts` before it changed does not sleep (rule 1)
+
+
+def ready(control: ring.Control) -> None:
+    """Wake a trainer asleep on `posts` (rule 2; `post` bumped it already)."""
+    control.wake(ring.POSTS)
 
 
 # -- the read half (StreamClient) ----------------------------------------------------------------
