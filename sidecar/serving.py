@@ -47,7 +47,7 @@ SourceFactory = Callable[[int, int], Iterator[tuple[int, pa.RecordBatch]]]
 
 SEND_HWM = 64
 """Replies queued per trainer before more are dropped: a trainer has a few outstanding
-at most (a welcome, a checkpoint's answer, `ready`s); one that does not read is not waited for."""
+at most (a welcome, a checkpoint's answer, an `end`); one that does not read is not waited for."""
 
 CLOSE_LINGER_S = 2.0
 """How long the last replies (a drained rank's `committed`) may take to leave when the sidecar exits."""
@@ -60,9 +60,10 @@ class Publisher:
     each straight into a free slot: the batch never crosses a thread on its
     way to the trainer, which halved the sidecar's CPU per batch against
     handing it to the serving loop first (make bench, transport). The loop
-    thread only talks on the socket; what the publisher needs said (`ready`
-    to a waiting trainer, `end`, a failure) goes through `outbox` plus a
-    one-byte signal that wakes the loop.
+    thread only talks on the socket; what the publisher needs said (`end`,
+    a failure) goes through `outbox` plus a one-byte signal that wakes the
+    loop. A waiting trainer is woken by the publisher itself, through the
+    control block's futex (`slots.ready`), never through the loop.
     """
 
     def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
@@ -92,9 +93,9 @@ class Publisher:
         self.slots: list[slots.SlotFile] = []
         self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
         self._waits = 0  # numbers this publisher's waits in sidecar_waiting
-        self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
+        self._readied = 0  # the trainer's wait (its trainer_waiting) it was woken for
         self.outbox: queue.SimpleQueue[messages.End | BaseException] = queue.SimpleQueue()
-        """What the loop should say: a `ready`, the `end`, or the exception that stopped the publisher."""
+        """What the loop should say: the `end`, or the exception that stopped the publisher."""
         # The gate between the publisher and the world's agreement: frozen while the
         # coordinator fixes the drain step, then no step at or past `_limit`.
         self._gate = threading.Condition()
@@ -763,8 +764,8 @@ def tune_interpreter() -> None:
     """Hand the GIL over faster in a sidecar process.
 
     The serving loop answers trainers while publishing threads run Python code;
-    with CPython's default 5 ms switch interval an answer (a checkpoint, a
-    `ready` to a waiting trainer) can wait that long for the GIL.
+    with CPython's default 5 ms switch interval an answer (a checkpoint's, a
+    welcome) can wait that long for the GIL.
     """
     sys.setswitchinterval(0.0002)
 

@@ -11,9 +11,11 @@ the sidecar only when nothing the trainer got from it is referenced any more:
 every array handed out is a view of one per-batch root array, and a weakref
 callback on that root frees the slot. Acknowledgements (the consumer commit
 behind checkpoints), slot states and "I am waiting" flags live in shared
-memory; a ZeroMQ message is sent only to wake a peer that sleeps (the rules
-are in `slots`), so a pipeline that keeps up sends none (the trainer polls
-the ring for SPIN_S before it sleeps).
+memory; a side that must wait sleeps on a futex in the control block and
+its peer wakes it with one system call (the rules are in `slots`), so no
+ZeroMQ message moves per batch. The trainer polls the ring for SPIN_S
+before it sleeps when its last batch came that quickly; ZeroMQ carries the
+handshake, checkpoints and errors.
 
 Holding every slot's batch (ring.MAX_SLOTS) while asking for another can never
 be served; after `timeout_s` that is an error that says so. A slot whose
@@ -228,6 +230,7 @@ class StreamClient:
         self._waiting = False  # this process set the control block's trainer_waiting
         self._waits = 0  # numbers this process's waits in trainer_waiting
         self._woken = 0  # the sidecar's wait (its sidecar_waiting) a `wake` was sent for
+        self._spin_next = True
         self.torn_retries = 0
         """Times a slot's marks did not match and the slot was looked at again (tests read it)."""
         self._instance = ""
@@ -278,14 +281,16 @@ class StreamClient:
         if batch is None:
             self.stats.write(final=True)
             raise StopIteration
-        self.stats.record(batch, time.perf_counter() - started)
+        waited = time.perf_counter() - started
+        self._spin_next = waited < SPIN_S  # the last batch came within a spin: this one likely will too
+        self.stats.record(batch, waited)
         return batch
 
     def _next_batch(self) -> Batch | None:
         """The batch of `_next_step`, from the ring; the socket only when it must wait."""
         deadline: float | None = None
         torn_since: float | None = None
-        spun = False
+        spun = not self._spin_next  # a sidecar slower than the trainer: sleep at once, leave it the CPU
         try:
             while True:
                 control = self._control
@@ -339,11 +344,13 @@ class StreamClient:
 
     @staticmethod
     def _spin(control: ring.Control, step: int) -> int | None:
-        """Poll the ring for up to SPIN_S before sleeping on the socket.
+        """Poll the ring for up to SPIN_S before sleeping on the `posts` futex.
 
-        A socket wake-up costs both processes more CPU than this (ZeroMQ's I/O
-        threads, context switches); a sidecar that keeps up usually publishes
-        the batch within the spin (make bench, transport at 1 MiB).
+        A sidecar that keeps up usually posts the batch within the spin, and
+        the spin saves both sides a sleep and a wake-up. Only after a batch
+        that came within SPIN_S: when the sidecar is the slower side (large
+        batches), the spin would only take the CPU its copy needs on a small
+        machine, so the trainer sleeps at once (make bench, transport).
         """
         deadline = time.perf_counter() + SPIN_S
         while time.perf_counter() < deadline:

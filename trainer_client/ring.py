@@ -17,9 +17,10 @@ created, never a SIGBUS when a page of a sparse file is first written.
 The control block is a small numpy structured array over a mapped file:
 per-slot state and the global step each slot holds, plus counters each side
 writes and the other reads without any message (acknowledgements, releases,
-"I am waiting" flags). A side sends a ZeroMQ message only to wake a peer that
-said it is waiting (the rules are in `slots`), so a pipeline that keeps up
-costs no message per batch.
+"I am waiting" flags), and two counters a waiting side sleeps on with a futex
+(`posts`, `room`): a side wakes its peer, with one system call, only when the
+peer said it waits (the rules are in `slots`), and no ZeroMQ message moves per
+batch.
 
 Memory order, on ARM as on x86: a slot changes hands only through its state
 word, and state words and the two waiting flags change only by atomic
@@ -30,11 +31,12 @@ is done before the RMW that frees it. A waiting flag is read with an RMW too
 (adding 0): of a waiter that sets its flag and then looks at the ring, and a
 peer that changes the ring and then reads the flag, one always sees the other
 (the two RMWs on the flag are ordered, and the later one synchronises with the
-earlier), so no wake-up is lost.
+earlier), so no wake-up is lost. The counters change only by RMWs too, and
+the futex compares and sleeps atomically against the peer's bump-then-wake.
 
 Slot state transitions (SlotState):
     INVALID -> FREE           sidecar creates the slot
-    FREE    -> FILLED         sidecar wrote a batch (and `posted` it), `ready` if the trainer waits
+    FREE    -> FILLED         sidecar wrote a batch (and `posted` it), woken (futex) if the trainer waits
     FILLED  -> TAKEN          trainer handed the batch to user code
     TAKEN   -> FREE           trainer: nothing references the batch any more
     any     -> FREE           sidecar, when a new trainer process says hello
