@@ -350,13 +350,17 @@ class StreamClient:
         the spin saves both sides a sleep and a wake-up. Only after a batch
         that came within SPIN_S: when the sidecar is the slower side (large
         batches), the spin would only take the CPU its copy needs on a small
-        machine, so the trainer sleeps at once (make bench, transport).
+        machine, so the trainer sleeps at once (make bench, transport). Each
+        poll yields the core: on an idle one that returns at once, on a busy
+        one the sidecar (or whoever waits for the core) runs first; it halved
+        the trainer's CPU per 1 MiB batch at load 10 on 2 cores.
         """
         deadline = time.perf_counter() + SPIN_S
         while time.perf_counter() < deadline:
             index = control.find(step)
             if index is not None:
                 return index
+            os.sched_yield()  # a process waiting for this core (the sidecar, on a busy machine) runs first
         return None
 
     def checkpoint(self) -> int:
