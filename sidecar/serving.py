@@ -235,6 +235,8 @@ class Publisher:
                     index, _ = self._try_slot(size)
                 if index is not None:
                     return index
+                if stop.is_set():  # after the last read of `room`: `halt` sets stop before it bumps it
+                    return None
                 control.sleep(ring.ROOM, seen, slots.ROOM_RECHECK_S)  # the trainer's futex wake, or the re-check
             return None
         finally:

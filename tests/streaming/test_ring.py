@@ -56,7 +56,10 @@ def ids(batch) -> list[int]:
 
 def test_every_slot_held_makes_the_sidecar_wait_for_a_slot_and_a_release_wakes_it(serve, socket_root,
                                                                                 monkeypatch):
+    from splitfeed.trainer_client import slots
+
     monkeypatch.setattr(ring, "MAX_SLOTS", 3)  # both sides are in this process
+    monkeypatch.setattr(slots, "ROOM_RECHECK_S", 60.0)  # only the trainer's futex wake ends the wait in time
     serve(total_steps=6, prefetch=2)
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
         it = iter(client)
