@@ -48,7 +48,7 @@ SourceFactory = Callable[[int, int], Iterator[tuple[int, pa.RecordBatch]]]
 
 SEND_HWM = 64
 """Replies queued per trainer before more are dropped: a trainer has a few outstanding
-at most (a welcome, a checkpoint's answer, `ready`s); one that does not read is not waited for."""
+at most (a welcome, a checkpoint's answer, an `end`); one that does not read is not waited for."""
 
 CLOSE_LINGER_S = 2.0
 """How long the last replies (a drained rank's `committed`) may take to leave when the sidecar exits."""
@@ -234,9 +234,10 @@ class Publisher:
     each straight into a free slot: the batch never crosses a thread on its
     way to the trainer, which halved the sidecar's CPU per batch against
     handing it to the serving loop first (make bench, transport). The loop
-    thread only talks on the socket; what the publisher needs said (`ready`
-    to a waiting trainer, `end`, a failure) goes through `outbox` plus a
-    one-byte signal that wakes the loop.
+    thread only talks on the socket; what the publisher needs said (`end`,
+    a failure) goes through `outbox` plus a one-byte signal that wakes the
+    loop. A waiting trainer is woken by the publisher itself, through the
+    control block's futex (`slots.ready`), never through the loop.
     """
 
     def __init__(self, *, directory: Path, instance: str, local_rank: int, rank: int,
@@ -268,14 +269,14 @@ class Publisher:
         self.slots: list[slots.SlotFile] = []
         self._writes = 0  # the sequence number each slot's write carries (ring's module doc)
         self._waits = 0  # numbers this publisher's waits in sidecar_waiting
-        self._readied = 0  # the trainer's wait (its trainer_waiting) a `ready` was sent for
+        self._readied = 0  # the trainer's wait (its trainer_waiting) it was woken for
         self.world = world
         self._on_published = on_published
         self.control.skipping = int(world is not None)
         """Skip jobs: publish a step only once the world agreed it exists (WorldView)."""
-        self.outbox: queue.SimpleQueue[messages.Ready | messages.End | Assembled | BaseException] = (
-            queue.SimpleQueue())
-        """What the loop should say: a `ready`, the `end`, or the exception that stopped the publisher."""
+        self.outbox: queue.SimpleQueue[messages.End | Assembled | BaseException] = queue.SimpleQueue()
+        """What the loop should say: the `end`, what the look-ahead holds, or the exception that
+        stopped the publisher."""
         # The gate between the publisher and the world's agreement: frozen while the
         # coordinator fixes the drain step, then no step at or past `_limit`.
         self._gate = threading.Condition()
@@ -284,7 +285,6 @@ class Publisher:
         self.bytes_published = 0
         self.published = start_step - 1
         """The highest step the publisher has let through the gate (counted before it is written)."""
-        self._woken = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -299,7 +299,7 @@ class Publisher:
     def halt(self) -> None:
         """Ask the publisher to publish nothing more (its rank drained or failed); returns at once."""
         self._stop.set()
-        self._woken.set()
+        self.wake()
         if self.world is not None:
             self.world.wake()
         with self._gate:
@@ -313,8 +313,9 @@ class Publisher:
             self._thread = None
 
     def wake(self) -> None:
-        """The trainer made room (its `wake` message)."""
-        self._woken.set()
+        """Wake the publishing thread if it sleeps for room (it looks at the ring, and at `stop`)."""
+        self.control.bump(ring.ROOM)
+        self.control.wake(ring.ROOM)
 
     # -- the world's agreement (loop thread) -------------------------------------------
 
@@ -356,7 +357,7 @@ class Publisher:
             signal.setsockopt(zmq.LINGER, 0)
             signal.connect(self._signal[1])
 
-        def tell(news: messages.Ready | messages.End | Assembled | BaseException) -> None:
+        def tell(news: messages.End | Assembled | BaseException) -> None:
             self.outbox.put(news)
             if signal is not None:
                 signal.send(b"", zmq.NOBLOCK)
@@ -376,7 +377,7 @@ class Publisher:
                 waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
                 if slots.ready_due(waiting, self._readied):
                     self._readied = waiting
-                    tell(messages.Ready(global_step))
+                    slots.ready(self.control)
             if not stop.is_set():
                 if self.world is not None:  # the world's last epoch may end early
                     self.control.end_step = min(self.total_steps, next_step)
@@ -420,17 +421,19 @@ class Publisher:
         waiting = ring.Waiting.NO
         try:
             while not stop.is_set():
-                if self._woken.is_set():
-                    self._woken.clear()
+                seen = control.room  # before a look at the ring: a wake-up after it changes the word
                 index, waiting_for = self._try_slot(size)
                 if index is None and waiting != waiting_for:
                     self._waits += 1
                     control.sidecar_waiting = ring.Waiting.episode(self._waits, waiting_for)
                     waiting = waiting_for
+                    seen = control.room
                     index, _ = self._try_slot(size)
                 if index is not None:
                     return index
-                self._woken.wait(slots.ROOM_RECHECK_S)
+                if stop.is_set():  # after the last read of `room`: `halt` sets stop before it bumps it
+                    return None
+                control.sleep(ring.ROOM, seen, slots.ROOM_RECHECK_S)  # the trainer's futex wake, or the re-check
             return None
         finally:
             if waiting != ring.Waiting.NO:
@@ -995,8 +998,8 @@ def tune_interpreter() -> None:
     """Hand the GIL over faster in a sidecar process.
 
     The serving loop answers trainers while publishing threads run Python code;
-    with CPython's default 5 ms switch interval an answer (a checkpoint, a
-    `ready` to a waiting trainer) can wait that long for the GIL.
+    with CPython's default 5 ms switch interval an answer (a checkpoint's, a
+    welcome) can wait that long for the GIL.
     """
     sys.setswitchinterval(0.0002)
 

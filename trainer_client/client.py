@@ -11,9 +11,11 @@ the sidecar only when nothing the trainer got from it is referenced any more:
 every array handed out is a view of one per-batch root array, and a weakref
 callback on that root frees the slot. Acknowledgements (the consumer commit
 behind checkpoints), slot states and "I am waiting" flags live in shared
-memory; a ZeroMQ message is sent only to wake a peer that sleeps (the rules
-are in `slots`), so a pipeline that keeps up sends none (the trainer polls
-the ring for SPIN_S before it sleeps).
+memory; a side that must wait sleeps on a futex in the control block and
+its peer wakes it with one system call (the rules are in `slots`), so no
+ZeroMQ message moves per batch. The trainer polls the ring for SPIN_S
+before it sleeps when its last batch came that quickly; ZeroMQ carries the
+handshake, checkpoints and errors.
 
 Holding every slot's batch (ring.MAX_SLOTS) while asking for another can never
 be served; after `timeout_s` that is an error that says so. A slot whose
@@ -52,15 +54,15 @@ from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavai
 log = logging.getLogger(__name__)
 
 SPIN_S = 200e-6
-"""How long the trainer polls the ring for its next batch before sleeping on the socket."""
+"""How long the trainer polls the ring for its next batch before it sleeps."""
+
+WAIT_SLICE_S = 0.01
+"""A trainer asleep on the ring's `posts` futex looks at its socket this often (errors, a new sidecar)."""
 
 TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
 
 _torch: Any = None
-
-_WAKE = messages.Wake().encode()
-"""Encoded once: `wake` has no fields."""
 
 _Answer = TypeVar("_Answer", messages.Checkpointed, messages.Committed)
 
@@ -228,6 +230,7 @@ class StreamClient:
         self._waiting = False  # this process set the control block's trainer_waiting
         self._waits = 0  # numbers this process's waits in trainer_waiting
         self._woken = 0  # the sidecar's wait (its sidecar_waiting) a `wake` was sent for
+        self._spin_next = True
         self.torn_retries = 0
         """Times a slot's marks did not match and the slot was looked at again (tests read it)."""
         self._instance = ""
@@ -278,14 +281,16 @@ class StreamClient:
         if batch is None:
             self.stats.write(final=True)
             raise StopIteration
-        self.stats.record(batch, time.perf_counter() - started)
+        waited = time.perf_counter() - started
+        self._spin_next = waited < SPIN_S  # the last batch came within a spin: this one likely will too
+        self.stats.record(batch, waited)
         return batch
 
     def _next_batch(self) -> Batch | None:
         """The batch of `_next_step`, from the ring; the socket only when it must wait."""
         deadline: float | None = None
         torn_since: float | None = None
-        spun = False
+        spun = not self._spin_next  # a sidecar slower than the trainer: sleep at once, leave it the CPU
         try:
             while True:
                 control = self._control
@@ -302,6 +307,7 @@ class StreamClient:
                     if not self._waiting:
                         self._waits = slots.next_trainer_wait(self._waits)
                         control.trainer_waiting, self._waiting = self._waits, True
+                    seen = control.posts  # after the flag, before the last look (slots, rule 1)
                     index = control.find(step, scan=True)  # it may have landed meanwhile
                 if index is None and control.skipping:
                     later = control.find_after(step)
@@ -318,32 +324,47 @@ class StreamClient:
                         raise SidecarFailed(self._why_torn(control, index, step))
                     time.sleep(TORN_RETRY_S)
                     continue
+                now = time.monotonic()
                 if deadline is None:
-                    deadline = time.monotonic() + self._timeout_s
-                elif time.monotonic() > deadline:  # answers to heartbeats are no batch
+                    deadline, quiet_since = now + self._timeout_s, now
+                elif now > deadline:  # answers to heartbeats are no batch
                     raise SidecarUnavailable(self._why_no_batch())
                 self._ask_drain_on_sigterm()
-                message = self._receive(deadline)
-                if isinstance(message, messages.Welcome):
-                    self._welcome(message)
-                # ready / end are wake-ups: look at the ring again
+                if self._inbox or self._sock.poll(0):
+                    message = self._receive_raw(0)
+                    if isinstance(message, messages.Welcome):
+                        self._welcome(message)
+                    quiet_since = now  # an `end` or an answer: look at the ring again
+                    continue
+                if now - quiet_since > self._heartbeat_s:
+                    self._say_hello()  # a silent sidecar may have restarted: its welcome says so
+                    quiet_since = now
+                # The sidecar bumps `posts` and wakes this futex when it posts a batch; the
+                # socket is looked at between slices (a failure, a restarted sidecar's welcome).
+                control.sleep(ring.POSTS, seen, min(WAIT_SLICE_S, max(0.0, deadline - now)))
         finally:
             if self._waiting and self._control is not None:
                 self._control.trainer_waiting, self._waiting = 0, False
 
     @staticmethod
     def _spin(control: ring.Control, step: int) -> int | None:
-        """Poll the ring for up to SPIN_S before sleeping on the socket.
+        """Poll the ring for up to SPIN_S before sleeping on the `posts` futex.
 
-        A socket wake-up costs both processes more CPU than this (ZeroMQ's I/O
-        threads, context switches); a sidecar that keeps up usually publishes
-        the batch within the spin (make bench, transport at 1 MiB).
+        A sidecar that keeps up usually posts the batch within the spin, and
+        the spin saves both sides a sleep and a wake-up. Only after a batch
+        that came within SPIN_S: when the sidecar is the slower side (large
+        batches), the spin would only take the CPU its copy needs on a small
+        machine, so the trainer sleeps at once (make bench, transport). Each
+        poll yields the core: on an idle one that returns at once, on a busy
+        one the sidecar (or whoever waits for the core) runs first; it halved
+        the trainer's CPU per 1 MiB batch at load 10 on 2 cores.
         """
         deadline = time.perf_counter() + SPIN_S
         while time.perf_counter() < deadline:
             index = control.find(step)
             if index is not None:
                 return index
+            os.sched_yield()  # a process waiting for this core (the sidecar, on a busy machine) runs first
         return None
 
     def checkpoint(self) -> int:
@@ -605,4 +626,5 @@ class StreamClient:
         waiting = control.sidecar_waiting
         if slots.wake_due(control, waiting, self._woken):
             self._woken = waiting
-            self._sock.send(_WAKE)
+            control.bump(ring.ROOM)
+            control.wake(ring.ROOM)

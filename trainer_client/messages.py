@@ -134,7 +134,8 @@ class Drain(Message):
 @_wire("wake")
 @dataclasses.dataclass(frozen=True)
 class Wake(Message):
-    """What the waiting sidecar waits for has happened (slots, rule 3)."""
+    """Wake the rank's publisher (it looks at the ring). StreamClient wakes it through the ring's
+    futex instead (slots, rule 3); the sidecar still honours this message."""
 
 
 @_wire("bye")
@@ -163,7 +164,8 @@ class Welcome(Message):
 @_wire("ready")
 @dataclasses.dataclass(frozen=True)
 class Ready(Message):
-    """Wakes a waiting trainer (slots, rule 2); the ring says the rest."""
+    """Wakes a waiting trainer; the ring says the rest. The sidecar no longer sends it (the ring's
+    futex wakes the trainer: slots, rule 2); a trainer treats it as any wake-up."""
 
     global_step: int
 

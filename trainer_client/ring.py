@@ -17,9 +17,10 @@ created, never a SIGBUS when a page of a sparse file is first written.
 The control block is a small numpy structured array over a mapped file:
 per-slot state and the global step each slot holds, plus counters each side
 writes and the other reads without any message (acknowledgements, releases,
-"I am waiting" flags). A side sends a ZeroMQ message only to wake a peer that
-said it is waiting (the rules are in `slots`), so a pipeline that keeps up
-costs no message per batch.
+"I am waiting" flags), and two counters a waiting side sleeps on with a futex
+(`posts`, `room`): a side wakes its peer, with one system call, only when the
+peer said it waits (the rules are in `slots`), and no ZeroMQ message moves per
+batch.
 
 Memory order, on ARM as on x86: a slot changes hands only through its state
 word, and state words and the two waiting flags change only by atomic
@@ -30,11 +31,12 @@ is done before the RMW that frees it. A waiting flag is read with an RMW too
 (adding 0): of a waiter that sets its flag and then looks at the ring, and a
 peer that changes the ring and then reads the flag, one always sees the other
 (the two RMWs on the flag are ordered, and the later one synchronises with the
-earlier), so no wake-up is lost.
+earlier), so no wake-up is lost. The counters change only by RMWs too, and
+the futex compares and sleeps atomically against the peer's bump-then-wake.
 
 Slot state transitions (SlotState):
     INVALID -> FREE           sidecar creates the slot
-    FREE    -> FILLED         sidecar wrote a batch (and `posted` it), `ready` if the trainer waits
+    FREE    -> FILLED         sidecar wrote a batch (and `posted` it), woken (futex) if the trainer waits
     FILLED  -> TAKEN          trainer handed the batch to user code
     TAKEN   -> FREE           trainer: nothing references the batch any more
     any     -> FREE           sidecar, when a new trainer process says hello
@@ -45,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,7 +56,7 @@ import numpy as np
 from . import stalls
 
 MAGIC = 0x53465247  # "SFRG"
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 MAX_SLOTS = 256
 PAGE = mmap.PAGESIZE
 
@@ -78,6 +81,49 @@ def _load_fetch_add() -> Callable[[int, int], int]:
 
 
 _fetch_add = _load_fetch_add()
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not the _PRIVATE forms: the word is shared with another process
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _load_syscall() -> tuple[Callable[..., int], int]:
+    """libc's syscall(2) and the futex call's number on this machine."""
+    number = _SYS_FUTEX.get(platform.machine())
+    try:
+        function = ctypes.CDLL(None).syscall  # CDLL: a waiting call releases the GIL
+    except (OSError, AttributeError) as exc:
+        raise ImportError(f"splitfeed's shared-memory ring needs libc's syscall(): {exc}") from exc
+    if number is None:
+        raise ImportError(f"splitfeed's shared-memory ring has no futex call number for {platform.machine()}")
+    function.restype = ctypes.c_long
+    return function, number
+
+
+_syscall, _futex_number = _load_syscall()
+
+
+def futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the int32 at `address` holds `expected`, at most `timeout_s`.
+
+    Linux's futex: the kernel compares and sleeps atomically with respect to
+    `futex_wake`, so a waiter that read `expected` and then looked at the ring
+    cannot miss a change the peer made (and woke for) in between. Returns on a
+    wake-up, a changed word, the timeout or a signal alike: the caller looks again.
+    """
+    whole = int(timeout_s)
+    spec = _Timespec(whole, int((timeout_s - whole) * 1e9))
+    _syscall(ctypes.c_long(_futex_number), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAIT),
+             ctypes.c_int(expected), ctypes.byref(spec), None, ctypes.c_int(0))
+
+
+def futex_wake(address: int) -> None:
+    """Wake every waiter on the int32 at `address` (a few microseconds; none waiting costs the same)."""
+    _syscall(ctypes.c_long(_futex_number), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
+             ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
 
 
 class SlotState:
@@ -139,12 +185,32 @@ class _Flag:
         _fetch_add(address, value - _fetch_add(address, 0))
 
 
+class _Counter:
+    """One int32 word a side bumps (an atomic RMW) before it wakes the peer sleeping on it (`futex_wait`).
+
+    Each counter has one writer; the peer reads it (adding 0) before it looks
+    at the ring a last time, then sleeps only while the word still holds what it read.
+    """
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def __get__(self, control: Control, owner: type | None = None) -> int:
+        if not control._base:
+            raise ValueError(f"{control.path} is closed")
+        return _fetch_add(control._base + self.offset, 0)
+
+
 # Header words (int64 each), by index. Plain arrays rather than a structured
 # dtype: this is the per-batch hot path on both sides, and plain element access
 # costs a fraction of a structured field's.
 _NUM_WORDS = 16
 _HEADER_BYTES = _NUM_WORDS * 8
-_FLAG_BYTES = 64  # the two int32 flags, alone on their cache line
+_FLAG_BYTES = 64  # the two int32 flags and the two int32 wake-up counters, alone on their cache line
+POSTS = _HEADER_BYTES + 8
+"""Offset of `posts`, the counter a trainer with no batch sleeps on (Control.bump, .wake, .sleep)."""
+ROOM = _HEADER_BYTES + 12
+"""Offset of `room`, the counter a publisher with no room sleeps on."""
 # Per slot: state (u4), then step, gen, nbytes, seq (i8), each an array of
 # MAX_SLOTS; then `posted`: posted[s % MAX_SLOTS] is the slot the sidecar last
 # filled with global step s, so the trainer finds a batch with two scalar reads
@@ -185,6 +251,8 @@ class Control:
     drain_at = _Word(9)              # the same step when the world drains: no batch at or after it (-1: none)
     trainer_waiting = _Flag(0)       # non-zero: the trainer sleeps on the socket for a batch (the trainer writes it)
     sidecar_waiting = _Flag(1)       # Waiting.episode(...): the sidecar sleeps until woken (the sidecar writes it)
+    posts = _Counter(POSTS)          # bumped by the sidecar after each batch it makes FILLED: the trainer sleeps on it
+    room = _Counter(ROOM)            # bumped by whoever wakes the sidecar (its trainer, its own loop): it sleeps on it
 
     def __init__(self, path: Path, *, create: bool) -> None:
         self.path = Path(path)
@@ -211,6 +279,18 @@ class Control:
             self.checkpoint_at = self.drain_at = -1
         elif self.magic != MAGIC or self.version != LAYOUT_VERSION:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
+
+    def bump(self, counter: int) -> None:
+        """Add one to the counter at offset POSTS or ROOM (an atomic RMW, release order)."""
+        _fetch_add(self.address(counter), 1)
+
+    def wake(self, counter: int) -> None:
+        """Wake whoever sleeps on the counter at offset POSTS or ROOM."""
+        futex_wake(self.address(counter))
+
+    def sleep(self, counter: int, seen: int, timeout_s: float) -> None:
+        """Sleep on the counter at POSTS or ROOM while it still holds `seen` (read before the caller's last look)."""
+        futex_wait(self.address(counter), seen, timeout_s)
 
     def address(self, offset: int) -> int:
         """The address of the byte at `offset`; ValueError once closed (never an access to unmapped memory)."""

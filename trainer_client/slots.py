@@ -19,22 +19,29 @@ stream and then compares both marks with the control block: a slot whose marks
 do not match (a torn or stale write) is looked at again, never handed out.
 
 Wake-up rules (each side writes only its own flag; ring's module doc says why
-no wake-up is lost):
+no wake-up is lost). A side that must wait sleeps on a futex over a counter of
+the control block that its peer bumps before it wakes it (`ring.futex_wait`):
+`posts` for the trainer, `room` for the sidecar. It reads the counter after
+saying it waits and before its last look at the ring, and sleeps only while
+the counter still holds that value, so a wake-up between the look and the
+sleep is never lost. One system call per wake-up, no ZeroMQ message and no
+thread in between (a `ready` message through the sidecar's serving loop cost
+both processes ~100 us and three thread switches per wake-up: make bench).
 
-1. A waiter says so before it sleeps, then looks at the ring once more: the
-   trainer sets `trainer_waiting` to a new number per wait
-   (`next_trainer_wait`), the sidecar sets `sidecar_waiting` to
+1. A waiter says so before it sleeps, then reads its counter, then looks at
+   the ring once more: the trainer sets `trainer_waiting` to a new number per
+   wait (`next_trainer_wait`), the sidecar sets `sidecar_waiting` to
    `ring.Waiting.episode(n, kind)` with the kind of what it waits for
    (`sidecar_waits_for`).
-2. The sidecar sends `ready` once per trainer wait, after it posted a batch
-   (`ready_due`).
-3. The trainer sends `wake` once per sidecar wait, and only once what the
-   sidecar waits for has happened: at most half of `prefetch` FILLED (ROOM) or
-   a FREE slot (SLOT) (`wake_due`). A `wake` costs ~100 us of ZeroMQ on a busy
-   machine: one per wait, never one per batch.
+2. The sidecar bumps `posts` after every batch it posts (`post`) and wakes
+   the trainer once per trainer wait (`ready_due`, `ready`).
+3. The trainer bumps `room` and wakes the sidecar once per sidecar wait, and
+   only once what the sidecar waits for has happened: at most half of
+   `prefetch` FILLED (ROOM) or a FREE slot (SLOT) (`wake_due`).
 4. The sidecar re-checks the ring every ROOM_RECHECK_S without a wake-up (a
-   batch freed by another thread of a trainer asleep on its socket sends none);
-   the trainer says `hello` every heartbeat while it waits.
+   batch freed by another thread of a trainer asleep on `posts` wakes no
+   one); the trainer looks at its socket every WAIT_SLICE_S while it sleeps
+   (errors, a restarted sidecar's welcome) and says `hello` every heartbeat.
 """
 
 from __future__ import annotations
@@ -155,6 +162,12 @@ def post(control: ring.Control, index: int, step: int, nbytes: int, seq: int) ->
     control.posted[step % ring.MAX_SLOTS] = index
     if not control.transition(index, ring.SlotState.FREE, ring.SlotState.FILLED):
         raise AssertionError(f"slot {index} changed state while the sidecar wrote it")
+    control.bump(ring.POSTS)  # after FILLED: a trainer that read `posts` before it changed does not sleep (rule 1)
+
+
+def ready(control: ring.Control) -> None:
+    """Wake a trainer asleep on `posts` (rule 2; `post` bumped it already)."""
+    control.wake(ring.POSTS)
 
 
 # -- the read half (StreamClient) ----------------------------------------------------------------

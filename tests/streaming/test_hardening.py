@@ -330,10 +330,11 @@ def test_a_slot_whose_sequence_is_wrong_is_never_handed_out(serve, socket_root, 
 
 
 def test_a_waiting_trainer_is_woken_by_the_batch_not_by_its_heartbeat(serve, socket_root, monkeypatch):
-    """No spin, a 30 s heartbeat: each of 300 batches that lands while the trainer sleeps must wake it."""
+    """No spin, a 30 s heartbeat, no look every slice: each of 300 batches that lands while the trainer sleeps must wake it."""
     from splitfeed.trainer_client import client as client_module
 
     monkeypatch.setattr(client_module, "SPIN_S", 0.0)
+    monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
     release = threading.Semaphore(0)
 
     def paced(rank: int, first: int):

@@ -56,7 +56,10 @@ def ids(batch) -> list[int]:
 
 def test_every_slot_held_makes_the_sidecar_wait_for_a_slot_and_a_release_wakes_it(serve, socket_root,
                                                                                 monkeypatch):
+    from splitfeed.trainer_client import slots
+
     monkeypatch.setattr(ring, "MAX_SLOTS", 3)  # both sides are in this process
+    monkeypatch.setattr(slots, "ROOM_RECHECK_S", 60.0)  # only the trainer's futex wake ends the wait in time
     serve(total_steps=6, prefetch=2)
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
         it = iter(client)
@@ -87,7 +90,11 @@ def test_holding_every_slot_while_asking_for_more_is_a_clear_error(serve, socket
         assert [ids(b)[0] for b in held] == [0, ROWS, 2 * ROWS]
 
 
-def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(serve, socket_root):
+def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(serve, socket_root, monkeypatch):
+    from splitfeed.trainer_client import slots
+
+    # No periodic re-check: only the trainer's futex wake can end the sidecar's waits in time.
+    monkeypatch.setattr(slots, "ROOM_RECHECK_S", 60.0)
     serve(total_steps=40, prefetch=4)
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
         control = client._control
@@ -101,10 +108,11 @@ def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(se
 
 
 def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, monkeypatch):
-    """No spinning: the trainer sleeps on the socket and the `ready` message must wake it."""
+    """No spinning, no look every slice: the trainer sleeps on `posts` and the sidecar's futex wake must wake it."""
     from splitfeed.trainer_client import client as client_module
 
     monkeypatch.setattr(client_module, "SPIN_S", 0.0)
+    monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
     gate = threading.Event()
 
     def slow(rank: int, first: int):
@@ -117,7 +125,7 @@ def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, m
         threading.Timer(0.3, gate.set).start()
         started = time.monotonic()
         got = [ids(b)[0] // ROWS for b in client]
-        # heartbeat_s=30: only a `ready` can have woken it this soon
+        # heartbeat_s=30, WAIT_SLICE_S=60: only the sidecar's wake can have woken it this soon
         assert time.monotonic() - started < 10
     assert got == [0, 1, 2]
 
