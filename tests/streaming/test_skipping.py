@@ -28,6 +28,7 @@ from lancedb.streaming import StreamingDataset
 from splitfeed.sidecar import reading
 from splitfeed.trainer_client import specs, worlds
 from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest
 from tests.support import exactness, skipping_transforms
@@ -234,3 +235,84 @@ def test_splitfeed_local_with_ddp_trainers_rescaled_2_to_3_trains_exactly_on_the
                               lambda world, rank: expected_steps(plan, world, rank), absent)
     assert [w.size for w in summary.worlds] == [2, 3], summary
     assert summary.replayed == 0, summary
+
+
+@pytest.fixture(scope="module")
+def empty_plan(table_uri: str) -> dict[str, Any]:
+    """Three epochs; split 8 of epoch 1 keeps one row (fewer than G/N), so the world's epoch 1
+    holds no step at all (E = 0) while epochs 0 and 2 end early but hold steps."""
+    epochs = 3
+    data = specs.parse_job(manifest(table_uri, epochs=epochs), check_replicas=False).data
+    splits = {e: [lancedb_ids(data, epoch=e, rank=s, world=N, bad=None) for s in range(N)] for e in range(epochs)}
+    bad = splits[1][8][1:]
+    spe = len(splits[0][0]) // (G // N)
+    ends = [min(spe, *(sum(i not in bad for i in ids) // (G // N) for ids in splits[e])) for e in range(epochs)]
+    assert ends[1] == 0 and 0 < ends[0] < spe and 0 < ends[2] < spe, ends
+    manifest_ = manifest(table_uri, None, transform=TRANSFORM, transformArgs=json.dumps({"bad": bad}),
+                         onTransformError="skip", epochs=epochs)
+    return {"bad": bad, "ends": ends, "spe": spe, "epochs": epochs,
+            "data": specs.parse_job(manifest_, check_replicas=False).data}
+
+
+def empty_job(plan: dict[str, Any], uri: str, store: str | None, **data: Any) -> dict[str, Any]:
+    return manifest(uri, store, transform=TRANSFORM, transformArgs=json.dumps({"bad": plan["bad"]}),
+                    onTransformError="skip", epochs=plan["epochs"], **data)
+
+
+@pytest.mark.parametrize("at", ["last-step-before", "first-step-after"])
+def test_a_drain_next_to_an_epoch_the_whole_world_lost_neither_hangs_nor_loses_a_step(
+        pods, table_uri, empty_plan, tmp_path, at):
+    """Epoch 1 holds no step (E = 0). World 2 asks for a drain on the last step of epoch 0, or
+    on the first step of epoch 2, and keeps stepping in lockstep: every rank drains at the same
+    step (none hangs); world 3 resumes there and the union is lancedb's, every step once."""
+    plan = empty_plan
+    spe, ends = plan["spe"], plan["ends"]
+    trigger = ends[0] - 1 if at == "last-step-before" else 2 * spe
+    store = str(tmp_path / "ckpt")
+    manifest_ = empty_job(plan, table_uri, store)
+    coordinator = coordinator_address()
+    steps: dict[int, list[int]] = {}
+
+    def first(client: StreamClient, barrier: threading.Barrier) -> dict[str, Any]:
+        got = {}
+        for batch in client:
+            barrier.wait()
+            got[batch.global_step] = batch["id"].tolist()
+            if batch.global_step == trigger and client.rank == 0:
+                assert request_drain(coordinator, f"drain-{at}", "rescale", timeout_s=5) in ("freezing", "committed")
+            if client.checkpoint_requested:
+                client.checkpoint()
+                client.commit()
+        barrier.wait()
+        return {"got": got, "drained": client.drained}
+
+    old = [pods(f"a{r}", manifest_, replicas=2, replica=r, coordinator=coordinator).start_thread() for r in range(2)]
+    results = lockstep(2, [p.socket_dir for p in old], first)
+    assert all(r["drained"] for r in results), "the world did not drain"
+    last = [max(r["got"]) for r in results]
+    assert last[0] == last[1] and last[0] >= trigger, last
+    for r in results:
+        for step, ids in r["got"].items():
+            steps.setdefault(step, []).extend(ids)
+    for pod in old:
+        pod.stop()
+
+    def rest(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+        got = {}
+        for batch in client:
+            barrier.wait()
+            got[batch.global_step] = batch["id"].tolist()
+        barrier.wait()
+        return got
+
+    coordinator = coordinator_address()
+    new = [pods(f"b{r}", manifest_, replicas=3, replica=r, coordinator=coordinator, world_epoch=1).start_thread()
+           for r in range(3)]
+    later = lockstep(3, [p.socket_dir for p in new], rest)
+    for got in later:
+        assert min(got) > last[0]
+        for step, ids in got.items():
+            steps.setdefault(step, []).extend(ids)
+    reference = expected_steps(plan, 1, 0)
+    assert sorted(steps) == sorted(reference)
+    assert all(sorted(steps[k]) == sorted(reference[k]) for k in reference)
