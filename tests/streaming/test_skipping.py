@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -316,3 +317,27 @@ def test_a_drain_next_to_an_epoch_the_whole_world_lost_neither_hangs_nor_loses_a
     reference = expected_steps(plan, 1, 0)
     assert sorted(steps) == sorted(reference)
     assert all(sorted(steps[k]) == sorted(reference[k]) for k in reference)
+
+
+def test_a_job_whose_every_epoch_lost_every_step_ends_cleanly_and_says_why(pods, table_uri, caplog):
+    """Every row fails: E = 0 in every epoch. Two trainers in lockstep get no batch and end
+    (no hang), the sidecars exit 0, and the log says that no step was left and why."""
+    data = specs.parse_job(manifest(table_uri), check_replicas=False).data
+    every = sorted({i for s in range(N) for i in lancedb_ids(data, epoch=0, rank=s, world=N, bad=None)})
+    manifest_ = manifest(table_uri, None, transform=TRANSFORM, transformArgs=json.dumps({"bad": every}),
+                         onTransformError="skip", epochs=EPOCHS)
+    coordinator = coordinator_address()
+    started = [pods(f"pod{r}", manifest_, replicas=2, replica=r, coordinator=coordinator).start_thread()
+               for r in range(2)]
+
+    def train(client: StreamClient, barrier: threading.Barrier) -> list[int]:
+        got = [batch.global_step for batch in client]
+        barrier.wait()
+        return got
+
+    with caplog.at_level(logging.WARNING):
+        assert lockstep(2, [p.socket_dir for p in started], train) == [[], []]
+        assert [pod.wait() for pod in started] == [0, 0]
+    said = sorted(r.getMessage() for r in caplog.records if "no step of global steps" in r.getMessage())
+    assert len(said) == 2 and all("spec.data.onTransformError" in m and "spec.data.transform" in m
+                                  for m in said), said
