@@ -160,12 +160,17 @@ def test_skipped_rows_reach_the_live_status_and_the_report(pods, table_uri, plan
     assert json.loads(pod.termination_log.read_text())["skippedRows"] == plan["dropped"]
 
 
-def test_a_checkpoint_after_skips_resumes_exactly_on_another_world_size(pods, table_uri, plan, tmp_path):
-    """World 2 checkpoints at step 12 of epoch 0 (split 5 has skipped rows by then) and stops;
-    world 3 resumes there: every global step holds the reference rows exactly once."""
+@pytest.mark.parametrize("at,workers", [("mid-epoch", 1), ("mid-epoch", 2), ("first-missing", 1),
+                                        ("first-missing", 2), ("last-present", 1)])
+def test_a_checkpoint_after_skips_resumes_exactly_on_another_world_size(pods, table_uri, plan, tmp_path, at,
+                                                                      workers):
+    """World 2 checkpoints (from its checkpoint store, not a live drain) at step 12 of epoch 0
+    (split 5 has skipped rows by then), at epoch 0's first missing step E, or right before
+    it (E - 1), and stops; world 3 resumes there with numWorkers 1 or 2: every global step
+    holds the reference rows exactly once."""
     store = str(tmp_path / "ckpt")
     manifest_ = job(table_uri, plan["bad"], store)
-    cut = 12
+    cut = {"mid-epoch": 12, "first-missing": plan["ends"][0], "last-present": plan["ends"][0] - 1}[at]
     steps: dict[int, list[int]] = {}
 
     def first(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
@@ -197,10 +202,13 @@ def test_a_checkpoint_after_skips_resumes_exactly_on_another_world_size(pods, ta
         return got
 
     coordinator = coordinator_address()
-    new = [pods(f"b{r}", manifest_, replicas=3, replica=r, coordinator=coordinator, world_epoch=1).start_thread()
+    resumed = job(table_uri, plan["bad"], store)
+    resumed["spec"]["data"]["numWorkers"] = workers
+    new = [pods(f"b{r}", resumed, replicas=3, replica=r, coordinator=coordinator, world_epoch=1).start_thread()
            for r in range(3)]
     results = lockstep(3, [p.socket_dir for p in new], rest)
-    assert min(min(got) for got in results) == cut
+    # At E nothing of epoch 0 is left: the world goes on at epoch 1's first step.
+    assert min(min(got) for got in results) == (plan["spe"] if at == "first-missing" else cut)
     for got in results:
         for step, ids in got.items():
             steps.setdefault(step, []).extend(ids)
