@@ -349,3 +349,30 @@ def test_a_job_whose_every_epoch_lost_every_step_ends_cleanly_and_says_why(pods,
     said = sorted(r.getMessage() for r in caplog.records if "no step of global steps" in r.getMessage())
     assert len(said) == 2 and all("spec.data.onTransformError" in m and "spec.data.transform" in m
                                   for m in said), said
+
+
+def test_a_drain_on_the_last_step_before_an_empty_last_epoch_ends_the_job_cleanly(pods, table_uri, empty_plan):
+    """The same rows over two epochs: the last one holds no step (E = 0). A drain asked on the
+    job's last existing step cannot land on an absent step: the world ends there, every rank
+    after the same batch, and the sidecars exit 0 (nothing hangs waiting for epoch 1)."""
+    plan = {**empty_plan, "epochs": 2, "ends": empty_plan["ends"][:2]}
+    last = plan["ends"][0] - 1
+    coordinator = coordinator_address()
+    started = [pods(f"pod{r}", empty_job(plan, table_uri, None), replicas=2, replica=r,
+                    coordinator=coordinator).start_thread() for r in range(2)]
+
+    def train(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+        got = {}
+        for batch in client:
+            barrier.wait()
+            got[batch.global_step] = batch["id"].tolist()
+            if batch.global_step == last and client.rank == 0:
+                assert request_drain(coordinator, "drain-at-end", "rescale", timeout_s=5) is not None
+        barrier.wait()
+        return got
+
+    results = lockstep(2, [p.socket_dir for p in started], train)
+    assert [max(got) for got in results] == [last, last]
+    for rank, got in enumerate(results):
+        assert got == expected_steps(plan, 2, rank), f"rank {rank}"
+    assert [pod.wait() for pod in started] == [0, 0]
