@@ -268,17 +268,18 @@ def empty_job(plan: dict[str, Any], uri: str, store: str | None, **data: Any) ->
                     onTransformError="skip", epochs=plan["epochs"], **data)
 
 
-@pytest.mark.parametrize("at", ["last-step-before", "first-step-after"])
+@pytest.mark.parametrize("at,workers", [("last-step-before", 1), ("first-step-after", 1), ("last-step-before", 2)])
 def test_a_drain_next_to_an_epoch_the_whole_world_lost_neither_hangs_nor_loses_a_step(
-        pods, table_uri, empty_plan, tmp_path, at):
+        pods, table_uri, empty_plan, tmp_path, at, workers):
     """Epoch 1 holds no step (E = 0). World 2 asks for a drain on the last step of epoch 0, or
     on the first step of epoch 2, and keeps stepping in lockstep: every rank drains at the same
-    step (none hangs); world 3 resumes there and the union is lancedb's, every step once."""
+    step (none hangs); world 3 resumes there and the union is lancedb's, every step once.
+    numWorkers 2 splits each rank's reading between two loader processes."""
     plan = empty_plan
     spe, ends = plan["spe"], plan["ends"]
     trigger = ends[0] - 1 if at == "last-step-before" else 2 * spe
     store = str(tmp_path / "ckpt")
-    manifest_ = empty_job(plan, table_uri, store)
+    manifest_ = empty_job(plan, table_uri, store, numWorkers=workers)
     coordinator = coordinator_address()
     steps: dict[int, list[int]] = {}
 
