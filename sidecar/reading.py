@@ -656,12 +656,18 @@ def _iter_skipping(
             table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
             transform=guarded, blocks=None,
         )
+        # lancedb's round-robin stops at the first split that runs dry, and under Guarded
+        # that is the first whose rows run out: resumed at unequal positions, a split
+        # started early would lose its last rows. Every split resumes at the lowest of
+        # their positions (rows before a split's own are read again and passed over),
+        # so they still run out together.
+        floor = min(starts, default=0)
         if pos.step:
-            dataset.load_state_dict(_skip_state(data, pos, splits, starts))
+            dataset.load_state_dict(_skip_state(data, pos, splits, [floor] * m))
         rows_iter = iter(dataset)
         try:
             epoch_steps = _skipping_epoch(rows_iter, data, splits, starts, cycles, layout.epoch,
-                                          name)
+                                          name, floor)
             for step in range(pos.step, spe):
                 if global_step >= end:
                     return
@@ -690,15 +696,16 @@ def _skip_state(data: specs.DataSpec, pos: positions.Position, splits: Sequence[
 
 def _skipping_epoch(
     rows_iter: Iterator[Any], data: specs.DataSpec, splits: Sequence[int], starts: Sequence[int],
-    cycles: int, epoch: int, name: str,
+    cycles: int, epoch: int, name: str, first: int = 0,
 ) -> Iterator[tuple[list[Any], dict[int, int], int]]:
     """Each step's rows (reference order), the splits' positions after it and the rows it
-    dropped, until a split cannot give `cycles` more surviving rows."""
+    dropped, until a split cannot give `cycles` more surviving rows. `rows_iter` starts
+    every split at position `first`; split i's rows before `starts[i]` were consumed already."""
     m = len(splits)
     ready: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in splits]
     failed: list[collections.deque[tuple[int, preprocessing.Failed]]] = [
         collections.deque() for _ in splits]
-    next_position = list(starts)
+    next_position = [first] * m
     after = list(starts)
     exhausted = False
     while True:
@@ -708,8 +715,9 @@ def _skipping_epoch(
                 exhausted = True  # Guarded drops nothing, so the splits end together
                 break
             for i, row in enumerate(cycle):
-                where = failed[i] if isinstance(row, preprocessing.Failed) else ready[i]
-                where.append((next_position[i], row))
+                if next_position[i] >= starts[i]:
+                    where = failed[i] if isinstance(row, preprocessing.Failed) else ready[i]
+                    where.append((next_position[i], row))
                 next_position[i] += 1
         if any(len(q) < cycles for q in ready):
             return

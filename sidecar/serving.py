@@ -109,6 +109,16 @@ class WorldView:
             self._changed.notify_all()
 
 
+def no_step_left(rank: int, first_step: int, total_steps: int) -> str:
+    """Why a skip job's rank ends without a batch: not a hang and not a failure, but
+    almost surely not what its owner wants."""
+    return (f"rank {rank}: no step of global steps {first_step}..{total_steps - 1} exists: under "
+            "spec.data.onTransformError=skip/warn every epoch left has a split that kept fewer "
+            "than globalBatchSize/numSplits rows the transform accepts, so the trainer gets no "
+            "batch and ends. Check spec.data.transform against the rows it fails on "
+            "(onTransformError=warn logs each).")
+
+
 def epoch_ends(previous: int, step: int, steps_per_epoch: int) -> dict[int, int]:
     """The epoch ends a reader's jump from `previous` (the step before the first: start - 1)
     to `step` reveals: the epoch of previous + 1 ends there, skipped epochs hold nothing."""
@@ -381,6 +391,8 @@ class Publisher:
             if not stop.is_set():
                 if self.world is not None:  # the world's last epoch may end early
                     self.control.end_step = min(self.total_steps, next_step)
+                    if next_step == first_step and first_step < self.total_steps:
+                        log.warning(no_step_left(self.rank, first_step, self.total_steps))
                 tell(messages.End(next_step))
         except BaseException as exc:  # the loop reports it to the trainer
             if not stop.is_set():

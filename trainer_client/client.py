@@ -193,7 +193,12 @@ def _release(holds: dict[int, weakref.ref[np.ndarray]], control: ring.Control, s
 
 
 class StreamClient:
-    """Connects to this rank's sidecar and yields its batches in order."""
+    """Connects to this rank's sidecar and yields its batches in order.
+
+    `total_steps` (epochs x `steps_per_epoch`) is the grid, not a promise: under
+    onTransformError=skip/warn an epoch may end early, its steps are absent, and
+    the iteration ends after fewer batches (docs/preprocessing.md, "Bad rows").
+    """
 
     def __init__(
         self,

@@ -177,3 +177,31 @@ def test_warn_logs_each_skipped_row_with_its_split_and_position_and_counts_it(
         f"position {p} of split 3 in epoch 0" for p in (2, 3, 4, 5, 10, 11)]
     assert [ledger[k].skipped for k in range(12)] == [0, 4, 0, 2] + [0] * 8  # survivors 0-1, 6-7, 8-9, 12-13, ...
     assert np.all(["cannot decode ids" in line for line in lines])
+
+
+def test_a_resume_at_unequal_split_positions_still_reaches_the_scarcest_splits_last_rows(db_uri: str) -> None:
+    """Rank 2 of 12 owns splits 4 and 5. Split 4 skips its first 3 rows (before the cut),
+    split 5 loses 4 rows after it and decides the epoch's end. Resumed after the cut, split 4
+    is 3 positions ahead, and its rows run out first: the reader must still read split 5 to
+    its end (lancedb's Guarded round-robin would stop with split 4), so the resumed steps up
+    to the world's end are lancedb's own skip rows."""
+    data0 = data_spec(db_uri)
+    four, five = split_ids(data0, 0, 4), split_ids(data0, 0, 5)
+    bad = four[:3] + five[20:24]
+    data = skip_job(db_uri, bad)
+    spe = reading.layout_epoch(reading.open_table(data), data, 0).steps_per_epoch
+    end = world_end(data0, 0, set(bad))
+    assert end == (len(five) - 4) // CYCLES and (len(four) - 3) // CYCLES >= end  # split 5 decides
+    world, rank, cut, per_rank = 12, 2, 4, G // 12
+    ledger: dict[int, reading.Passed] = {}
+    for _ in workers.iter_rank_batches(data, {}, rank=rank, world_size=world, start_global_step=0,
+                                       stop_global_step=cut, ledger=ledger):
+        pass
+    state = positions.state_after(data, positions.position_of(cut, spe), ledger[cut - 1].at)
+    assert state["positions_consumed_per_split"][4] > state["positions_consumed_per_split"][5]
+    resumed = dict(workers.iter_rank_batches(data, {}, rank=rank, world_size=world, start_global_step=cut,
+                                             stop_global_step=spe, resume_state=state))
+    ref = features(lancedb_rows(data, epoch=0, rank=rank, world_size=world, bad=bad))
+    assert sorted(resumed)[:end - cut] == list(range(cut, end))
+    for k in range(cut, end):
+        assert as_features(resumed[k]) == ref[k * per_rank:(k + 1) * per_rank], k

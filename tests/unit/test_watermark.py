@@ -80,3 +80,49 @@ def test_a_drain_past_the_last_epochs_end_is_the_end_of_the_job():
     w = Watermark(ranks=1, steps_per_epoch=SPE)
     w.report(0, 30, {2: 4})
     assert agreement.settle_cut(26, w, 30) == (30, True)
+
+
+def drain(c: Coordinator, published: list[int], token: str = "t") -> list:
+    outs = c.on_request(b"op", token, "rescale")
+    for replica, step in enumerate(published):
+        outs += c.on_frozen(replica, c.round, step)
+    return outs
+
+
+def joined(replicas: int, total: int) -> Coordinator:
+    c = Coordinator(replicas=replicas, total_steps=total, resume_step=0,
+                    watermark=Watermark(ranks=replicas, steps_per_epoch=SPE))
+    for replica in range(replicas):
+        c.on_join(f"p{replica}".encode(), replica)
+    return c
+
+
+@pytest.mark.parametrize("published", [7, 8, 9, 10])
+def test_a_drain_just_before_or_just_after_an_epoch_the_whole_world_lost_settles_past_it(published):
+    """Epoch 1 holds no step (E = 0): a cut whose previous step falls in it moves to one step
+    after epoch 2's first, and commits once every rank holds that step (no wait on a step
+    that will never exist)."""
+    c = joined(2, 30)
+    c.on_reach(agreement.flat_reports({0: (7, {}), 1: (7, {})}))
+    drain(c, [published, published - 1])  # S = published + 2
+    assert c.step is None
+    # The ranks read on: epoch 0 ends after 8 steps, epoch 1 holds nothing.
+    c.on_reach(agreement.flat_reports({0: (20, {0: 8, 1: 0}), 1: (20, {0: 9, 1: 0})}))
+    assert c.step == 21 and c.candidate is None
+
+
+def test_a_drain_past_an_empty_last_epoch_commits_the_jobs_end():
+    c = joined(2, 30)
+    c.on_reach(agreement.flat_reports({0: (19, {}), 1: (19, {})}))
+    drain(c, [19, 19])  # S = 21, step 20 is epoch 2's first
+    assert c.step is None
+    c.on_reach(agreement.flat_reports({0: (30, {2: 0}), 1: (30, {2: 0})}))  # both readers done
+    assert c.step == 30
+
+
+def test_a_drain_in_a_job_that_holds_no_step_at_all_commits_the_jobs_end():
+    c = joined(2, 30)
+    drain(c, [-1, -1])
+    assert c.step is None
+    c.on_reach(agreement.flat_reports({0: (30, {0: 0, 1: 0, 2: 0}), 1: (30, {0: 0, 1: 0, 2: 0})}))
+    assert c.step == 30
