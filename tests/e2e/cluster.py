@@ -120,7 +120,7 @@ class Cluster:
                                      "and the test kubelet runs pods on the host network") from None
         crd = strip_cel(yaml.safe_load((REPO / "crds" / "streamingjob.yaml").read_text()))
         self.kubectl("apply", "-f", "-", input=json.dumps(crd))
-        self.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/streamingjobs.splitfeed.io")
+        self.cp.wait_established("streamingjobs.splitfeed.io")
         log("CRD installed (CEL rules stripped)")
         for ns in (SYSTEM_NS, NS):
             self.kubectl("create", "namespace", ns)

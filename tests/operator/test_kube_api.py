@@ -117,8 +117,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         crd = strip_cel(yaml.safe_load((REPO / "crds" / "streamingjob.yaml").read_text()))
         for obj in [crd, *PEERING_CRDS]:
             cp.kubectl("apply", "-f", "-", input=json.dumps(obj))
-        cp.kubectl("wait", "--for=condition=established", "--timeout=60s",
-                   "crd/streamingjobs.splitfeed.io", "crd/clusterkopfpeerings.kopf.dev")
+        cp.wait_established("streamingjobs.splitfeed.io", "clusterkopfpeerings.kopf.dev")
         cp.kubectl("apply", "-f", "-", input=json.dumps(
             {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "splitfeed"}}))
         make_certs(work / "certs")

@@ -123,7 +123,7 @@ def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
                       controllers=["serviceaccount", "serviceaccount-token"]) as plane:
         crd = strip_cel(yaml.safe_load((REPO / "crds" / "streamingjob.yaml").read_text()))
         plane.kubectl("apply", "-f", "-", input=json.dumps(crd))
-        plane.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/streamingjobs.splitfeed.io")
+        plane.wait_established("streamingjobs.splitfeed.io")
         yield plane
 
 

@@ -197,6 +197,22 @@ class ControlPlane:
             raise KubectlError(proc.returncode, cmd, proc.stdout, proc.stderr)
         return proc
 
+    def wait_established(self, *crds: str, timeout: float = 60.0) -> None:
+        """Until each CRD is Established. Not `kubectl wait --for=condition=established`: on a
+        CRD so new that it has no status yet, that exits 1 ("status.conditions accessor error")
+        instead of waiting."""
+        deadline = time.monotonic() + timeout
+        for name in crds:
+            while True:
+                got = self.kubectl("get", "crd", name, "-o", "json", check=False)
+                status = json.loads(got.stdout).get("status") or {} if got.returncode == 0 else {}
+                conditions = status.get("conditions") or []
+                if any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
+                    break
+                if time.monotonic() > deadline:
+                    raise ControlPlaneError(f"CRD {name} not Established after {timeout:.0f} s: {got.stderr}")
+                time.sleep(0.2)
+
     def api_get(self, path: str, timeout: float = 10.0) -> dict:
         """GET a JSON API path with the admin token; ControlPlaneError unless 200."""
         status, body = self._http_get(path, timeout=timeout)
