@@ -15,6 +15,7 @@ does not read loses them).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -802,8 +803,15 @@ class Server:
             self.sock.send_multipart([peer, message.encode()], zmq.NOBLOCK)
         except zmq.Again:
             self._complain(peer, f"does not read its socket; its {message.kind} message is dropped")
+            return
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that trainer is gone
             log.debug("cannot reach trainer %r: %s", peer, exc)
+            return
+        for feed in self.feeds:  # a trainer asleep on its ring reads the message now (slots, rule 4)
+            if feed.session.peer == peer:
+                with contextlib.suppress(ValueError):  # its control block is closed: nobody sleeps on it
+                    feed.control.bump(ring.POSTS)
+                    feed.control.wake(ring.POSTS)
 
     def _complain(self, peer: bytes, what: str) -> None:
         """A warning about a peer, at most one a second: a hostile peer must not flood the log."""

@@ -57,7 +57,11 @@ SPIN_S = 200e-6
 """How long the trainer polls the ring for its next batch before it sleeps."""
 
 WAIT_SLICE_S = 0.01
-"""A trainer asleep on the ring's `posts` futex looks at its socket this often (errors, a new sidecar)."""
+"""A trainer asleep on the ring's `posts` futex first looks at its socket after this long (a new sidecar)."""
+
+MAX_WAIT_SLICE_S = 0.1
+"""The slices double up to this during one long wait: each look costs the trainer CPU, and the
+sidecar wakes the futex itself when it sends the trainer anything (an error, the end)."""
 
 TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
@@ -296,6 +300,7 @@ class StreamClient:
         deadline: float | None = None
         torn_since: float | None = None
         spun = not self._spin_next  # a sidecar slower than the trainer: sleep at once, leave it the CPU
+        slice_s = WAIT_SLICE_S
         try:
             while True:
                 control = self._control
@@ -346,7 +351,8 @@ class StreamClient:
                     quiet_since = now
                 # The sidecar bumps `posts` and wakes this futex when it posts a batch; the
                 # socket is looked at between slices (a failure, a restarted sidecar's welcome).
-                control.sleep(ring.POSTS, seen, min(WAIT_SLICE_S, max(0.0, deadline - now)))
+                control.sleep(ring.POSTS, seen, min(slice_s, max(0.0, deadline - now)))
+                slice_s = min(slice_s * 2, max(WAIT_SLICE_S, MAX_WAIT_SLICE_S))
         finally:
             if self._waiting and self._control is not None:
                 self._control.trainer_waiting, self._waiting = 0, False

@@ -40,8 +40,10 @@ both processes ~100 us and three thread switches per wake-up: make bench).
    `prefetch` FILLED (ROOM) or a FREE slot (SLOT) (`wake_due`).
 4. The sidecar re-checks the ring every ROOM_RECHECK_S without a wake-up (a
    batch freed by another thread of a trainer asleep on `posts` wakes no
-   one); the trainer looks at its socket every WAIT_SLICE_S while it sleeps
-   (errors, a restarted sidecar's welcome) and says `hello` every heartbeat.
+   one); the sidecar also bumps and wakes `posts` when it sends the trainer a
+   message (an error, the end), and the trainer looks at its socket after
+   slices of sleep that double from WAIT_SLICE_S to MAX_WAIT_SLICE_S (a
+   restarted sidecar's welcome) and says `hello` every heartbeat.
 """
 
 from __future__ import annotations

@@ -130,6 +130,32 @@ def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, m
     assert got == [0, 1, 2]
 
 
+def test_a_sleeping_trainer_hears_of_a_failure_at_once(serve, socket_root, monkeypatch):
+    """The sidecar wakes `posts` when it sends its trainer a message: the failure is not left
+    for the trainer's next look at its socket (made 60 s here)."""
+    from splitfeed.trainer_client import client as client_module
+    from splitfeed.trainer_client.errors import SidecarFailed
+
+    monkeypatch.setattr(client_module, "SPIN_S", 0.0)
+    monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
+    gate = threading.Event()
+
+    def failing(rank: int, first: int):
+        yield first, pa.record_batch({"id": pa.array(np.arange(first * ROWS, (first + 1) * ROWS))})
+        gate.wait(10)
+        raise OSError("the table's storage went away")
+
+    serve(total_steps=3, prefetch=2, source=failing)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30, heartbeat_s=30) as client:
+        batches = iter(client)
+        assert ids(next(batches)) == list(range(ROWS))
+        threading.Timer(0.3, gate.set).start()
+        started = time.monotonic()
+        with pytest.raises(SidecarFailed, match="storage went away"):
+            next(batches)
+        assert time.monotonic() - started < 10
+
+
 def mixed(step: int) -> pa.RecordBatch:
     """Every kind of column, with lengths that repeat (equal metadata) and change (new metadata)."""
     n = (3, 5, 3, 5, 1)[step % 5]
