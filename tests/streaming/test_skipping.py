@@ -114,6 +114,16 @@ def lockstep(world: int, socket_dirs: list, body) -> list[Any]:  # type: ignore[
     return results
 
 
+def to_the_end(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+    """A lockstep trainer: global step -> ids, a barrier at each step and one after the last."""
+    got = {}
+    for batch in client:
+        barrier.wait()
+        got[batch.global_step] = batch["id"].tolist()
+    barrier.wait()
+    return got
+
+
 def test_ranks_with_unequal_skips_end_every_epoch_at_the_same_step(pods, table_uri, plan):
     world = 3
     manifest_ = job(table_uri, plan["bad"])
@@ -193,20 +203,12 @@ def test_a_checkpoint_after_skips_resumes_exactly_on_another_world_size(pods, ta
     for pod in old:
         pod.stop()
 
-    def rest(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
-        got = {}
-        for batch in client:
-            barrier.wait()
-            got[batch.global_step] = batch["id"].tolist()
-        barrier.wait()
-        return got
-
     coordinator = coordinator_address()
     resumed = job(table_uri, plan["bad"], store)
     resumed["spec"]["data"]["numWorkers"] = workers
     new = [pods(f"b{r}", resumed, replicas=3, replica=r, coordinator=coordinator, world_epoch=1).start_thread()
            for r in range(3)]
-    results = lockstep(3, [p.socket_dir for p in new], rest)
+    results = lockstep(3, [p.socket_dir for p in new], to_the_end)
     # At E nothing of epoch 0 is left: the world goes on at epoch 1's first step.
     assert min(min(got) for got in results) == (plan["spe"] if at == "first-missing" else cut)
     for got in results:
@@ -307,18 +309,10 @@ def test_a_drain_next_to_an_epoch_the_whole_world_lost_neither_hangs_nor_loses_a
     for pod in old:
         pod.stop()
 
-    def rest(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
-        got = {}
-        for batch in client:
-            barrier.wait()
-            got[batch.global_step] = batch["id"].tolist()
-        barrier.wait()
-        return got
-
     coordinator = coordinator_address()
     new = [pods(f"b{r}", manifest_, replicas=3, replica=r, coordinator=coordinator, world_epoch=1).start_thread()
            for r in range(3)]
-    later = lockstep(3, [p.socket_dir for p in new], rest)
+    later = lockstep(3, [p.socket_dir for p in new], to_the_end)
     for got in later:
         assert min(got) > last[0]
         for step, ids in got.items():
