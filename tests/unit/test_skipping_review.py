@@ -50,3 +50,40 @@ def test_a_frozen_publishers_look_ahead_holds_no_step_the_world_already_dropped(
     finally:
         stop.set()
         steps.close()
+
+
+def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_the_world_dropped():
+    """The trainer takes step E - 1 (the world's last of epoch 0) and checkpoints at E, a drain
+    committed at S = E or the trainer's own end-of-epoch save: the sidecar writes the positions
+    it recorded after step E - 1 (SkipLedgers.state: ledger.get(step - 1), else SidecarFailed).
+    Meanwhile this rank's reader goes on: the steps E..SPE-1 its own splits still hold are OUT
+    and the publisher drops them at once, so nothing bounds how many it reads before the
+    trainer's checkpoint but the epoch's length. The ledger keeps the newest KEEP steps it
+    read, so an epoch that lost more than KEEP steps for the world (but not for this rank)
+    evicts step E - 1: the checkpoint of step E fails ("holds no split positions")."""
+    from splitfeed.sidecar import main, reading
+
+    keep = main.SkipLedgers.KEEP
+    spe = keep + 200
+    ledger = main.Ledger(keep)
+    batch = pa.record_batch({"x": [0]})
+
+    def read(last: int):  # what workers.iter_rank_batches does: the ledger at read time
+        for step in range(last):
+            ledger[step] = reading.Passed({0: step + 1}, 0)
+            yield step, batch
+
+    world = serving.WorldView(spe)
+    stop = threading.Event()
+    steps = serving.AgreedSteps(read(2 * spe), first_step=0, rank=0, world=world, lookahead=2,
+                                total_steps=2 * spe, stop=stop, outbox=queue.SimpleQueue(), signal=None)
+    try:
+        world.update(4, {0: 5}, -1)  # another rank's split ran dry after step 4: E = 5
+        assert [next(steps)[0] for _ in range(5)] == [0, 1, 2, 3, 4]  # the trainer takes 0..4
+        world.update(spe + 1, {0: 5}, -1)  # every other rank holds the next epoch's first steps
+        assert next(steps)[0] == spe  # the publisher drops 5..spe-1 (OUT) and posts step spe
+        assert 4 in ledger, (f"the checkpoint of step 5 (after step 4) finds no positions: the "
+                             f"ledger holds steps {min(ledger)}..{max(ledger)}")
+    finally:
+        stop.set()
+        steps.close()
