@@ -87,3 +87,28 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
     finally:
         stop.set()
         steps.close()
+
+
+def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_step():
+    """restartPolicy OnFailure: a new trainer process says hello without next_step and the
+    sidecar rewinds its publisher to the world's newest complete step W (serving._hello), whose
+    reader starts from `resume_state(rank, W)`, i.e. SkipLedgers.state -> the ledger's entry of
+    step W - 1. The ledger keeps only the newest KEEP steps the reader read, so a job that
+    checkpoints less often than every KEEP steps (KEEP = 4096; every 5000 steps is common)
+    cannot resume its restarted trainer: the rank fails with "holds no split positions", where
+    raise/fill jobs resume. The positions of W - 1 were written to the store at checkpoint()."""
+    from splitfeed.sidecar import main, reading
+    from splitfeed.trainer_client import specs
+
+    data = specs.DataSpec(uri="unused", table="t", num_splits=2, global_batch_size=2,
+                          transform="tests.transforms:fragile", on_transform_error="skip")
+    spe = 100_000
+    ledgers = main.SkipLedgers(data, spe, start_step=0, resume_state=None)
+    ledger = ledgers.ledger(0)
+    assert ledger is not None
+    checkpoint_step = 1000  # the trainer checkpointed (and the world committed) step 1000 ...
+    ledger[checkpoint_step - 1] = reading.Passed({0: checkpoint_step, 1: checkpoint_step}, 0)
+    ledgers.state(0, checkpoint_step)  # ... with the positions the ledger held then
+    for step in range(checkpoint_step, checkpoint_step + 5000):  # then trained 5000 more steps
+        ledger[step] = reading.Passed({0: step + 1, 1: step + 1}, 0)
+    ledgers.resume_state(0, checkpoint_step)  # the restarted trainer's publisher: SidecarFailed
