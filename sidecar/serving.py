@@ -190,7 +190,10 @@ class AgreedSteps:
                 step = self._total if item is None else item[0]
                 ends = epoch_ends(self._last, step, world.steps_per_epoch)
                 if item is not None:
-                    self._held.append(item)
+                    # A step the world already dropped is never published: holding it would
+                    # grow with the epoch while a frozen publisher waits for a drain's cut.
+                    if world.verdict(step)[0] != agreement.OUT:
+                        self._held.append(item)
                     self._last = step
                 tell(Assembled(self._rank, step, ends))
                 if item is None:

@@ -321,7 +321,11 @@ class StreamClient:
                     index = control.find(step, scan=True)  # it may have landed meanwhile
                 if index is None and control.skipping:
                     later = control.find_after(step)
-                    if later is not None:  # `step` does not exist: the world's epoch ended before it
+                    # The sidecar posts in rising order: with a later step in the ring, `step`
+                    # is there by now if it exists (posted between the two looks), else it
+                    # does not (the world's epoch ended before it).
+                    index = control.find(step, scan=True)
+                    if index is None and later is not None:
                         index, step = later
                 if index is not None:
                     batch = self._take(control, index, step)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar import main as sidecar_main, reading
 from splitfeed.trainer_client import specs
 from tests.support import guards, manifests, ports, tables, waiting
 
@@ -147,7 +147,11 @@ class Pod:
 
 @pytest.fixture
 def pods(socket_root: Path):
-    """Factory of Pods; every pod is stopped at teardown, also on failure."""
+    """Factory of Pods; every pod is stopped at teardown, also on failure.
+
+    A sidecar's row counts (filledRows, skippedRows) are its process's: pods started as
+    threads of this process share them, so each test starts them at zero."""
+    reading.FILLED_ROWS[0] = reading.SKIPPED_ROWS[0] = 0
     made: list[Pod] = []
 
     def make(name: str, job_manifest: dict, **kwargs: object) -> Pod:

@@ -1,4 +1,6 @@
-"""Review findings on onTransformError=skip/warn's agreement (pure logic, no sockets)."""
+"""onTransformError=skip/warn: the look-ahead, the ledgers of split positions and resumes
+that rewind past them (pure logic with the real AgreedSteps, WorldView and SkipLedgers; no
+sockets). Each test was written against a defect found in review and failed before its fix."""
 
 from __future__ import annotations
 
@@ -79,9 +81,13 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
                                 total_steps=2 * spe, stop=stop, outbox=queue.SimpleQueue(), signal=None)
     try:
         world.update(4, {0: 5}, -1)  # another rank's split ran dry after step 4: E = 5
-        assert [next(steps)[0] for _ in range(5)] == [0, 1, 2, 3, 4]  # the trainer takes 0..4
+        taken = [next(steps)[0] for _ in range(5)]  # the publisher posts 0..4 (Publisher: on_published)
+        for step in taken:
+            ledger.published(step)
+        assert taken == [0, 1, 2, 3, 4]
         world.update(spe + 1, {0: 5}, -1)  # every other rank holds the next epoch's first steps
         assert next(steps)[0] == spe  # the publisher drops 5..spe-1 (OUT) and posts step spe
+        ledger.published(spe)
         assert 4 in ledger, (f"the checkpoint of step 5 (after step 4) finds no positions: the "
                              f"ledger holds steps {min(ledger)}..{max(ledger)}")
     finally:
@@ -108,7 +114,13 @@ def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_
     assert ledger is not None
     checkpoint_step = 1000  # the trainer checkpointed (and the world committed) step 1000 ...
     ledger[checkpoint_step - 1] = reading.Passed({0: checkpoint_step, 1: checkpoint_step}, 0)
-    ledgers.state(0, checkpoint_step)  # ... with the positions the ledger held then
-    for step in range(checkpoint_step, checkpoint_step + 5000):  # then trained 5000 more steps
+    saved = ledgers.state(0, checkpoint_step)  # ... with the positions the ledger held then
+    for step in range(checkpoint_step, checkpoint_step + 10_000):  # then trained 10,000 more steps
         ledger[step] = reading.Passed({0: step + 1, 1: step + 1}, 0)
-    ledgers.resume_state(0, checkpoint_step)  # the restarted trainer's publisher: SidecarFailed
+        ledgers.published(0, step)
+    assert checkpoint_step - 1 not in ledger  # forgotten by now: the checkpoint's state serves
+    start, state = ledgers.resume_from(0, checkpoint_step)  # the restarted trainer's publisher
+    assert (start, state) == (checkpoint_step, saved)
+    # A step neither the ledger nor a checkpoint knows: read again from the epoch's start.
+    ledgers2 = main.SkipLedgers(data, spe, start_step=0, resume_state=None)
+    assert ledgers2.resume_from(0, 7) == (0, None)

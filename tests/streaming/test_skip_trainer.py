@@ -1,4 +1,4 @@
-"""Review finding: the trainer's `find_after` guess against a real sidecar (skip job).
+"""A skip job's trainer never passes over a step that exists (a real sidecar).
 
 `StreamClient._next_batch` looks for step k (`find(k, scan=True)`) and, not finding it,
 takes the lowest later step posted (`find_after(k)`): "a later step posted means k does
