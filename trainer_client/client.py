@@ -319,13 +319,13 @@ class StreamClient:
                         control.trainer_waiting, self._waiting = self._waits, True
                     seen = control.posts  # after the flag, before the last look (slots, rule 1)
                     index = control.find(step, scan=True)  # it may have landed meanwhile
-                if index is None and control.skipping:
-                    later = control.find_after(step)
+                later = control.find_after(step) if index is None and control.skipping else None
+                if later is not None:
                     # The sidecar posts in rising order: with a later step in the ring, `step`
                     # is there by now if it exists (posted between the two looks), else it
                     # does not (the world's epoch ended before it).
                     index = control.find(step, scan=True)
-                    if index is None and later is not None:
+                    if index is None:
                         index, step = later
                 if index is not None:
                     batch = self._take(control, index, step)
