@@ -22,7 +22,9 @@ from splitfeed.trainer_client.worlds import request_drain
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
 
 
-def run_ranks(started, gpus: int, *, request_at: int, request=None, slow_rank: int = 0) -> dict[int, dict]:
+def run_ranks(started, gpus: int, *, request_at: int, request=None, slow_rank: int = 0,
+              step_s: float = 0.0) -> dict[int, dict]:
+    """`step_s`: each rank's compute per step once the request is made."""
     world = len(started) * gpus
     lockstep = threading.Barrier(world)
     results: dict[int, dict] = {}
@@ -40,6 +42,8 @@ def run_ranks(started, gpus: int, *, request_at: int, request=None, slow_rank: i
                 lockstep.wait(60)  # the step's all-reduce
                 if out["steps"][-1][0] == request_at and client.rank == world - 1:
                     request()
+                if step_s and out["steps"][-1][0] >= request_at:
+                    time.sleep(step_s)
                 if client.checkpoint_requested:
                     out["saved"] = client.checkpoint()
                     client.commit(out["saved"])
@@ -68,6 +72,13 @@ def test_every_rank_checkpoints_on_the_same_step_and_the_next_world_resumes_ther
     replicas = 3 if gpus == 1 else 2
     world = replicas * gpus
     data = {"numWorkers": workers}
+    step_s = 0.0
+    if via == "annotation":
+        # The sidecar reads the downward-API file every 0.5 s; a world that ran out of
+        # steps before that has nothing left to drain. Give it a real trainer's pace and
+        # steps to spare (3 epochs: 57 steps after the request, about 3 s).
+        data["epochs"] = 3
+        step_s = 0.05
     job = manifest(table_uri, str(tmp_path / "ckpt"), **data)
     coordinator = coordinator_address()
     started = [pods(f"a{r}", job, replicas=replicas, replica=r, gpus=gpus, coordinator=coordinator).start_thread()
@@ -79,7 +90,7 @@ def test_every_rank_checkpoints_on_the_same_step_and_the_next_world_resumes_ther
         else:  # the downward-API file of one pod only: the slow path, polled
             started[-1].request("splitfeed.io/drain", "rescale-w0")
 
-    results = run_ranks(started, gpus, request_at=3, request=request)
+    results = run_ranks(started, gpus, request_at=3, request=request, step_s=step_s)
     agreed = {r["saved"] for r in results.values()}
     assert len(agreed) == 1, results
     (step,) = agreed
