@@ -153,14 +153,15 @@ def reference_dataset(
     table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int
 ) -> StreamingDataset:
     """The StreamingDataset whose in-process order is the determinism contract."""
-    return StreamingDataset(
-        table,
+    return StreamingDataset(table, epoch=epoch, rank=rank, world_size=world_size, **_order_arguments(data))
+
+
+def _order_arguments(data: specs.DataSpec) -> dict[str, Any]:
+    """The spec's fields that fix StreamingDataset's order, as its keyword arguments."""
+    return dict(
         num_splits=data.num_splits,
         shuffle=data.shuffle,
         shuffle_seed=data.shuffle_seed,
-        epoch=epoch,
-        rank=rank,
-        world_size=world_size,
         columns=list(data.columns) if data.columns else None,
         filter=data.filter,
         shuffle_clump_size=data.shuffle_clump_size or None,
@@ -417,29 +418,20 @@ def _streaming_dataset(
 ) -> StreamingDataset:
     """reference_dataset plus the job's transform or packing."""
     pack = data.pack_sequences
-    extra: dict[str, Any] = {}
-    columns = list(data.columns) if data.columns else None
+    arguments = _order_arguments(data)
     if pack is not None:
-        columns = [pack.column]
-        extra = dict(pack_sequences=pack.block_size, eos_id=pack.eos_id, pad_id=pack.pad_id,
-                     blocks_per_epoch=blocks)
+        arguments.update(columns=[pack.column], pack_sequences=pack.block_size, eos_id=pack.eos_id,
+                         pad_id=pack.pad_id, blocks_per_epoch=blocks)
     try:
         return StreamingDataset(
             table,
-            num_splits=data.num_splits,
-            shuffle=data.shuffle,
-            shuffle_seed=data.shuffle_seed,
             epoch=epoch,
             rank=rank,
             world_size=world_size,
-            columns=columns,
-            filter=data.filter,
-            shuffle_clump_size=data.shuffle_clump_size or None,
-            read_batch_size=data.read_batch_size,
             transform=transform,
             transform_parallelism=transform_parallelism(data, process_cpus()),
             transform_queue_depth=data.transform_queue_depth,
-            **extra,
+            **arguments,
         )
     except ValueError as exc:  # lancedb's checks of packing arguments against the table
         raise errors.DataError(f"spec.data.packSequences: {exc}") from exc
