@@ -301,6 +301,7 @@ class StreamClient:
         torn_since: float | None = None
         spun = not self._spin_next  # a sidecar slower than the trainer: sleep at once, leave it the CPU
         slice_s = WAIT_SLICE_S
+        slept_at: int | None = None  # `posts` when the last futex sleep began
         try:
             while True:
                 control = self._control
@@ -353,9 +354,18 @@ class StreamClient:
                 if now - quiet_since > self._heartbeat_s:
                     self._say_hello()  # a silent sidecar may have restarted: its welcome says so
                     quiet_since = now
-                # The sidecar bumps `posts` and wakes this futex when it posts a batch; the
-                # socket is looked at between slices (a failure, a restarted sidecar's welcome).
-                control.sleep(ring.POSTS, seen, min(slice_s, max(0.0, deadline - now)))
+                timeout_s = min(slice_s, max(0.0, deadline - now))
+                if slept_at is not None and seen != slept_at:
+                    # Woken by a bump with no batch for us: the sidecar sent a message (an
+                    # error, the end), which ZeroMQ's I/O threads may not have delivered yet
+                    # (found under load). Wait for it on the socket, not on the futex.
+                    slept_at = None
+                    self._sock.poll(max(1, int(timeout_s * 1000)))
+                    continue
+                # The sidecar bumps `posts` and wakes this futex when it posts a batch or sends
+                # a message; the socket is also looked at between slices (a restarted sidecar).
+                slept_at = seen
+                control.sleep(ring.POSTS, seen, timeout_s)
                 slice_s = min(slice_s * 2, max(WAIT_SLICE_S, MAX_WAIT_SLICE_S))
         finally:
             if self._waiting and self._control is not None:
