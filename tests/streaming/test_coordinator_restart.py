@@ -1,0 +1,118 @@
+"""Replica 0's sidecar, the world's coordinator, SIGKILLed and restarted under running trainers.
+
+The native sidecar container is restarted in place by the kubelet (an OOM kill, say): its
+trainer says `hello` with the next step it expects, its peers' sidecars keep serving, and the
+world must go on exactly (docs/agreement.md, "Failure cases"). Replica 0's sidecar runs as a
+process (killed by PID), the others as threads of this process; the trainers are threads held
+in step by a barrier (the all-reduce of a synchronous trainer). References: lancedb's
+StreamingDataset in-process (`reference_batches`, test_skipping's `expected_steps`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.worlds import request_drain
+
+from tests.streaming.harness import coordinator_address, manifest, reference_batches
+from tests.streaming.test_skipping import expected_steps, job, lockstep, plan  # noqa: F401 - the fixture
+
+KILL_AT = 5
+"""The global step after which replica 0's sidecar is killed: mid-epoch 0, the look-ahead full."""
+
+
+def world_of(pods, job_manifest: dict[str, Any], replicas: int, **kwargs: Any) -> list:  # type: ignore[no-untyped-def]
+    """Replica 0 a process (to be killed), the others threads, one coordinator address."""
+    address = coordinator_address()
+    first = pods("pod0", job_manifest, replicas=replicas, replica=0, coordinator=address, **kwargs).start_process()
+    return [first] + [pods(f"pod{r}", job_manifest, replicas=replicas, replica=r, coordinator=address,
+                           **kwargs).start_thread() for r in range(1, replicas)]
+
+
+def restart(pod) -> None:  # type: ignore[no-untyped-def]
+    pod.kill()  # SIGKILL by PID: no cleanup, its coordinator gone with it
+    pod.start_process()
+
+
+def restarting_coordinator(pod, at: int = KILL_AT):  # type: ignore[no-untyped-def]
+    """A lockstep trainer body (global step -> ids) whose rank 0 restarts `pod` after step `at`."""
+    killed = threading.Event()
+
+    def body(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+        got = {}
+        for batch in client:
+            got[batch.global_step] = batch["id"].tolist()
+            if client.rank == 0 and batch.global_step == at and not killed.is_set():
+                killed.set()
+                restart(pod)
+            barrier.wait()
+        barrier.wait()
+        assert killed.is_set()
+        return got
+
+    return body
+
+
+def test_an_ordinary_world_goes_on_exactly_after_its_coordinator_restarts(pods, table_uri):
+    replicas = 2
+    started = world_of(pods, manifest(table_uri), replicas)
+    results = lockstep(replicas, [p.socket_dir for p in started], restarting_coordinator(started[0]))
+    for rank, got in enumerate(results):
+        expected = reference_batches(table_uri, {}, replicas, rank)
+        assert got == dict(enumerate(expected)), f"rank {rank}"
+    for pod in started:
+        assert pod.wait() == 0
+
+
+def test_a_skip_world_goes_on_exactly_after_its_coordinator_restarts(pods, table_uri, plan):
+    """The look-ahead watermark lives in the coordinator: the restarted one must learn every
+    rank's reach and the epoch ends found before it started, or the world hangs (a member whose
+    look-ahead is full has no news to report) or a rank publishes past an epoch's end."""
+    replicas = 3
+    started = world_of(pods, job(table_uri, plan["bad"]), replicas)
+    results = lockstep(replicas, [p.socket_dir for p in started], restarting_coordinator(started[0]))
+    for rank, got in enumerate(results):
+        assert got == expected_steps(plan, replicas, rank), f"rank {rank}"
+    for pod in started:
+        assert pod.wait() == 0
+
+
+def test_a_drain_after_the_restart_agrees_on_one_step(pods, table_uri, tmp_path):
+    """The restarted coordinator knows its members again and cuts the world at one step."""
+    replicas, data = 2, {"epochs": 2}
+    started = world_of(pods, manifest(table_uri, str(tmp_path / "ckpt"), **data), replicas)
+    address = started[0].env["SPLITFEED_COORDINATOR"]
+    request_at = KILL_AT + 3
+    killed = threading.Event()
+
+    def body(client: StreamClient, barrier: threading.Barrier) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": {}, "saved": None}
+        for batch in client:
+            out["steps"][batch.global_step] = batch["id"].tolist()
+            if client.rank == 0 and batch.global_step == KILL_AT and not killed.is_set():
+                killed.set()
+                restart(started[0])
+            if client.rank == 0 and batch.global_step == request_at:
+                assert request_drain(address, "rescale-w0", "rescale", timeout_s=10) is not None
+            barrier.wait()
+            if client.checkpoint_requested:
+                out["saved"] = client.checkpoint()
+                client.commit(out["saved"])
+                if client.drained:
+                    break
+        out["drained"] = client.drained
+        return out
+
+    results = lockstep(replicas, [p.socket_dir for p in started], body)
+    agreed = {r["saved"] for r in results}
+    assert len(agreed) == 1 and None not in agreed, results
+    (step,) = agreed
+    assert step > request_at
+    for rank, r in enumerate(results):
+        assert r["drained"], f"rank {rank}"
+        expected = reference_batches(table_uri, data, replicas, rank)
+        assert r["steps"] == dict(list(enumerate(expected))[:step]), f"rank {rank} went past step {step - 1}"
+    for pod in started:
+        assert pod.wait() == 0
