@@ -311,7 +311,11 @@ class CoordinatorThread:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.bind(bind)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)  # the address is taken: leave no socket behind
+            raise
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)

@@ -10,17 +10,70 @@ StreamingDataset in-process (`reference_batches`, test_skipping's `expected_step
 
 from __future__ import annotations
 
+import errno
 import threading
+import time
 from typing import Any
 
+import zmq
+
+from splitfeed.sidecar import agreement
+from splitfeed.trainer_client import messages
 from splitfeed.trainer_client.client import StreamClient
 from splitfeed.trainer_client.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
 from tests.streaming.test_skipping import expected_steps, job, lockstep, plan  # noqa: F401 - the fixture
+from tests.support.waiting import wait_for
 
 KILL_AT = 5
 """The global step after which replica 0's sidecar is killed: mid-epoch 0, the look-ahead full."""
+
+
+def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported_before():
+    """Real ZeroMQ, no data: a member reports twice, its coordinator is replaced by a fresh one
+    on the same address, and the member (which has no news) rejoins at once and says it all
+    again; the fresh watermark then holds what the first one held."""
+    address = coordinator_address()
+
+    def coordinator() -> agreement.CoordinatorThread:
+        return agreement.CoordinatorThread(agreement.Coordinator(
+            replicas=1, total_steps=40, resume_step=0,
+            watermark=agreement.Watermark(ranks=2, steps_per_epoch=20)), address)
+
+    def rebound() -> agreement.CoordinatorThread | None:
+        try:
+            return coordinator()
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            return None
+
+    def state(c: agreement.CoordinatorThread) -> tuple[int, dict[int, int]]:
+        assert c.coordinator.watermark is not None
+        return c.coordinator.watermark.through, dict(c.coordinator.watermark.ends)
+
+    first = coordinator()
+    member = agreement.Member(address, 0, "m")
+    try:
+        member.join(published=-1, timeout_s=10)
+        member.report_reach({0: (8, {0: 17}), 1: (6, {})})
+        member.report_reach({1: (9, {0: 15})})
+        wait_for(lambda: state(first) == (8, {0: 15}), timeout=10, what="the first coordinator's watermark")
+        first.close()
+        second = wait_for(rebound, timeout=10, what="the address free again")  # ZeroMQ unbinds in its I/O thread
+        try:
+            def resent() -> bool:
+                member.heartbeat(time.monotonic())
+                if any(isinstance(m, messages.Joined) for m in member.receive()):
+                    member.joined()
+                return state(second) == (8, {0: 15})
+            # Well under the heartbeat's period: the reconnection itself makes the member rejoin.
+            wait_for(resent, timeout=agreement.JOIN_RESEND_S * 2, what="the restarted coordinator's watermark")
+        finally:
+            second.close()
+    finally:
+        member.close()
 
 
 def world_of(pods, job_manifest: dict[str, Any], replicas: int, **kwargs: Any) -> list:  # type: ignore[no-untyped-def]
