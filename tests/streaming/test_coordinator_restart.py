@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import zmq
 
 from splitfeed.sidecar import agreement
@@ -23,7 +24,7 @@ from splitfeed.trainer_client.client import StreamClient
 from splitfeed.trainer_client.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
-from tests.streaming.test_skipping import expected_steps, job, lockstep, plan  # noqa: F401 - the fixture
+from tests.streaming.test_skipping import G, expected_steps, job, lancedb_ids, lockstep, plan  # noqa: F401 - the fixture
 from tests.support.waiting import wait_for
 
 KILL_AT = 5
@@ -119,13 +120,19 @@ def test_an_ordinary_world_goes_on_exactly_after_its_coordinator_restarts(pods, 
         assert pod.wait() == 0
 
 
-def test_a_skip_world_goes_on_exactly_after_its_coordinator_restarts(pods, table_uri, plan):
+@pytest.mark.parametrize("at", ["mid-epoch", "by-the-end"])
+def test_a_skip_world_goes_on_exactly_after_its_coordinator_restarts(pods, table_uri, plan, at):
     """The look-ahead watermark lives in the coordinator: the restarted one must learn every
     rank's reach and the epoch ends found before it started, or the world hangs (a member whose
-    look-ahead is full has no news to report) or a rank publishes past an epoch's end."""
+    look-ahead is full has no news to report) or a rank publishes past an epoch's end. Killed
+    mid-epoch 0, or two steps before epoch 1's end E, which rank 1's reader found before the
+    kill (rank 0's own splits end later)."""
     replicas = 3
+    kill_at = {"mid-epoch": KILL_AT, "by-the-end": plan["spe"] + plan["ends"][1] - 2}[at]
+    own_end = len(lancedb_ids(plan["data"], epoch=1, rank=0, world=replicas, bad=plan["bad"])) // (G // replicas)
+    assert own_end > plan["ends"][1]  # the restarted sidecar's own reader would not find E
     started = world_of(pods, job(table_uri, plan["bad"]), replicas)
-    results = lockstep(replicas, [p.socket_dir for p in started], restarting_coordinator(started[0]))
+    results = lockstep(replicas, [p.socket_dir for p in started], restarting_coordinator(started[0], kill_at))
     for rank, got in enumerate(results):
         assert got == expected_steps(plan, replicas, rank), f"rank {rank}"
     for pod in started:
