@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import zmq
+import zmq.utils.monitor
 
 from splitfeed.trainer_client import errors, messages, progress
 from splitfeed.trainer_client.messages import (
@@ -78,8 +79,7 @@ class Watermark:
             raise errors.ProtocolError(f"rank {rank} is not in this world (0..{self.ranks - 1})")
         before = (self.through, dict(self.ends))
         self.reach[rank] = max(self.reach.get(rank, -1), assembled)
-        for epoch, end in ends.items():
-            self.ends[epoch] = min(self.ends.get(epoch, end), end)
+        merge_ends(self.ends, ends)
         return (self.through, self.ends) != before
 
     @property
@@ -123,6 +123,12 @@ def parse_reports(flat: list[int]) -> dict[int, tuple[int, dict[int, int]]]:
     except (TypeError, ValueError) as exc:
         raise errors.ProtocolError(f"malformed reach reports: {exc}") from None
     return out
+
+
+def merge_ends(into: dict[int, int], ends: dict[int, int]) -> None:
+    """Fold `ends` into `into`, the smallest end of each epoch (as Watermark.report does)."""
+    for epoch, end in ends.items():
+        into[epoch] = min(into.get(epoch, end), end)
 
 
 def parse_ends(flat: list[int]) -> dict[int, int]:
@@ -305,7 +311,11 @@ class CoordinatorThread:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.bind(bind)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)  # the address is taken: leave no socket behind
+            raise
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
@@ -362,8 +372,9 @@ class CoordinatorThread:
 
 
 JOIN_RESEND_S = 2.0
-"""A member says `join` again this often while it waits, and as a heartbeat while it
-serves: a coordinator that restarted learns its members back, and answers are idempotent."""
+"""A member says `join` again this often while it waits, and every five times as long as a
+heartbeat while it serves (at once when its connection to the coordinator is made again):
+a coordinator that restarted learns its members back, and answers are idempotent."""
 
 
 class Member:
@@ -386,6 +397,13 @@ class Member:
         self.published = -1
         self._last_join = 0.0
         self._held: list[messages.Message] = []
+        self._reach: dict[int, int] = {}
+        self._ends: dict[int, int] = {}
+        """Everything this member's ranks reported (skip jobs), to say again to a coordinator
+        that restarted: its watermark starts empty, and a rank whose look-ahead is full has
+        no news to report until the world lets a step through."""
+        self._monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
+        """Tells the loop thread the connection was made again (a restarted coordinator)."""
 
     def join(self, *, published: int, timeout_s: float) -> Joined:
         """Say `join` until `joined` arrives; the coordinator's pod may still be starting."""
@@ -409,9 +427,37 @@ class Member:
             "replica 0's sidecar is not running (or not reachable through the job's headless Service)")
 
     def heartbeat(self, now: float) -> None:
-        if now - self._last_join >= JOIN_RESEND_S * 5:
+        if self._reconnected() or now - self._last_join >= JOIN_RESEND_S * 5:
             self._last_join = now
             self.send(Join(replica=self.replica, instance=self.instance, published=self.published))
+
+    def _reconnected(self) -> bool:
+        """The socket connected (again) since the last look: a coordinator (re)started."""
+        seen = False
+        while True:
+            try:
+                zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return seen
+            seen = True
+
+    def report_reach(self, reports: dict[int, tuple[int, dict[int, int]]]) -> None:
+        """Say what this member's ranks hold ready (skip jobs), and keep it for `joined`."""
+        for rank, (assembled, ends) in reports.items():
+            self._reach[rank] = max(self._reach.get(rank, -1), assembled)
+            merge_ends(self._ends, ends)
+        self.send(Reach(replica=self.replica, reports=flat_reports(reports)))
+
+    def joined(self) -> None:
+        """A coordinator answered `join`, perhaps one restarted with an empty watermark: say
+        every rank's reach and every end found again. The coordinator merges by max and min,
+        so saying it twice changes nothing; the world's ends go with one rank, as they count
+        for the world whichever rank found them."""
+        if not self._reach:
+            return
+        first = min(self._reach)
+        self.send(Reach(replica=self.replica, reports=flat_reports(
+            {rank: (reach, self._ends if rank == first else {}) for rank, reach in self._reach.items()})))
 
     def receive(self) -> list[messages.Message]:
         """Every message waiting (and any held back while joining)."""
@@ -435,6 +481,8 @@ class Member:
         self.send(DrainRequest(token=token, reason=reason))
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
         self.socket.close(linger=200)  # let a last `committed_world` go out
 
     @staticmethod

@@ -718,10 +718,12 @@ class Server:
                 case messages.Agreed():
                     if self.world is not None:
                         self.world.update(message.through, agreement.parse_ends(message.ends), message.need)
+                case messages.Joined():
+                    self.member.joined()  # perhaps a restarted coordinator: tell it what it forgot
                 case Error():
                     log.warning("coordinator: %s", message.message)
                 case _:
-                    pass  # Joined (a late answer to a heartbeat) changes nothing here
+                    pass
 
     def fail_all(self, message: str, *, grace_s: float) -> None:
         """Tell every trainer that says hello why this sidecar cannot serve, then stop."""
@@ -850,8 +852,7 @@ class Server:
             return
         reports, self._reports = self._reports, {}
         if self.member is not None:
-            self.member.send(messages.Reach(replica=self.member.replica,
-                                            reports=agreement.flat_reports(reports)))
+            self.member.report_reach(reports)
         elif self._watermark is not None and self.world is not None:
             for rank, (reach, ends) in reports.items():
                 self._watermark.report(rank, reach, ends)

@@ -1,0 +1,178 @@
+"""Replica 0's sidecar, the world's coordinator, SIGKILLed and restarted under running trainers.
+
+The native sidecar container is restarted in place by the kubelet (an OOM kill, say): its
+trainer says `hello` with the next step it expects, its peers' sidecars keep serving, and the
+world must go on exactly (docs/agreement.md, "Failure cases"). Replica 0's sidecar runs as a
+process (killed by PID), the others as threads of this process; the trainers are threads held
+in step by a barrier (the all-reduce of a synchronous trainer). References: lancedb's
+StreamingDataset in-process (`reference_batches`, test_skipping's `expected_steps`).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from typing import Any
+
+import pytest
+import zmq
+
+from splitfeed.sidecar import agreement
+from splitfeed.trainer_client import messages
+from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.worlds import request_drain
+
+from tests.streaming.harness import coordinator_address, manifest, reference_batches
+from tests.streaming.test_skipping import G, expected_steps, job, lancedb_ids, lockstep, plan  # noqa: F401 - the fixture
+from tests.support.waiting import wait_for
+
+KILL_AT = 5
+"""The global step after which replica 0's sidecar is killed: mid-epoch 0, the look-ahead full."""
+
+
+def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported_before():
+    """Real ZeroMQ, no data: a member reports twice, its coordinator is replaced by a fresh one
+    on the same address, and the member (which has no news) rejoins at once and says it all
+    again; the fresh watermark then holds what the first one held."""
+    address = coordinator_address()
+
+    def coordinator() -> agreement.CoordinatorThread:
+        return agreement.CoordinatorThread(agreement.Coordinator(
+            replicas=1, total_steps=40, resume_step=0,
+            watermark=agreement.Watermark(ranks=2, steps_per_epoch=20)), address)
+
+    def rebound() -> agreement.CoordinatorThread | None:
+        try:
+            return coordinator()
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            return None
+
+    def state(c: agreement.CoordinatorThread) -> tuple[int, dict[int, int]]:
+        assert c.coordinator.watermark is not None
+        return c.coordinator.watermark.through, dict(c.coordinator.watermark.ends)
+
+    first = coordinator()
+    member = agreement.Member(address, 0, "m")
+    try:
+        member.join(published=-1, timeout_s=10)
+        member.report_reach({0: (8, {0: 17}), 1: (6, {})})
+        member.report_reach({1: (9, {0: 15})})
+        wait_for(lambda: state(first) == (8, {0: 15}), timeout=10, what="the first coordinator's watermark")
+        first.close()
+        second = wait_for(rebound, timeout=10, what="the address free again")  # ZeroMQ unbinds in its I/O thread
+        try:
+            def resent() -> bool:
+                member.heartbeat(time.monotonic())
+                if any(isinstance(m, messages.Joined) for m in member.receive()):
+                    member.joined()
+                return state(second) == (8, {0: 15})
+            # Well under the heartbeat's period: the reconnection itself makes the member rejoin.
+            wait_for(resent, timeout=agreement.JOIN_RESEND_S * 2, what="the restarted coordinator's watermark")
+        finally:
+            second.close()
+    finally:
+        member.close()
+
+
+def world_of(pods, job_manifest: dict[str, Any], replicas: int, **kwargs: Any) -> list:  # type: ignore[no-untyped-def]
+    """Replica 0 a process (to be killed), the others threads, one coordinator address."""
+    address = coordinator_address()
+    first = pods("pod0", job_manifest, replicas=replicas, replica=0, coordinator=address, **kwargs).start_process()
+    return [first] + [pods(f"pod{r}", job_manifest, replicas=replicas, replica=r, coordinator=address,
+                           **kwargs).start_thread() for r in range(1, replicas)]
+
+
+def restart(pod) -> None:  # type: ignore[no-untyped-def]
+    pod.kill()  # SIGKILL by PID: no cleanup, its coordinator gone with it
+    pod.start_process()
+
+
+def restarting_coordinator(pod, at: int = KILL_AT):  # type: ignore[no-untyped-def]
+    """A lockstep trainer body (global step -> ids) whose rank 0 restarts `pod` after step `at`."""
+    killed = threading.Event()
+
+    def body(client: StreamClient, barrier: threading.Barrier) -> dict[int, list[int]]:
+        got = {}
+        for batch in client:
+            got[batch.global_step] = batch["id"].tolist()
+            if client.rank == 0 and batch.global_step == at and not killed.is_set():
+                killed.set()
+                restart(pod)
+            barrier.wait()
+        barrier.wait()
+        assert killed.is_set()
+        return got
+
+    return body
+
+
+def test_an_ordinary_world_goes_on_exactly_after_its_coordinator_restarts(pods, table_uri):
+    replicas = 2
+    started = world_of(pods, manifest(table_uri), replicas)
+    results = lockstep(replicas, [p.socket_dir for p in started], restarting_coordinator(started[0]))
+    for rank, got in enumerate(results):
+        expected = reference_batches(table_uri, {}, replicas, rank)
+        assert got == dict(enumerate(expected)), f"rank {rank}"
+    for pod in started:
+        assert pod.wait() == 0
+
+
+@pytest.mark.parametrize("at", ["mid-epoch", "by-the-end"])
+def test_a_skip_world_goes_on_exactly_after_its_coordinator_restarts(pods, table_uri, plan, at):
+    """The look-ahead watermark lives in the coordinator: the restarted one must learn every
+    rank's reach and the epoch ends found before it started, or the world hangs (a member whose
+    look-ahead is full has no news to report) or a rank publishes past an epoch's end. Killed
+    mid-epoch 0, or two steps before epoch 1's end E, which rank 1's reader found before the
+    kill (rank 0's own splits end later)."""
+    replicas = 3
+    kill_at = {"mid-epoch": KILL_AT, "by-the-end": plan["spe"] + plan["ends"][1] - 2}[at]
+    own_end = len(lancedb_ids(plan["data"], epoch=1, rank=0, world=replicas, bad=plan["bad"])) // (G // replicas)
+    assert own_end > plan["ends"][1]  # the restarted sidecar's own reader would not find E
+    started = world_of(pods, job(table_uri, plan["bad"]), replicas)
+    results = lockstep(replicas, [p.socket_dir for p in started], restarting_coordinator(started[0], kill_at))
+    for rank, got in enumerate(results):
+        assert got == expected_steps(plan, replicas, rank), f"rank {rank}"
+    for pod in started:
+        assert pod.wait() == 0
+
+
+def test_a_drain_after_the_restart_agrees_on_one_step(pods, table_uri, tmp_path):
+    """The restarted coordinator knows its members again and cuts the world at one step."""
+    replicas, data = 2, {"epochs": 2}
+    started = world_of(pods, manifest(table_uri, str(tmp_path / "ckpt"), **data), replicas)
+    address = started[0].env["SPLITFEED_COORDINATOR"]
+    request_at = KILL_AT + 3
+    killed = threading.Event()
+
+    def body(client: StreamClient, barrier: threading.Barrier) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": {}, "saved": None}
+        for batch in client:
+            out["steps"][batch.global_step] = batch["id"].tolist()
+            if client.rank == 0 and batch.global_step == KILL_AT and not killed.is_set():
+                killed.set()
+                restart(started[0])
+            if client.rank == 0 and batch.global_step == request_at:
+                assert request_drain(address, "rescale-w0", "rescale", timeout_s=10) is not None
+            barrier.wait()
+            if client.checkpoint_requested:
+                out["saved"] = client.checkpoint()
+                client.commit(out["saved"])
+                if client.drained:
+                    break
+        out["drained"] = client.drained
+        return out
+
+    results = lockstep(replicas, [p.socket_dir for p in started], body)
+    agreed = {r["saved"] for r in results}
+    assert len(agreed) == 1 and None not in agreed, results
+    (step,) = agreed
+    assert step > request_at
+    for rank, r in enumerate(results):
+        assert r["drained"], f"rank {rank}"
+        expected = reference_batches(table_uri, data, replicas, rank)
+        assert r["steps"] == dict(list(enumerate(expected))[:step]), f"rank {rank} went past step {step - 1}"
+    for pod in started:
+        assert pod.wait() == 0
