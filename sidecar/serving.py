@@ -86,8 +86,7 @@ class WorldView:
     def update(self, through: int, ends: dict[int, int], need: int) -> None:
         with self._changed:
             self.through = max(self.through, through)
-            for epoch, end in ends.items():
-                self.ends[epoch] = min(self.ends.get(epoch, end), end)
+            agreement.merge_ends(self.ends, ends)
             self.need = need
             self.generation += 1
             self._changed.notify_all()
