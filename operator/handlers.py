@@ -74,6 +74,8 @@ async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, *, wait:
     if "metrics" in memo:
         memo["metrics"].reconciled(namespace, name, "error" if outcome.permanent_error else "ok",
                                    [e.reason for e in outcome.events])
+        for at, status in outcome.seen:  # a rescale quicker than a timer pass is seen only here
+            memo["live"].track((namespace, name), status, at)
     if outcome.body is not None:
         for e in outcome.events:
             # kopf.event reads only the reference fields, which a plain dict has.

@@ -111,11 +111,16 @@ class Poller:
     last: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     rescales: dict[tuple[str, str], Timeline] = dataclasses.field(default_factory=dict)
 
-    def observe(self, key: tuple[str, str], status: Mapping[str, Any], answer: Mapping[str, Any] | None,
-                now: datetime.datetime) -> tuple[dict[str, Any], list[decisions.Event]]:
-        """Pure bookkeeping of one pass: the status patch and events it calls for."""
-        patch: dict[str, Any] = {}
-        events: list[decisions.Event] = []
+    def track(self, key: tuple[str, str], status: Mapping[str, Any], now: datetime.datetime) -> None:
+        """A rescale's marks from one look at the job's status, the reconciler's or this poller's.
+
+        The reconciler's looks matter: a drain agreed and a new world started within one
+        timer pass (seconds, when trainers are quick) never shows this poller a status.drain.
+        """
+        self._timeline(key, status, now)
+
+    def _timeline(self, key: tuple[str, str], status: Mapping[str, Any], now: datetime.datetime
+                  ) -> Timeline | None:
         drain = status.get("drain") or {}
         epoch = int(status.get("worldEpoch") or 0)
         timeline = self.rescales.get(key)
@@ -127,9 +132,6 @@ class Poller:
         old_step = int((status.get("progress") or {}).get("globalStep") or 0)
         if timeline is not None and epoch == timeline.old_epoch:
             timeline.old_step = max(timeline.old_step, old_step)
-            if answer is not None and answer.get("drain_step") is not None and timeline.agreed_at is None:
-                timeline.agreed_at = now
-                timeline.old_step = max(timeline.old_step, int(answer["drain_step"]))
         elif timeline is not None and timeline.gone_at is None:
             timeline.gone_at = now  # the operator moved on to the next world
         if timeline is not None and timeline.agreed_at is None:
@@ -137,6 +139,19 @@ class Poller:
             saved = _parse((status.get("lastCheckpoint") or {}).get("time"))
             if saved is not None and saved >= timeline.requested_at:
                 timeline.agreed_at = saved
+        return timeline
+
+    def observe(self, key: tuple[str, str], status: Mapping[str, Any], answer: Mapping[str, Any] | None,
+                now: datetime.datetime) -> tuple[dict[str, Any], list[decisions.Event]]:
+        """Pure bookkeeping of one pass: the status patch and events it calls for."""
+        patch: dict[str, Any] = {}
+        events: list[decisions.Event] = []
+        epoch = int(status.get("worldEpoch") or 0)
+        timeline = self._timeline(key, status, now)
+        if timeline is not None and epoch == timeline.old_epoch and answer is not None \
+                and answer.get("drain_step") is not None and timeline.agreed_at is None:
+            timeline.agreed_at = now
+            timeline.old_step = max(timeline.old_step, int(answer["drain_step"]))
         if answer is not None:
             live = progress.status_progress(answer, status.get("progress") or {}, epoch)
             if live is not None:

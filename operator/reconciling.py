@@ -49,6 +49,9 @@ class Outcome:
     events: list[lifecycle.Event] = dataclasses.field(default_factory=list)
     requeue_s: float | None = None
     permanent_error: str | None = None
+    seen: list[tuple[datetime.datetime, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    """When each read was made and the job's status it found, oldest first (a rescale's
+    timeline, operator/live.py)."""
 
     @property
     def waiting(self) -> str:
@@ -72,6 +75,7 @@ async def reconcile(ctx: Context, namespace: str, name: str) -> Outcome:
             outcome.body = body
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return outcome  # deletion: the garbage collector removes the world
+            outcome.seen.append((_now(), body.get("status") or {}))
             decision, uids = await _decide(ctx, body)
             try:
                 await _apply(ctx, body, decision, uids)

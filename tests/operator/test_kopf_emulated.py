@@ -63,7 +63,7 @@ async def cluster(kmock: Any) -> AsyncIterator[Any]:
 
 @contextlib.asynccontextmanager
 async def running_operator(kmock: Any, settings: kopf.OperatorSettings | None = None,
-                           registry: kopf.OperatorRegistry | None = None) -> AsyncIterator[None]:
+                           registry: kopf.OperatorRegistry | None = None) -> AsyncIterator[kopf.Memo]:
     config = kubernetes.client.Configuration(host=str(kmock.url).rstrip("/"))
     client = kube.Kube(kubernetes.client.ApiClient(config))
     stop = asyncio.Event()
@@ -76,7 +76,7 @@ async def running_operator(kmock: Any, settings: kopf.OperatorSettings | None = 
         clusterwide=True, standalone=True, vault=vault, stop_flag=stop, settings=settings,
         registry=registry, memo=memo))
     try:
-        yield
+        yield memo
     finally:
         stop.set()
         try:
@@ -197,6 +197,36 @@ async def test_an_operator_restarted_mid_rescale_finishes_it(cluster):
         await until(lambda: (job_of(cluster)["status"].get("worldEpoch"), phase(cluster)) == (1, "Running"),
                     what="world 1 running after the restart")
         assert sorted(pods_of(cluster)) == ["resnet-w1-0"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_rescale_the_status_timer_never_saw_is_still_timed(cluster, monkeypatch):
+    """A drain agreed and a new world started between two timer passes (seconds, with quick
+    trainers; found end to end: status.lastRescale never came): the reconciler's own reads
+    of the status start the rescale's timeline. The timer is kept from asking here."""
+    from splitfeed.operator import live
+
+    monkeypatch.setattr(live.Poller, "due", lambda self, key, body: False)
+    add_job(cluster, manifest(replicas=2))
+    async with running_operator(cluster) as memo:
+        await until(lambda: len(pods_of(cluster)) == 2, what="world 0")
+        cluster.objects[JOBS, "ns", "resnet"].patch({"spec": {"replicas": 1},
+                                                     "metadata": {"resourceVersion": "2", "generation": 2}})
+        await until(lambda: reason(cluster) == "WaitingForCheckpoint", what="WaitingForCheckpoint")
+        for name in list(pods_of(cluster)):
+            cluster.objects[PODS, "ns", name].patch({"status": {"phase": "Succeeded"}})
+        await until(lambda: (job_of(cluster)["status"].get("worldEpoch"), phase(cluster)) == (1, "Running"),
+                    what="world 1 running")
+        timeline = memo["live"].rescales[("ns", "resnet")]
+        assert (timeline.from_replicas, timeline.to_replicas, timeline.old_epoch) == (2, 1, 0)
+        # (the reconcile pass that started world 1 hands over what it read when it returns)
+        await until(lambda: timeline.gone_at is not None, what="the old world's end on the timeline")
+        assert timeline.gone_at >= timeline.requested_at
+        # The new world's first batch (the coordinator's answer) completes the report.
+        patch, events = memo["live"].observe(("ns", "resnet"), job_of(cluster)["status"],
+                                             {"global_step": 4, "resume_step": 3}, timeline.gone_at)
+        assert patch["lastRescale"]["fromReplicas"] == 2 and [e.reason for e in events] == [live.RESCALE_REPORT]
 
 
 def review(obj: dict[str, Any], *, operation: str, old: dict[str, Any] | None = None,
