@@ -355,7 +355,10 @@ def test_each_maximum_is_admitted_and_one_more_is_refused_by_name(field):
 
 
 def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
-    """A complexity check, not a benchmark: the old walk over every replica count took seconds."""
+    """A complexity check, not a benchmark: the old walk over every replica count took seconds.
+
+    This thread's CPU time, not the wall clock: on a loaded machine the work can wait
+    longer than the bound for a core."""
     import time
 
     from splitfeed.operator import lifecycle, planning
@@ -364,13 +367,13 @@ def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
     n = admission.MAXIMA["spec.data.numSplits"]
     m = manifest(replicas=10)
     m["spec"]["data"].update(numSplits=n, globalBatchSize=n * 8)
-    start = time.perf_counter()
+    start = time.thread_time()
     job = admission.review_job(m)
     with pytest.raises(admission.Rejected) as info:
         admission.review_scale(m, 7)  # the rejection lists every valid count
     d = lifecycle.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 0.5, f"{elapsed:.2f}s"
+    elapsed = time.thread_time() - start
+    assert elapsed < 0.5, f"{elapsed:.2f} s of CPU"
     assert info.value.allowed[:4] == [1, 2, 4, 5] and len(info.value.allowed) == 49
     assert d.status["allowedReplicas"] == info.value.allowed and len([o for o in d.create if o["kind"] == "Pod"]) == 10
 

@@ -47,9 +47,9 @@ def slow_reader(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
     monkeypatch.setattr(workers, "iter_rank_batches", slowed)
 
 
-def start(pods, table_uri: str, name: str):  # type: ignore[no-untyped-def]
-    """A one-replica world of 2 epochs (40 steps), with /metrics on a free port."""
-    pod = pods(name, manifest(table_uri, epochs=2), replicas=1, replica=0, coordinator=coordinator_address())
+def start(pods, table_uri: str, name: str, epochs: int = 2):  # type: ignore[no-untyped-def]
+    """A one-replica world of `epochs` epochs (20 steps each), with /metrics on a free port."""
+    pod = pods(name, manifest(table_uri, epochs=epochs), replicas=1, replica=0, coordinator=coordinator_address())
     pod.settings = dataclasses.replace(pod.settings, metrics_port=0)
     return pod.start_thread()
 
@@ -94,14 +94,17 @@ def test_a_trainer_behind_a_slowed_reader_reports_a_stall_share_near_the_injecte
 
 @pytest.mark.slow
 def test_a_trainer_behind_a_fast_reader_reports_a_stall_share_near_zero(pods, table_uri, tmp_path):
-    pod = start(pods, table_uri, "fast")
-    # 80 ms a step: prefetch (2 batches) covers even the new epoch's first read.
+    # One epoch: 80 ms a step and prefetch (2 batches) cover a read within an epoch. A new
+    # epoch's first read does not count on it: on a loaded 2-core machine it took 0.4 s and
+    # 1.3 s (a real stall, measured as such: share 0.28 and 0.44); how fast it is belongs in
+    # `make bench`, not here.
+    pod = start(pods, table_uri, "fast", epochs=1)
     trainer = run_trainer(pod, tmp_path, 0.08)
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 0, err
     stall = json.loads((tmp_path / "stall.json").read_text())
     assert stall["share"] < 0.15, stall
-    assert stall["batches"] == 39, stall
+    assert stall["batches"] == 19, stall  # 20 steps, the first (start-up) not counted
 
 
 @pytest.mark.slow

@@ -93,16 +93,19 @@ def test_divisor_enumeration_agrees_with_the_rules_walked_longhand(gpus, workers
 
 @pytest.mark.parametrize("n", [1_000_000, 2_147_483_646, 2_147_483_647])
 def test_huge_split_counts_are_answered_in_milliseconds(n):
-    """A complexity check, not a benchmark: walking every integer up to 2**31 takes minutes."""
+    """A complexity check, not a benchmark: walking every integer up to 2**31 takes minutes.
+
+    This thread's CPU time, not the wall clock: on a loaded machine a millisecond's work
+    can wait longer than the bound for a core."""
     import time
 
-    start = time.perf_counter()
+    start = time.thread_time()
     allowed = topology.allowed_replicas(gpus_per_replica=1, num_splits=n, num_workers=1,
                                         global_batch_size=n * 4)
     with pytest.raises(topology.TopologyError) as info:
         topology.check(replicas=n + 1, gpus_per_replica=1, num_splits=n, num_workers=1,
                        global_batch_size=n * 4)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 0.5, f"{elapsed:.2f}s for numSplits={n}"
+    elapsed = time.thread_time() - start
+    assert elapsed < 0.5, f"{elapsed:.2f} s of CPU for numSplits={n}"
     assert allowed[0] == 1 and allowed[-1] == n and all(n % r == 0 and (4 * n) % r == 0 for r in allowed)
     assert info.value.allowed == allowed
