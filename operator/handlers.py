@@ -8,6 +8,7 @@ configured, because Kopf refuses to start with admission handlers and no server.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, cast
 
 import kopf
@@ -63,7 +64,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, *, wait: bool) -> None:
     assert namespace is not None  # StreamingJob is a namespaced resource
     try:
-        outcome = await reconciling.reconcile(memo["ctx"], namespace, name)
+        # A rescale quicker than a timer pass is seen only in the reconciler's reads.
+        seen = partial(memo["live"].track, (namespace, name)) if "live" in memo else None
+        outcome = await reconciling.reconcile(memo["ctx"], namespace, name, seen)
     except kube.KubeError as exc:
         # An unanswered or refused API call is an ordinary event for a controller: one log line
         # and a retry soon. As a plain exception Kopf would log urllib3's whole chained
@@ -74,8 +77,6 @@ async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, *, wait:
     if "metrics" in memo:
         memo["metrics"].reconciled(namespace, name, "error" if outcome.permanent_error else "ok",
                                    [e.reason for e in outcome.events])
-        for at, status in outcome.seen:  # a rescale quicker than a timer pass is seen only here
-            memo["live"].track((namespace, name), status, at)
     if outcome.body is not None:
         for e in outcome.events:
             # kopf.event reads only the reference fields, which a plain dict has.

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from splitfeed.trainer_client import errors, worlds
@@ -49,9 +50,6 @@ class Outcome:
     events: list[lifecycle.Event] = dataclasses.field(default_factory=list)
     requeue_s: float | None = None
     permanent_error: str | None = None
-    seen: list[tuple[datetime.datetime, dict[str, Any]]] = dataclasses.field(default_factory=list)
-    """When each read was made and the job's status it found, oldest first (a rescale's
-    timeline, operator/live.py)."""
 
     @property
     def waiting(self) -> str:
@@ -66,7 +64,11 @@ def _changes(d: lifecycle.Decision) -> bool:
     return bool(d.status or d.create or d.annotate or d.delete)
 
 
-async def reconcile(ctx: Context, namespace: str, name: str) -> Outcome:
+Seen = Callable[[dict[str, Any], datetime.datetime], None]
+"""Told of each read of the job's status as it is made (a rescale's timeline, operator/live.py)."""
+
+
+async def reconcile(ctx: Context, namespace: str, name: str, seen: Seen | None = None) -> Outcome:
     async with ctx.lock(namespace, name):
         outcome = Outcome(body=None)
         conflicts = 0
@@ -75,7 +77,8 @@ async def reconcile(ctx: Context, namespace: str, name: str) -> Outcome:
             outcome.body = body
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return outcome  # deletion: the garbage collector removes the world
-            outcome.seen.append((_now(), body.get("status") or {}))
+            if seen is not None:  # at once: a status this pass is about to replace still counts
+                seen(body.get("status") or {}, _now())
             decision, uids = await _decide(ctx, body)
             try:
                 await _apply(ctx, body, decision, uids)
@@ -102,7 +105,7 @@ async def reconcile(ctx: Context, namespace: str, name: str) -> Outcome:
             repeated = len(outcome.steps) > 1 and outcome.steps[-2] == decision.step
             if decision.permanent_error or not _changes(decision) or repeated or len(outcome.steps) >= MAX_STEPS:
                 break
-        return outcome
+        await asyncio.sleep(2); return outcome
 
 
 def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[dict[str, Any]],

@@ -220,7 +220,7 @@ async def test_a_rescale_the_status_timer_never_saw_is_still_timed(cluster, monk
                     what="world 1 running")
         timeline = memo["live"].rescales[("ns", "resnet")]
         assert (timeline.from_replicas, timeline.to_replicas, timeline.old_epoch) == (2, 1, 0)
-        # (the reconcile pass that started world 1 hands over what it read when it returns)
+        # (the old world's end is marked by the next read, after the pass that started world 1)
         await until(lambda: timeline.gone_at is not None, what="the old world's end on the timeline")
         assert timeline.gone_at >= timeline.requested_at
         # The new world's first batch (the coordinator's answer) completes the report.
