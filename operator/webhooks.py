@@ -22,6 +22,8 @@ from typing import Any
 
 import kopf
 
+from splitfeed.trainer_client import specs
+
 from . import admission, kube, planning, redaction
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
 
 
 async def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operation: str | None = None,
-                       userinfo: Any = None, **_: Any) -> None:
+                       userinfo: Any = None, warnings: list[str] | None = None, **_: Any) -> None:
     # Kopf's own metadata/status patches must pass even for a job admitted before the rules.
     if operation == "UPDATE" and old and old.get("spec") == body.get("spec"):
         return
@@ -49,6 +51,8 @@ async def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operat
             job = admission.review_job(body, defaults)
     except admission.Rejected as exc:
         raise kopf.AdmissionError(str(exc), code=422) from exc
+    if warnings is not None:  # shown by kubectl as "Warning: ..." (Kopf hands the list in)
+        warnings.extend(specs.idle_fields(job.data))
     config = memo.get("config")
     hook = getattr(config, "webhook", None)
     if hook is None:

@@ -44,6 +44,8 @@ def parse_job_file(path: str, replicas: int | None = None) -> specs.JobSpec:
         job.check_topology()
     except ValueError as exc:  # SpecError, TopologyError
         raise errors.UserError(str(exc)) from exc
+    for warning in specs.idle_fields(job.data):
+        print(f"warning: {path}: {warning}", file=sys.stderr)
     return job
 
 

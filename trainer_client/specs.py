@@ -119,7 +119,7 @@ class DataSpec:
     transform_args: str | None = dataclasses.field(default=None, metadata=_rule("jsonObject"))
     """A JSON object: keyword arguments bound to the transform (see transform_kwargs)."""
     on_transform_error: str = dataclasses.field(default="raise", metadata=_rule("onTransformError"))
-    """raise | fill (ON_TRANSFORM_ERROR): what a row whose transform fails becomes."""
+    """One of ON_TRANSFORM_ERROR: what a row whose transform fails becomes."""
     pack_sequences: PackSpec | None = dataclasses.field(
         default=None, metadata=_rule("packSequences", model=PackSpec))
     """Sequence packing (lancedb's pack_sequences) of one token-list column."""
@@ -500,6 +500,25 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
     if check_replicas:
         job.check_topology()
     return job
+
+
+def idle_fields(data: DataSpec) -> list[str]:
+    """Fields set on this job that change nothing in it, each as a warning naming the fix.
+
+    Warnings, not errors: a job admitted with them before must keep running on a newer
+    operator, and they are harmless; a user who set them expected an effect, though.
+    """
+    out = []
+    preprocessing = "spec.data.transform or spec.data.packSequences"
+    if not data.transform and data.pack_sequences is None:
+        if data.transform_parallelism is not None:
+            out.append(f"spec.data.transformParallelism does nothing without {preprocessing}; remove it")
+        if data.transform_queue_depth != DEFAULT_TRANSFORM_QUEUE_DEPTH:
+            out.append(f"spec.data.transformQueueDepth does nothing without {preprocessing}; remove it")
+    if not data.transform and data.on_transform_error != "raise":
+        out.append(f"spec.data.onTransformError={data.on_transform_error} does nothing without "
+                   "spec.data.transform (no row can fail a transform); remove it")
+    return out
 
 
 def _wire_value(value: Any) -> Any:

@@ -189,6 +189,14 @@ def test_an_invalid_job_is_rejected_by_the_webhook(env: Env) -> None:
     assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]" in out.stderr
 
 
+def test_a_field_that_changes_nothing_is_admitted_with_a_kubectl_warning(env: Env) -> None:
+    job = job_manifest("idle", replicas=1)
+    job["spec"]["data"]["transformParallelism"] = 4  # no transform, no packing
+    out = env.apply(job)
+    assert "Warning: spec.data.transformParallelism does nothing without spec.data.transform" in out.stderr
+    assert env.job("idle")["spec"]["data"]["transformParallelism"] == 4
+
+
 def test_an_invalid_scale_is_rejected_with_the_valid_counts(env: Env) -> None:
     env.apply(job_manifest("beta", replicas=2))
     wait_for(lambda: len(env.pods("beta")) == 2, 30, "2 pods")

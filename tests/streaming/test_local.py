@@ -162,6 +162,13 @@ def test_plan_shows_valid_counts_splits_per_rank_and_steps_per_epoch(table_uri, 
     assert f"{reference_steps} steps per epoch" in out
 
 
+def test_plan_warns_of_a_field_that_changes_nothing_and_still_plans(table_uri, tmp_path):
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, transformParallelism=4)))
+    assert done.returncode == 0, done.stderr
+    assert "warning:" in done.stderr and "spec.data.transformParallelism does nothing" in done.stderr
+    assert "valid replica counts" in done.stdout
+
+
 def test_plan_rejects_an_invalid_replica_count_with_the_valid_ones(table_uri, tmp_path):
     done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "7")
     assert done.returncode == 2

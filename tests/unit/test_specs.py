@@ -205,6 +205,25 @@ def test_bad_preprocessing_fields_name_the_field(fields, field, words):
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize(("fields", "warned"), [
+    ({"transformParallelism": 4}, ["spec.data.transformParallelism does nothing without spec.data.transform "
+                                   "or spec.data.packSequences; remove it"]),
+    ({"transformQueueDepth": 8}, ["spec.data.transformQueueDepth does nothing without"]),
+    ({"onTransformError": "skip"}, ["spec.data.onTransformError=skip does nothing without spec.data.transform"]),
+    ({"transformParallelism": 4, "transformQueueDepth": 8, "onTransformError": "fill"},
+     ["transformParallelism", "transformQueueDepth", "onTransformError=fill"]),
+    # Where they act, nothing is said.
+    ({"transform": "m:f", "transformParallelism": 4, "transformQueueDepth": 8, "onTransformError": "skip"}, []),
+    ({"packSequences": PACK, "transformParallelism": 4, "transformQueueDepth": 8}, []),
+    ({}, []),
+])
+def test_fields_that_change_nothing_in_a_job_are_warned_of_by_name(fields, warned):
+    said = specs.idle_fields(specs.parse_job(with_data(**fields)).data)
+    assert len(said) == len(warned), said
+    for line, words in zip(said, warned):
+        assert words in line
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("transformParallelism", 0, "must be at least 1, got 0"),
     ("transformParallelism", 257, "must be at most 256, got 257"),
