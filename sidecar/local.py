@@ -323,7 +323,7 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
             world.stop()
         forks.close()
         if not interrupted:
-            _summary([f for w in history for f in w.stats], time.monotonic() - started, out)
+            _summary(history, time.monotonic() - started, out)
             for r in rescales:
                 print(f"splitfeed local: {r}", file=out, flush=True)
         _rmtree(work)
@@ -483,10 +483,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def _summary(stats_files: list[Path], elapsed: float, out: IO[str]) -> None:
-    stats = [_read_json(f) for f in stats_files]
+def _summary(history: Sequence[World], elapsed: float, out: IO[str]) -> None:
+    by_world = [[_read_json(f) for f in w.stats] for w in history]
+    stats = [s for world in by_world for s in world]
     rows = sum(s.get("rows", 0) for s in stats)
-    steps = max((s.get("last_step", -1) + 1 for s in stats), default=0)
+    # Every rank of a world takes one batch per global step it serves.
+    steps = sum(max((int(s.get("batches", 0)) for s in world), default=0) for world in by_world)
     busy = sum(s.get("elapsed_s", 0.0) for s in stats)
     streaming = max((s.get("elapsed_s", 0.0) for s in stats), default=0.0)
     stall = sum(s.get("wait_s", 0.0) for s in stats) / busy if busy else 0.0
@@ -495,7 +497,14 @@ def _summary(stats_files: list[Path], elapsed: float, out: IO[str]) -> None:
     ready = stalls.summarize(stalls.merge([s.get("data_ready_buckets") or [] for s in stats]), 0.0, 0.0)
     percentiles = ", ".join(f"{name} {value * 1000:.2f} ms" for name, value in
                             (("p50", ready.p50_s), ("p95", ready.p95_s), ("p99", ready.p99_s)) if value is not None)
-    print(f"splitfeed local: {int(steps)} global steps, {rows} rows in {elapsed:.1f} s; "
+    print(f"splitfeed local: {steps} global steps, {rows} rows in {elapsed:.1f} s; "
           f"{rate:.0f} rows/s while streaming, data stall {stall:.1%}"
           + (f"; data-ready latency {percentiles}" if percentiles else ""),
           file=out, flush=True)
+    grid = max((int(s.get("total_steps", 0)) for s in stats), default=0)
+    last = max((int(s.get("last_step", -1)) + 1 for s in stats), default=0)
+    if history and history[-1].job.data.drops_rows and 0 < last < grid:
+        # The progress line counted toward the grid; say why the run stopped short of it.
+        print(f"splitfeed local: ended at global step {last}/{grid}: onTransformError="
+              f"{history[-1].job.data.on_transform_error} dropped rows, and an epoch ends early at the "
+              f"last step every rank can fill", file=out, flush=True)

@@ -269,7 +269,7 @@ class SkipLedgers:
         self._anchors: dict[int, dict[int, dict[str, Any]]] = {}
 
     def ledger(self, rank: int) -> Ledger | None:
-        if self.data is None or not reading.skipping(self.data):
+        if self.data is None or not self.data.drops_rows:
             return None
         return self._ledgers.setdefault(rank, Ledger(self.KEEP))
 
@@ -277,7 +277,7 @@ class SkipLedgers:
         """The rank's checkpoint state once `step` steps are taken."""
         assert self.data is not None
         position = positions.position_of(step, self.spe)
-        if not reading.skipping(self.data) or position.step == 0:
+        if not self.data.drops_rows or position.step == 0:
             return positions.state_dict(self.data, position)
         known = self._known(rank, step)
         if known is None:
@@ -319,7 +319,7 @@ class SkipLedgers:
         starts at the newest state it knows at or before it in the same epoch — a checkpoint
         it wrote, the world's resume state, or else the epoch's start, which needs none —
         and the steps between are read again and passed over (iter_from)."""
-        if self.data is None or not reading.skipping(self.data) or step % self.spe == 0:
+        if self.data is None or not self.data.drops_rows or step % self.spe == 0:
             return step, None
         known = self._known(rank, step)
         if known is not None:
@@ -401,7 +401,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             if stores:
                 stores[0].start_world(resume_step=resume_step)  # fences every older world
             watermark = (agreement.Watermark(ranks=settings.world_size, steps_per_epoch=steps_per_epoch)
-                         if reading.skipping(data) else None)
+                         if data.drops_rows else None)
             coordinator = agreement.CoordinatorThread(
                 agreement.Coordinator(replicas=replicas_of(settings), total_steps=steps_per_epoch * data.epochs,
                                       resume_step=resume_step, table_version=int(data.version),
@@ -456,7 +456,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         start_step=start_step, resume_step=start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
         member=member if failure is None else None, instance=instance,
-        skipping=data is not None and reading.skipping(data), on_published=ledgers.published)
+        skipping=data is not None and data.drops_rows, on_published=ledgers.published)
     if failure is not None and member is not None:
         member.close()
     observed.feeds = lambda: server.feeds

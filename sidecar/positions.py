@@ -74,7 +74,7 @@ def position_from_state(data: specs.DataSpec, state: Mapping[str, Any]) -> Posit
     positions = list(state.get("positions_consumed_per_split") or samples)
     # Under onTransformError=skip/warn a split's position runs ahead of its row count
     # by the rows it skipped; otherwise the two are equal.
-    skipping = data.on_transform_error in ("skip", "warn") and bool(data.transform)
+    skipping = data.drops_rows
     if (len(samples) != data.num_splits or len(set(samples)) != 1 or len(positions) != len(samples)
             or (positions != samples and not (skipping and all(
                 int(p) >= int(c) for p, c in zip(positions, samples))))):

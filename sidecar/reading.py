@@ -285,7 +285,7 @@ def iter_blocks(
     mid-epoch needs the checkpoint's merged `resume_state`.
     """
     with _version_guard(table, data):
-        if skipping(data):
+        if data.drops_rows:
             yield from _iter_skipping(table, data, splits, start_global_step, stop_global_step,
                                       resume_state)
         elif data.transform or data.pack_sequences is not None:
@@ -561,14 +561,6 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # --- onTransformError=skip / warn ------------------------------------------------------
-
-SKIPPING = ("skip", "warn")
-"""onTransformError values that drop failing rows (lancedb's skip and warn)."""
-
-
-def skipping(data: specs.DataSpec) -> bool:
-    """onTransformError=skip/warn on a transform: epochs may end early, the world agrees where."""
-    return bool(data.transform) and data.on_transform_error in SKIPPING
 
 SKIPPED_ROWS = [0]
 """Rows dropped by onTransformError=skip/warn before the rows of the steps this sidecar

@@ -301,7 +301,7 @@ def _iter_in_processes(
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []
     filled_seen: dict[int, int] = {}
-    skipping = reading.skipping(data)
+    skipping = data.drops_rows
     try:
         for worker in range(data.num_workers):
             receiver, sender = context.Pipe(duplex=False)

@@ -72,6 +72,7 @@ class PackSpec:
 
 
 ON_TRANSFORM_ERROR = ("raise", "fill", "skip", "warn")
+DROPPING = ("skip", "warn")
 """Accepted spec.data.onTransformError values: raise, fill (a substitute row), and lancedb's
 skip/warn (the row is dropped; the world agrees where each epoch ends, docs/preprocessing.md)."""
 
@@ -132,6 +133,12 @@ class DataSpec:
         default=DEFAULT_TRANSFORM_QUEUE_DEPTH, metadata=_rule("int", 1, MAX_TRANSFORM_QUEUE_DEPTH))
     """Transformed read batches a split may hold ahead of the step being assembled
     (lancedb's transform_queue_depth): bounds decoded rows in memory while the ring is full."""
+
+    @property
+    def drops_rows(self) -> bool:
+        """onTransformError skip/warn on a transform: a row that fails is dropped, so an epoch
+        may end early, where the world agrees (docs/preprocessing.md)."""
+        return bool(self.transform) and self.on_transform_error in DROPPING
 
     @property
     def transform_kwargs(self) -> dict[str, Any]:

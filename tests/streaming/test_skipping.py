@@ -241,6 +241,12 @@ def test_splitfeed_local_with_ddp_trainers_rescaled_2_to_3_trains_exactly_on_the
     assert done.returncode == 0, done.stderr[-3000:]
     spe = plan["spe"]
     absent = frozenset(e * spe + k for e, end in enumerate(plan["ends"]) for k in range(end, spe))
+    # The summary counts the steps trained (lancedb's, plus none redone) and says why the run
+    # stopped short of the grid the progress line counted toward.
+    assert f"splitfeed local: {sum(plan['ends'])} global steps," in done.stderr, done.stderr[-3000:]
+    assert plan["ends"][-1] < spe  # the last epoch ends early too
+    assert (f"ended at global step {(EPOCHS - 1) * spe + plan['ends'][-1]}/{EPOCHS * spe}: "
+            "onTransformError=skip dropped rows") in done.stderr
     grid = [set(expected_steps(plan, 1, 0).get(s, [])) for s in range(EPOCHS * spe)]
     summary = exactness.check(logs, exactness.complete_checkpoints(store / "test" / "job"), grid,
                               lambda world, rank: expected_steps(plan, world, rank), absent)
