@@ -4,7 +4,8 @@ Each drains a world of real DDP trainers (tests/e2e/trainer.py) at one step the
 sidecars agree on (docs/agreement.md): every rank checkpoints there and stops,
 nothing is replayed, no restart is counted, and the next world resumes exactly
 at that step (tests/support/exactness.py). Jobs: 2 replicas, numSplits 24,
-globalBatchSize 48, one epoch (20 steps).
+globalBatchSize 48, one epoch (20 steps) of 0.5 s each: a drain asked at step 6 has 7 s
+before the world would end on its own, room for the operator's reaction on a loaded machine.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ TIMEOUT_S = 120
 
 
 def start(cluster: Cluster, name: str, **kw: object) -> None:
-    spec = {"replicas": 2, "epochs": 1, "sleep_s": 0.3, "timeout_seconds": TIMEOUT_S, **kw}
+    spec = {"replicas": 2, "epochs": 1, "sleep_s": 0.5, "timeout_seconds": TIMEOUT_S, **kw}
     log(f"{name}: kubectl apply {spec}")
     cluster.apply(cluster.manifest(name, **spec))  # type: ignore[arg-type]
 
