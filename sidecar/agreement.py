@@ -42,13 +42,14 @@ class Out:
     message: messages.Message
 
 
-def cut_step(published: list[int], total_steps: int) -> int:
+def cut_step(published: list[int], total_steps: int, not_before: int = 0) -> int:
     """The drain step S: every rank takes batches up to S - 1, then checkpoints.
 
     Batch S - 1 must be published nowhere yet, so the checkpoint request is
     visible to every rank before that batch is (docs/agreement.md, "Commit").
+    A request's `not_before` moves S later, never earlier.
     """
-    return min(max(published) + 2, total_steps)
+    return min(max(max(published) + 2, not_before), total_steps)
 
 
 IN, OUT = "in", "out"
@@ -174,6 +175,8 @@ class Coordinator:
         self.round = 0
         self.reason: str | None = None
         self.tokens: set[str] = set()
+        self.not_before = 0
+        """The drain request's earliest step (ordinary jobs only: see on_request)."""
         self.answers: dict[int, int] = {}
         self.step: int | None = None
         """The committed drain step, once fixed."""
@@ -200,14 +203,21 @@ class Coordinator:
             out.append(Out(peer, self._agreed(need=-1 if self.candidate is None else self.candidate - 1)))
         return out
 
-    def on_request(self, peer: bytes, token: str, reason: str) -> list[Out]:
-        """A drain request from the operator, a member or a member's trainer."""
+    def on_request(self, peer: bytes, token: str, reason: str, not_before: int = 0) -> list[Out]:
+        """A drain request from the operator, a member or a member's trainer.
+
+        `not_before` is kept for ordinary jobs only: a skip job's drain step must be
+        known to exist, which the look-ahead learns only as far as it has read, and
+        reading far ahead while frozen would stall the world and hold its batches.
+        """
         fresh = token not in self.tokens
         self.tokens.add(token)
         out: list[Out] = []
         if fresh and self.phase == IDLE:
             self.reason = reason
-            log.info("drain requested (%s, token %s)", reason, token)
+            self.not_before = not_before if self.watermark is None else 0
+            log.info("drain requested (%s, token %s%s)", reason, token,
+                     f", at global step {self.not_before} at the earliest" if self.not_before else "")
             if len(self.members) == self.replicas:
                 out = self._freeze()
             else:
@@ -222,7 +232,7 @@ class Coordinator:
         self.answers[replica] = published
         if len(self.answers) < self.replicas:
             return []
-        step = cut_step(list(self.answers.values()), self.total_steps)
+        step = cut_step(list(self.answers.values()), self.total_steps, self.not_before)
         if self.watermark is not None:
             self.candidate = step
             return self._settle()
@@ -346,7 +356,7 @@ class CoordinatorThread:
             case Join():
                 return c.on_join(peer, message.replica)
             case DrainRequest():
-                return c.on_request(peer, message.token, message.reason)
+                return c.on_request(peer, message.token, message.reason, message.not_before)
             case Frozen():
                 return c.on_frozen(message.replica, message.round, message.published)
             case Reach():

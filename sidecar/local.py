@@ -9,6 +9,10 @@ A live rescale (`--scale-at STEP:REPLICAS`, or a count written to the run's
 `replicas` file) walks the cluster's path: a drain request to the world's
 coordinator, every rank checkpoints at the one agreed step, and the next
 world starts exactly there (SPLITFEED_RESUME_STEP), as the operator does.
+`--scale-at` asks the world as soon as its coordinator answers to drain at STEP at
+the earliest, so the world drains exactly at STEP unless it had already published
+past it; a job that drops rows (onTransformError skip/warn) is asked once its
+trainers reach STEP (its coordinator cannot fix a step it has not read yet).
 """
 
 from __future__ import annotations
@@ -164,6 +168,8 @@ class World:
     started: float
     resume_step: int | None
     master_port: int = 0
+    drain_to: tuple[int, int] | None = None
+    """(STEP, REPLICAS) of the --scale-at entry this world was asked ahead to drain for."""
 
     def stop(self) -> None:
         for p in self.trainers + self.sidecars:
@@ -185,6 +191,10 @@ class World:
 
     def finished(self) -> bool:
         return all(p.popen.poll() == 0 for p in self.trainers + self.sidecars)
+
+    def total_steps(self) -> int:
+        """The job's global steps, as the trainers were told (0 before any batch)."""
+        return max((int(_read_json(f).get("total_steps", 0)) for f in self.stats), default=0)
 
     def steps(self) -> list[int]:
         """Each rank's received global steps (its last step + 1; 0 before the first)."""
@@ -298,12 +308,17 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
         history.append(world)
         while True:
             failure = world.failure()
-            if failure or world.finished():
-                break
+            finished = world.finished()
+            if failure or (finished and (world.drain_to is None or world.drain_to[0] >= world.total_steps())):
+                break  # done; a --scale-at step past the job's end drained nothing
+            _ask_ahead(world, plan, display)
             steps = world.steps()
             if rescales and rescales[-1].first_batch_s is None and max(steps) > (world.resume_step or 0):
                 rescales[-1].first_batch_s = time.monotonic() - rescales[-1].requested_at
-            target = _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
+            if world.drain_to is not None and (finished or min(steps) >= world.drain_to[0]):
+                target: int | None = world.drain_to[1]
+            else:
+                target = _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
             if target is not None:
                 world, rescale = _rescale(world, target, argv, work, logs, resume,
                                           storage_options_dir, display, forks)
@@ -335,6 +350,20 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     return 0
 
 
+def _ask_ahead(world: World, plan: list[tuple[int, int]], display: Progress) -> None:
+    """Ask `world` now to drain at the next --scale-at STEP at the earliest (see the module's docstring)."""
+    if world.drain_to is not None or not plan or world.job.data.drops_rows:
+        return
+    step, replicas = plan[0]
+    if replicas == world.job.replicas:
+        return  # nothing to change: _wanted_replicas drops the entry when it is reached
+    if worlds.request_drain(world.coordinator, f"rescale-w{world.epoch}", "rescale", timeout_s=0.25,
+                            not_before=step) is None:
+        return  # the coordinator is still starting: ask again on the next turn
+    world.drain_to = plan.pop(0)
+    display.note(f"world {world.epoch} asked to drain at global step {step} for {replicas} replicas")
+
+
 def _wanted_replicas(plan: list[tuple[int, int]], control: Path, step: int, current: int,
                      out: IO[str]) -> int | None:
     """A replica count other than `current` that --scale-at or the control file asks for now."""
@@ -363,7 +392,9 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
         job.check_topology()
     except ValueError as exc:
         raise errors.UserError(f"cannot rescale to {replicas} replicas: {exc}") from exc
-    display.note(f"rescaling {world.job.replicas} -> {replicas} replicas: asking world {world.epoch} to drain")
+    display.note(f"rescaling {world.job.replicas} -> {replicas} replicas: "
+                 + (f"world {world.epoch} drains at global step {world.drain_to[0]}" if world.drain_to
+                    else f"asking world {world.epoch} to drain"))
     asked = time.monotonic()
     token = f"rescale-w{world.epoch}"
     # The next world's trainers start now and import while this one drains; its sidecars
@@ -374,7 +405,8 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
             failure = world.failure()
             if failure:
                 raise errors.UserError(f"world {world.epoch} failed while draining: {failure}")
-            if worlds.request_drain(world.coordinator, token, "rescale", timeout_s=1.0) is None:
+            if world.drain_to is None and worlds.request_drain(world.coordinator, token, "rescale",
+                                                               timeout_s=1.0) is None:
                 time.sleep(0.2)  # the coordinator is still starting: ask again
                 continue
             time.sleep(0.1)

@@ -256,10 +256,14 @@ class Complete(Message):
 @_wire("drain_request")
 @dataclasses.dataclass(frozen=True)
 class DrainRequest(Message):
-    """From the operator, `splitfeed local`, a member or a member's trainer; deduplicated by `token`."""
+    """From the operator, `splitfeed local`, a member or a member's trainer; deduplicated by `token`.
+
+    `not_before`: drain at this global step at the earliest (`splitfeed local --scale-at`
+    asks ahead so the world drains exactly there); 0 drains as soon as the world can."""
 
     token: str
     reason: str
+    not_before: int = 0
 
 
 @_wire("drain_ack")

@@ -179,7 +179,7 @@ E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
 
 
 def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_step(table_uri, tmp_path):
-    """`--scale-at` drains each world at one agreed step and starts the next one there.
+    """`--scale-at` drains each world exactly at the step it names and starts the next one there.
 
     The trainers are real DDP trainers (gloo, a backward pass every step) that follow
     the README's loop; output goes to a pipe, so progress comes as plain lines.
@@ -190,7 +190,7 @@ def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_ste
     store = tmp_path / "ckpt"
     job = manifest(table_uri, str(store))
     done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--resume", "none",
-                     "--scale-at", "4:4", "--scale-at", "10:3",
+                     "--scale-at", "8:4", "--scale-at", "14:3",
                      "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.25", timeout=400)
     assert done.returncode == 0, done.stderr
     err = done.stderr
@@ -203,6 +203,10 @@ def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_ste
         [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
         lambda world, rank: reference_batches(table_uri, {}, world, rank))
     assert [w.size for w in summary.worlds] == [2, 4, 3], summary
+    # Asked ahead, each world drained at the step --scale-at named (the trainers were still
+    # importing or several steps short of it when the coordinator got the request).
+    assert [w.resume_step for w in summary.worlds[1:]] == [8, 14], summary
+    assert "world 0 drained at global step 8;" in err and "world 1 drained at global step 14;" in err
     assert [w.ended for w in summary.worlds] == [exactness.DRAINED, exactness.DRAINED, exactness.END], summary
     assert summary.replayed == 0, summary
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitfeed.sidecar.agreement import COMMITTED, EVERY, FREEZING, IDLE, WAITING_FOR_MEMBERS, Coordinator, cut_step
+from splitfeed.sidecar.agreement import (COMMITTED, EVERY, FREEZING, IDLE, WAITING_FOR_MEMBERS, Coordinator, Watermark,
+                                         cut_step, flat_reports)
 from splitfeed.trainer_client import errors
 from splitfeed.trainer_client.messages import CommitAt, Complete, DrainAck, Freeze, Joined
 
@@ -87,6 +88,33 @@ def test_the_cut_never_passes_the_end_of_the_job():
     c = joined_world(replicas=1, total=10)
     c.on_request(b"op", "t", "rescale")
     assert c.on_frozen(0, 1, 9)[0].message == CommitAt(round=1, step=10, drain=True, reason="rescale")
+
+
+def test_a_request_for_a_later_step_drains_there_unless_the_world_already_published_past_it():
+    """`splitfeed local --scale-at 30:N` asks ahead (not_before=30): the cut is 30, not 2 past the
+    highest published step; a world already past it cuts as usual, and the end of the job still bounds it."""
+    assert cut_step([3, 5], 100, not_before=30) == 30
+    assert cut_step([3, 29], 100, not_before=30) == 31
+    assert cut_step([3, 5], 20, not_before=30) == 20
+    c = joined_world()
+    c.on_request(b"local", "rescale-w0", "rescale", not_before=30)
+    c.on_frozen(0, 1, 6), c.on_frozen(1, 1, 7)
+    assert c.on_frozen(2, 1, 5)[0].message == CommitAt(round=1, step=30, drain=True, reason="rescale")
+    # A second request (another token) joins the round: it neither moves the step nor starts another.
+    assert kinds(c.on_request(b"op", "preempt-x", "preempt", not_before=50)) == [(b"op", DrainAck)]
+    assert c.step == 30
+
+
+def test_a_skip_job_drains_after_the_request_as_usual_whatever_step_was_asked():
+    """A skip job's coordinator knows a step exists only once every rank read it: it keeps no
+    not_before (reading 30 steps ahead while frozen would stall the world and hold its batches)."""
+    c = Coordinator(replicas=1, total_steps=100, resume_step=0, watermark=Watermark(ranks=1, steps_per_epoch=50))
+    c.on_join(b"m0", 0)
+    c.on_reach(flat_reports({0: (9, {})}))
+    c.on_request(b"local", "rescale-w0", "rescale", not_before=30)
+    out = c.on_frozen(0, 1, 6)
+    assert [o.message for o in out if isinstance(o.message, CommitAt)] == [
+        CommitAt(round=1, step=8, drain=True, reason="rescale")]
 
 
 def test_a_step_is_complete_once_every_member_committed_it():
