@@ -49,15 +49,22 @@ M = TypeVar("M", bound="Message")
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """Base of every message; `kind` is the wire name (its "type"), `_schema` the allowed Python types per field."""
+    """Base of every message; `kind` is the wire name (its "type"), `_schema` the allowed Python types per field.
+
+    A field with a default is one a later version added: a frame leaves it out while it
+    holds the default, so a peer of the version before (an operator upgraded while its
+    jobs' sidecars run) still reads every frame that does not use it.
+    """
 
     kind: ClassVar[str] = ""
     _schema: ClassVar[dict[str, tuple[type, ...]]] = {}
+    _defaults: ClassVar[dict[str, Any]] = {}
 
     def encode(self) -> bytes:
         """One frame; ProtocolError for a message the peer would refuse to receive."""
         fields = {name: getattr(self, name) for name in self._schema}
         _validate(self.kind, self._schema, fields)
+        fields = {k: v for k, v in fields.items() if k not in self._defaults or v != self._defaults[k]}
         blob = json.dumps({"v": PROTOCOL_VERSION, "type": self.kind, **fields}, separators=(",", ":")).encode()
         if len(blob) > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"{self.kind} message of {len(blob)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -89,6 +96,7 @@ def _wire(kind: str) -> typing.Callable[[type[M]], type[M]]:
             # list[int] is checked as a list; its items are the receiver's to check (progress.checked).
             schema[field.name] = tuple(type(None) if t is None else typing.get_origin(t) or t for t in allowed)
         cls.kind, cls._schema = kind, schema
+        cls._defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         _TYPES[kind] = cls
         return cls
 
@@ -370,16 +378,19 @@ def decode(frame: bytes) -> Message:
     if cls is None or not isinstance(kind, str):
         raise ProtocolError(f"unknown message type {_short(kind)}")
     fields = {name: value for name, value in message.items() if name not in ("v", "type")}
-    _validate(kind, cls._schema, fields)
+    _validate(kind, cls._schema, fields, optional=cls._defaults)
     return cls(**fields)
 
 
-def _validate(kind: str, schema: Mapping[str, tuple[type, ...]], fields: Mapping[str, Any]) -> None:
+def _validate(kind: str, schema: Mapping[str, tuple[type, ...]], fields: Mapping[str, Any],
+              optional: Mapping[str, Any] | None = None) -> None:
     extra = set(fields) - set(schema)
     if extra:
         raise ProtocolError(f"{kind} message has unknown fields {sorted(extra)}")
     for field, allowed in schema.items():
         value = fields.get(field, _MISSING)
+        if value is _MISSING and optional and field in optional:
+            continue
         if value is _MISSING:
             raise ProtocolError(f"{kind} message lacks field {field!r}")
         if isinstance(value, bool) and bool not in allowed:

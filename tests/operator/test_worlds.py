@@ -62,7 +62,7 @@ def router() -> Iterator[Router]:
 def test_a_coordinator_that_answers_gets_the_request_and_its_state_comes_back(router):
     assert worlds.request_drain(router.address, "rescale-w3", "rescale") == "freezing"
     assert router.received == [{"v": messages.PROTOCOL_VERSION, "type": "drain_request",
-                                "token": "rescale-w3", "reason": "rescale", "not_before": 0}]
+                                "token": "rescale-w3", "reason": "rescale"}]
 
 
 def test_asking_again_uses_a_fresh_socket_each_time(router):
