@@ -118,7 +118,15 @@ class Kube:
         return cls(kubernetes.client.ApiClient(config), timeout)
 
     def close(self) -> None:
+        """Close the client's sockets too: ApiClient.close() stops only its thread pool, and
+        urllib3 2's PoolManager.clear() only forgets its pools, so their connections stayed
+        open until garbage collection. A call still running in a thread hands its connection
+        back to a closed pool, which closes it."""
         self.api_client.close()
+        manager = self.api_client.rest_client.pool_manager
+        for key in list(manager.pools.keys()):
+            manager.pools[key].close()
+        manager.clear()
 
     async def _call(self, fn: Any, *args: Any, ok: tuple[int, ...] = (), **kwargs: Any) -> dict[str, Any] | None:
         """Run one client call in a thread; None for a status listed in `ok`."""

@@ -101,6 +101,51 @@ async def test_every_call_gives_up_on_a_silent_apiserver():
             client.close()
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_closing_the_client_closes_its_connections():
+    """A keep-alive apiserver: after Kube.close() the server reads EOF on the connection the
+    client used, without waiting for garbage collection (CI saw the socket reported unclosed
+    tests later, when a collection happened to run)."""
+    import http.server
+
+    closed = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep the connection open between requests
+
+        def do_GET(self) -> None:
+            body = json.dumps({"metadata": {"name": "resnet"}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def finish(self) -> None:
+            super().finish()
+            closed.set()  # handle() returned: the client closed its end
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    client = kube.Kube(kubernetes.client.ApiClient(kubernetes.client.Configuration(
+        host=f"http://127.0.0.1:{server.server_address[1]}")), timeout=(2, 2))
+    try:
+        assert (await client.get_job("ns", "resnet"))["metadata"]["name"] == "resnet"
+        assert not closed.wait(0.5), "the server closed a keep-alive connection on its own"
+        client.close()
+        assert closed.wait(5), "Kube.close() left the connection open"
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 def test_no_client_method_is_called_around_the_timeout():
     """Every API call goes through Kube._call, which sets _request_timeout."""
     tree = ast.parse((ROOT / "operator" / "kube.py").read_text())
