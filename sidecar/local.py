@@ -350,6 +350,11 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     return 0
 
 
+def _rescale_token(world: World) -> str:
+    """The one token for `world`'s rescale: asked ahead or when due, the coordinator counts it once."""
+    return f"rescale-w{world.epoch}"
+
+
 def _ask_ahead(world: World, plan: list[tuple[int, int]], display: Progress) -> None:
     """Ask `world` now to drain at the next --scale-at STEP at the earliest (see the module's docstring)."""
     if world.drain_to is not None or not plan or world.job.data.drops_rows:
@@ -357,7 +362,7 @@ def _ask_ahead(world: World, plan: list[tuple[int, int]], display: Progress) -> 
     step, replicas = plan[0]
     if replicas == world.job.replicas:
         return  # nothing to change: _wanted_replicas drops the entry when it is reached
-    if worlds.request_drain(world.coordinator, f"rescale-w{world.epoch}", "rescale", timeout_s=0.25,
+    if worlds.request_drain(world.coordinator, _rescale_token(world), "rescale", timeout_s=0.25,
                             not_before=step) is None:
         return  # the coordinator is still starting: ask again on the next turn
     world.drain_to = plan.pop(0)
@@ -396,7 +401,7 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
                  + (f"world {world.epoch} drains at global step {world.drain_to[0]}" if world.drain_to
                     else f"asking world {world.epoch} to drain"))
     asked = time.monotonic()
-    token = f"rescale-w{world.epoch}"
+    token = _rescale_token(world)
     # The next world's trainers start now and import while this one drains; its sidecars
     # (forked, so quick to start) only once the step they resume at is agreed.
     nxt = start_trainers(job, world.epoch + 1, argv, work, logs)
