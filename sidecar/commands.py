@@ -105,8 +105,8 @@ def _plan(args: argparse.Namespace) -> int:
         preprocessing.load_transform(data)  # a UserError (exit 2, one line) if it does not import
         print(f"transform {data.transform}: imports here")
     table = reading.open_table(data, options)
-    layout = reading.layout_epoch(table, data, 0)
-    rows = layout.permutation_table.count_rows()
+    layout = reading.job_layout(table, data)
+    rows = layout.rows
     print(f"table {data.table}: {rows} rows{' after filter' if data.filter else ''}, "
           f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
           f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")

@@ -396,7 +396,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             assert data.version is not None  # pin() sets the number
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
-            steps_per_epoch = reading.layout_epoch(table, data, 0).steps_per_epoch
+            steps_per_epoch = reading.job_layout(table, data).steps_per_epoch
             resume_step = choose_resume_step(job, data, settings, stores, expect)
             if stores:
                 stores[0].start_world(resume_step=resume_step)  # fences every older world
@@ -415,7 +415,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             table, data = reading.pin(job.data, storage_options, pinned=joined.table_version)
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
-            steps_per_epoch = reading.layout_epoch(table, data, 0).steps_per_epoch
+            steps_per_epoch = reading.job_layout(table, data).steps_per_epoch
         assert data is not None
         total_steps = steps_per_epoch * data.epochs
         del table

@@ -1,14 +1,17 @@
 """Reading a rank's splits from LanceDB, columnar, in StreamingDataset's order.
 
-The only module that imports lancedb. `lancedb.streaming.StreamingDataset`
-defines the order (its permutation table, its rank/worker split assignment,
-one row per split per cycle); iterating it yields one Python dict per row,
-which caps a loader at a few thousand rows/s. So the split permutation is
-built by StreamingDataset itself, and the rows are then read columnar through
-lancedb's `Permutation` (1 take per split per `read_batch_size` rows) and put
-in the reference order by `batching.interleave`. Tests compare every batch
-with StreamingDataset's own in-process iteration, which catches any drift of
-the pinned lancedb.
+`lancedb.streaming.StreamingDataset` defines the order: its permutation table,
+its rank/worker split assignment, one row per split per cycle. Iterating it
+yields one Python dict per row, and it builds the whole permutation and opens
+each split at O(table rows) in every process: fine for thousands of rows, minutes
+and gigabytes for 10^7-10^9. So a plain job reads each epoch's permutation from a
+plan file (sidecar/plans.py: built once, by lancedb's own builder with
+StreamingDataset's arguments), loads only its splits' row ids, and takes rows by
+id in the reference order, several takes in flight (sidecar/takes.py). Jobs with a
+transform, packing or onTransformError=skip/warn still read through
+StreamingDataset itself, up to MAX_PREPROCESSED_ROWS. Tests compare every batch
+with StreamingDataset's own in-process iteration, which catches any drift of the
+pinned lancedb.
 """
 
 from __future__ import annotations
@@ -19,21 +22,20 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import os
-import pathlib
 import typing
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import lancedb
+import numpy as np
 import pyarrow as pa
 from lancedb.permutation import Permutation, Transforms
 from lancedb.streaming import StreamingDataset
 
 from splitfeed.trainer_client import errors, specs, topology
 
-from . import batching, positions, preprocessing, storage_errors
+from . import batching, cgroups, plans, positions, preprocessing, storage_errors, takes
 
 log = logging.getLogger(__name__)
 
@@ -169,101 +171,76 @@ def _order_arguments(data: specs.DataSpec) -> dict[str, Any]:
     )
 
 
-@dataclasses.dataclass
-class EpochLayout:
-    """One epoch's split permutation, shared by every read of that epoch."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The size of every epoch, from a row count: each epoch permutes the same rows."""
 
-    epoch: int
-    permutation_table: Any
+    rows: int
     split_size: int
     steps_per_epoch: int
 
 
-def layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
-    """Build the epoch's permutation exactly as StreamingDataset does, and size it.
+def layout(table: Any, data: specs.DataSpec) -> Layout:
+    """Count the (filtered) rows and size the epochs, without building a permutation.
 
-    Raises DataError when the (filtered) table cannot fill one global step, or
-    when the version it reads has been cleaned up.
+    Raises DataError when the filter does not parse, when the rows cannot fill one
+    global step, or when the version the job reads has been cleaned up.
     """
     with _version_guard(table, data):
-        return _layout_epoch(table, data, epoch)
+        return _layout(table, data)
 
 
-def _layout_epoch(table: Any, data: specs.DataSpec, epoch: int) -> EpochLayout:
+def _layout(table: Any, data: specs.DataSpec) -> Layout:
     where = f" after spec.data.filter={data.filter!r}" if data.filter else ""
     try:
-        dataset = reference_dataset(table, data, epoch=epoch, rank=0, world_size=1)
-    except ValueError as exc:
-        # lancedb rejects bad input while building the permutation ("Invalid input,
-        # ..."): an unparsable filter, or fewer rows than splits, so the row-count
-        # check below never sees that case.
-        try:
-            num_rows = table.count_rows(data.filter) if data.filter else table.count_rows()
-        except ValueError:
-            num_rows = None  # the filter itself is bad; `exc` says why
-        if num_rows is not None and num_rows < data.num_splits:
-            raise errors.DataError(
-                f"table {data.table!r} has {num_rows} rows{where}, fewer than "
-                f"spec.data.numSplits={data.num_splits}; loosen the filter or use fewer splits"
-            ) from exc
-        using = f" with spec.data.filter={data.filter!r}" if data.filter else ""
+        num_rows = int(table.count_rows(data.filter) if data.filter else table.count_rows())
+    except ValueError as exc:  # lancedb: "Invalid input, ... (sql parser error: ...)"
         raise errors.DataError(
-            f"cannot cut table {data.table!r}{using} into spec.data.numSplits="
-            f"{data.num_splits} splits: {exc}"
+            f"cannot apply spec.data.filter={data.filter!r} to table {data.table!r}: {exc}"
         ) from exc
-    # StreamingDataset builds its permutation in __init__ and keeps it here; reading
-    # it (rather than rebuilding with the same seed formula) keeps one source of truth.
-    perm_table = dataset._perm_table
-    num_rows = perm_table.count_rows()
-    split_size = topology.split_size(num_rows, data.num_splits)
-    steps = topology.steps_per_epoch(num_rows, data.num_splits, data.global_batch_size)
-    if data.pack_sequences is not None:
-        steps = _packed_steps(table, data)
     if num_rows < data.num_splits:
         raise errors.DataError(
             f"table {data.table!r} has {num_rows} rows{where}, fewer than "
             f"spec.data.numSplits={data.num_splits}; loosen the filter or use fewer splits"
         )
+    split_size = topology.split_size(num_rows, data.num_splits)
+    steps = topology.steps_per_epoch(num_rows, data.num_splits, data.global_batch_size)
+    if data.pack_sequences is not None:
+        steps = _packed_steps(table, data)
     if steps < 1:
         raise errors.DataError(
             f"table {data.table!r} has {num_rows} rows{where}: {data.num_splits} splits of "
             f"{split_size} rows cannot fill one global step of "
             f"spec.data.globalBatchSize={data.global_batch_size} rows"
         )
-    return EpochLayout(epoch, perm_table, split_size, steps)
+    return Layout(num_rows, split_size, steps)
 
 
-class _SplitCursor:
-    """Sequential columnar reads of one split, `chunk` rows per lancedb take."""
+MAX_PREPROCESSED_ROWS = 10_000_000
+"""Transform, packing and skip jobs read through lancedb's StreamingDataset, whose start
+costs O(table rows) per split it reads (measured: 1M rows, 24 splits: ~37 s) and whose
+permutation every reader builds again (~16 B a row): past this they are refused."""
 
-    def __init__(self, table: Any, layout: EpochLayout, split: int, data: specs.DataSpec,
-                 start_row: int, chunk: int) -> None:
-        perm = Permutation.from_tables(table, layout.permutation_table, split=split)
-        if data.columns:
-            perm = perm.select_columns(list(data.columns))
-        self._perm = perm.with_transform(Transforms.arrow2arrow)
-        self._next_row = start_row
-        self._end = layout.split_size
-        self._chunk = chunk
-        self._buffer: pa.RecordBatch | None = None
-        self._offset = 0
 
-    def take(self, rows: int) -> pa.RecordBatch:
-        if self._buffer is None or self._offset + rows > self._buffer.num_rows:
-            rest = [] if self._buffer is None else [self._buffer.slice(self._offset)]
-            want = max(self._chunk, rows)
-            stop = min(self._end, self._next_row + want)
-            fresh = self._perm.__getitems__(list(range(self._next_row, stop)))
-            self._next_row = stop
-            parts = [b for b in rest if b.num_rows] + [fresh]
-            self._buffer = (
-                parts[0] if len(parts) == 1
-                else pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
-            )
-            self._offset = 0
-        out = self._buffer.slice(self._offset, rows)
-        self._offset += rows
-        return out
+def preprocessed_layout(table: Any, data: specs.DataSpec) -> Layout:
+    """`layout` for the jobs StreamingDataset reads, refused past MAX_PREPROCESSED_ROWS."""
+    sized = layout(table, data)
+    if sized.rows > MAX_PREPROCESSED_ROWS:
+        kind = "onTransformError=" + data.on_transform_error if data.drops_rows else (
+            "spec.data.transform" if data.transform else "spec.data.packSequences")
+        raise errors.DataError(
+            f"table {data.table!r} has {sized.rows:,} rows: a job with {kind} reads through "
+            f"lancedb's StreamingDataset, whose start costs O(table rows) per split, and is "
+            f"refused above {MAX_PREPROCESSED_ROWS:,} rows; narrow it with spec.data.filter, or "
+            "write the transformed rows to a table and read that without a transform")
+    return sized
+
+
+def job_layout(table: Any, data: specs.DataSpec) -> Layout:
+    """The job's epoch size: `layout`, refused past its limit for the StreamingDataset jobs."""
+    if data.transform or data.pack_sequences is not None:
+        return preprocessed_layout(table, data)
+    return layout(table, data)
 
 
 def iter_blocks(
@@ -274,15 +251,18 @@ def iter_blocks(
     start_global_step: int,
     stop_global_step: int | None = None,
     resume_state: Mapping[str, Any] | None = None,
+    plan: plans.Source | None = None,
 ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
     """Yield (global_step, block) for `splits`: G/N cycles over them, reference order.
 
     `splits` is a rank's block (one sidecar, numWorkers=1) or a worker's
     sub-block; blocks of a rank's workers are merged with batching.interleave.
     Runs through every epoch of the job unless `stop_global_step` comes first.
-    Under onTransformError=skip/warn an epoch may end early (see `_iter_skipping`),
-    each block carries its splits' positions (`take_positions`), and a resume
-    mid-epoch needs the checkpoint's merged `resume_state`.
+    Plain jobs read the row ids of `splits` from each epoch's `plan` (without one, this
+    reader builds the plans it needs itself); transform, packing and skip jobs read
+    through StreamingDataset. Under onTransformError=skip/warn an epoch may end early
+    (see `_iter_skipping`), each block carries its splits' positions (`take_positions`),
+    and a resume mid-epoch needs the checkpoint's merged `resume_state`.
     """
     with _version_guard(table, data):
         if data.drops_rows:
@@ -291,32 +271,58 @@ def iter_blocks(
         elif data.transform or data.pack_sequences is not None:
             yield from _iter_preprocessed(table, data, splits, start_global_step, stop_global_step)
         else:
-            yield from _iter_blocks(table, data, splits, start_global_step, stop_global_step)
+            if not isinstance(data.version, int):  # a caller that did not pin: this reader's version
+                data = dataclasses.replace(data, version=table_version(table))
+            source = plan or plans.Source(plans.location_for(data, None), builds=True)
+            yield from _iter_planned(table, data, splits, start_global_step, stop_global_step, source)
 
 
-def _iter_blocks(
+def step_order(ids: np.ndarray, first: int, steps: int, per_step: int) -> np.ndarray:
+    """Row ids of `steps` steps from step `first`, in StreamingDataset's order: per step,
+    per cycle, one row of each split. `ids` is (splits, split size), a plan's rows."""
+    block = ids[:, first * per_step:(first + steps) * per_step]
+    return block.reshape(len(ids), steps, per_step).transpose(1, 2, 0).ravel()
+
+
+def _iter_planned(
     table: Any, data: specs.DataSpec, splits: Sequence[int], start_global_step: int,
-    stop_global_step: int | None,
+    stop_global_step: int | None, plan: plans.Source,
 ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
+    """iter_blocks for a plain job: takes by row id from the epoch's plan, several in flight.
+
+    One take serves `steps_per_take` whole steps of every split of `splits` (at least
+    readBatchSize rows of each split), asked in the reference order, so its rows are the
+    steps' blocks as they are. Takes run ahead across steps and epochs up to
+    spec.data.readAheadBytes (takes.Takes); an epoch's row ids are loaded when the
+    first take of that epoch is asked for, so at most two epochs' ids are held.
+    """
+    sized = layout(table, data)
     per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
-    chunk = max(per_step, -(-data.read_batch_size // per_step) * per_step)
-    layout = layout_epoch(table, data, 0)
-    spe = layout.steps_per_epoch
+    spe = sized.steps_per_epoch
+    steps_per_take = max(1, -(-data.read_batch_size // per_step))
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
-    global_step = start_global_step
-    while global_step < end:
-        pos = positions.position_of(global_step, spe)
-        if layout.epoch != pos.epoch:
-            layout = layout_epoch(table, data, pos.epoch)
-        cursors = [
-            _SplitCursor(table, layout, s, data, pos.step * per_step, chunk) for s in splits
-        ]
-        for step in range(pos.step, spe):
-            if global_step >= end:
-                return
-            parts = [c.take(per_step) for c in cursors]
-            yield global_step, batching.interleave(parts, per_step)
-            global_step += 1
+    rows_per_step = per_step * len(splits)
+
+    def requests() -> Iterator[tuple[tuple[int, int], np.ndarray]]:
+        global_step = start_global_step
+        while global_step < end:
+            pos = positions.position_of(global_step, spe)
+            ids = plan.ids(table, data, pos.epoch, splits, sized.rows)
+            last = min(spe, end - pos.epoch * spe)
+            for first in range(pos.step, last, steps_per_take):
+                count = min(steps_per_take, last - first)
+                yield (pos.epoch * spe + first, count), step_order(ids, first, count, per_step)
+            global_step = pos.epoch * spe + last
+            del ids
+
+    taken = takes.Takes(table, data.columns, requests(),
+                        specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes"))
+    try:
+        for (first, count), rows in taken:
+            for i in range(count):
+                yield first + i, rows.slice(i * rows_per_step, rows_per_step)
+    finally:
+        taken.close()
 
 
 # --- transforms and packing: lancedb's StreamingDataset does the work ---------------
@@ -353,57 +359,6 @@ def _packed_steps(table: Any, data: specs.DataSpec) -> int:
     return steps
 
 
-CGROUP_CPU_FILES = (
-    ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "<quota|max> <period>"
-    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),  # v1
-)
-"""Where Linux says a container's CPU limit (the pod's resources.limits.cpu)."""
-
-
-def cpu_quota(quota: str, period: str | None = None) -> float | None:
-    """CPUs a cgroup quota allows: cgroup v2's cpu.max text ("200000 100000" is 2 CPUs,
-    "max 100000" no limit), or v1's cfs_quota_us and cfs_period_us ("-1": no limit)."""
-    parts = quota.split()
-    if period is None and len(parts) == 2:
-        parts, period = parts[:1], parts[1]
-    if len(parts) != 1 or period is None or parts[0] in ("max", "-1"):
-        return None
-    try:
-        q, p = int(parts[0]), int(period.strip())
-    except ValueError:
-        return None
-    return q / p if q > 0 and p > 0 else None
-
-
-def usable_cpus(affinity: int | None, quota: float | None) -> int:
-    """CPUs this process may use: its affinity mask, capped by the cgroup quota (rounded
-    up: a limit of 1.5 CPUs still runs two threads part-time), at least 1."""
-    cpus = affinity or 1
-    if quota is not None:
-        cpus = min(cpus, max(1, math.ceil(quota)))
-    return max(1, cpus)
-
-
-def _read_quota() -> float | None:
-    for quota_file, period_file in CGROUP_CPU_FILES:
-        try:
-            quota = pathlib.Path(quota_file).read_text()
-            period = pathlib.Path(period_file).read_text() if period_file else None
-        except OSError:
-            continue
-        return cpu_quota(quota, period)
-    return None
-
-
-def process_cpus() -> int:
-    """usable_cpus for this process (os.cpu_count() counts the node's, not the pod's)."""
-    try:
-        affinity: int | None = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        affinity = os.cpu_count()
-    return usable_cpus(affinity, _read_quota())
-
-
 def transform_parallelism(data: specs.DataSpec, cpus: int) -> int:
     """spec.data.transformParallelism, or the `cpus` this sidecar may use shared among its
     numWorkers loader processes (each runs its own StreamingDataset and thread pool)."""
@@ -429,7 +384,7 @@ def _streaming_dataset(
             rank=rank,
             world_size=world_size,
             transform=transform,
-            transform_parallelism=transform_parallelism(data, process_cpus()),
+            transform_parallelism=transform_parallelism(data, cgroups.process_cpus()),
             transform_queue_depth=data.transform_queue_depth,
             **arguments,
         )
@@ -458,14 +413,11 @@ def _iter_preprocessed(
         preprocessing.Guarded(preprocessing.load_transform(data), name) if data.transform else None
     )
     blocks = blocks_per_epoch(table, data) if data.pack_sequences is not None else None
-    layout = layout_epoch(table, data, 0)
-    spe = layout.steps_per_epoch
+    spe = preprocessed_layout(table, data).steps_per_epoch
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
     global_step = start_global_step
     while global_step < end:
         pos = positions.position_of(global_step, spe)
-        if layout.epoch != pos.epoch:
-            layout = layout_epoch(table, data, pos.epoch)
         dataset = _streaming_dataset(
             table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
             transform=guarded, blocks=blocks,
@@ -487,8 +439,8 @@ def _iter_preprocessed(
                         f"for splits {list(splits)} ({len(rows)} of {per_step} rows)"
                     )
                 if guarded is not None:
-                    rows = _settle_failures(table, data, layout, splits, guarded, rows,
-                                            step=step, global_step=global_step)
+                    rows = _settle_failures(table, data, Epoch(pos.epoch, dataset._perm_table),
+                                            splits, guarded, rows, step=step, global_step=global_step)
                 yield global_step, preprocessing.collate(rows, name or "packSequences")
                 global_step += 1
         finally:
@@ -497,12 +449,19 @@ def _iter_preprocessed(
                 close()
 
 
+class Epoch(typing.NamedTuple):
+    """An epoch and its permutation, as the StreamingDataset reading it built it."""
+
+    epoch: int
+    permutation_table: Any
+
+
 FILLED_ROWS = [0]
 """Rows substituted by onTransformError=fill in this process (reported by the sidecar)."""
 
 
 def _settle_failures(
-    table: Any, data: specs.DataSpec, layout: EpochLayout, splits: Sequence[int],
+    table: Any, data: specs.DataSpec, layout: Epoch, splits: Sequence[int],
     guarded: preprocessing.Guarded, rows: list[Any], *, step: int, global_step: int,
 ) -> list[Any]:
     """Raise for a failed row (raise), or replace it by its substitute (fill).
@@ -532,7 +491,7 @@ def _settle_failures(
 
 
 def _substitute(
-    table: Any, data: specs.DataSpec, layout: EpochLayout, split: int, position: int,
+    table: Any, data: specs.DataSpec, layout: Epoch, split: int, position: int,
     guarded: preprocessing.Guarded,
 ) -> Any:
     """The fill row for `position` of `split`: the output of the split's next row whose
@@ -630,15 +589,12 @@ def _iter_skipping(
     cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     name = data.transform or ""
     guarded = preprocessing.Guarded(preprocessing.load_transform(data), name)
-    layout = layout_epoch(table, data, 0)
-    spe = layout.steps_per_epoch
+    spe = preprocessed_layout(table, data).steps_per_epoch
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
     global_step = start_global_step
     state = resume_state
     while global_step < end:
         pos = positions.position_of(global_step, spe)
-        if layout.epoch != pos.epoch:
-            layout = layout_epoch(table, data, pos.epoch)
         starts = split_starts(data, splits, pos, state)
         state = None  # only the first epoch resumes mid-way
         dataset = _streaming_dataset(
@@ -655,7 +611,7 @@ def _iter_skipping(
             dataset.load_state_dict(_skip_state(data, pos, splits, [floor] * m))
         rows_iter = iter(dataset)
         try:
-            epoch_steps = _skipping_epoch(rows_iter, data, splits, starts, cycles, layout.epoch,
+            epoch_steps = _skipping_epoch(rows_iter, data, splits, starts, cycles, pos.epoch,
                                           name, floor)
             for step in range(pos.step, spe):
                 if global_step >= end:

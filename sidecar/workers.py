@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from splitfeed.trainer_client import errors, specs, topology
 
-from . import batching, reading
+from . import batching, plans, reading
 from .forkserver import FORK_WARNING
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,12 @@ def iter_rank_batches(
     stop_global_step: int | None = None,
     resume_state: Mapping[str, Any] | None = None,
     ledger: MutableMapping[int, reading.Passed] | None = None,
+    plan: plans.Source | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Yield (global_step, batch) for `rank`: G/W rows per step, in reference order.
+
+    A plain job's readers load their splits' row ids from `plan` (the sidecar's
+    planner builds it); without one they build the plans they need themselves.
 
     Under onTransformError=skip/warn: a step exists only when every worker's portion
     does (an epoch ends at the first step one of them cannot fill), `ledger` receives
@@ -95,9 +99,9 @@ def iter_rank_batches(
     state = dict(resume_state) if resume_state is not None else None
     if data.num_workers == 1:
         return _iter_in_process(data, options, rank, world_size, start_global_step, stop_global_step,
-                                state, ledger)
+                                state, ledger, plan)
     return _iter_in_processes(data, options, rank, world_size, start_global_step, stop_global_step,
-                              state, ledger)
+                              state, ledger, plan)
 
 
 # --- numWorkers = 1: in the caller's thread -----------------------------------------
@@ -112,6 +116,7 @@ def _iter_in_process(
     stop: int | None,
     state: dict[str, Any] | None = None,
     ledger: MutableMapping[int, reading.Passed] | None = None,
+    plan: plans.Source | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Read in the caller's thread.
 
@@ -122,7 +127,7 @@ def _iter_in_process(
     table = reading.open_table(data, storage_options)
     splits = topology.rank_splits(rank, world_size, data.num_splits)
     blocks = reading.iter_blocks(table, data, splits, start_global_step=start, stop_global_step=stop,
-                                 resume_state=state)
+                                 resume_state=state, plan=plan)
     with contextlib.closing(blocks):
         for step, block in blocks:
             block, passed = reading.take_positions(block)
@@ -191,6 +196,7 @@ def _worker_main(
     start: int,
     stop: int | None,
     state: dict[str, Any] | None = None,
+    plan: plans.Source | None = None,
 ) -> None:
     """Entry point of loader worker `worker`: stream its sub-block's steps to the parent."""
     _exit_with_parent()
@@ -198,7 +204,8 @@ def _worker_main(
         table = reading.open_table(data, storage_options)
         splits = topology.worker_splits(rank, world_size, data.num_splits, data.num_workers, worker)
         for step, block in reading.iter_blocks(
-            table, data, splits, start_global_step=start, stop_global_step=stop, resume_state=state
+            table, data, splits, start_global_step=start, stop_global_step=stop, resume_state=state,
+            plan=plan,
         ):
             conn.send_bytes(_block_frame(step, block))
         conn.send_bytes(_frame(_END))
@@ -289,6 +296,7 @@ def _iter_in_processes(
     stop: int | None,
     state: dict[str, Any] | None = None,
     ledger: MutableMapping[int, reading.Passed] | None = None,
+    plan: plans.Source | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Start K workers, then merge their step-k blocks into the rank's batch k.
 
@@ -308,7 +316,7 @@ def _iter_in_processes(
             conns.append(receiver)
             process = context.Process(
                 target=_worker_main,
-                args=(sender, data, storage_options, rank, world_size, worker, start, stop, state),
+                args=(sender, data, storage_options, rank, world_size, worker, start, stop, state, plan),
                 name=f"splitfeed-loader-{rank}-{worker}",
                 daemon=True,
             )

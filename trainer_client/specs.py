@@ -85,6 +85,10 @@ MAX_TRANSFORM_QUEUE_DEPTH = 64
 per split in memory; more would only hide a slow trainer."""
 
 
+DEFAULT_READ_AHEAD = "256Mi"
+"""spec.data.readAheadBytes when absent: fits beside a 2Gi ring in a sidecar of a few GiB."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
     uri: str = dataclasses.field(metadata=_rule("str"))
@@ -110,6 +114,10 @@ class DataSpec:
     """Loader worker processes per rank."""
     read_batch_size: int = dataclasses.field(default=64, metadata=_rule("int", 1, 1_000_000))
     """Rows fetched from one split per read."""
+    read_ahead_bytes: str = dataclasses.field(default=DEFAULT_READ_AHEAD, metadata=_rule("quantity"))
+    """Bytes of table reads a loader keeps in flight ahead of the trainer: with an object
+    store's 10-50 ms per request, throughput is (requests in flight x rows per request
+    / latency), so reads of several steps overlap up to this budget (sidecar/reading.py)."""
     version: int | str | None = dataclasses.field(default=None, metadata=_rule("version", 1))
     """The table version to read from start to end (lancedb time travel): a version
     number or a tag. None: the version current when the job first starts, which the
@@ -548,6 +556,8 @@ def _data_to_wire(data: DataSpec) -> dict[str, Any]:
             continue  # the default, kept off configs of jobs without a transform
         if key == "transformQueueDepth" and value == DEFAULT_TRANSFORM_QUEUE_DEPTH:
             continue  # the default: configs of jobs that leave it out stay as they were
+        if key == "readAheadBytes" and value == DEFAULT_READ_AHEAD:
+            continue
         out[key] = value
     return out
 

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar import reading, workers
+from splitfeed.sidecar import cgroups, reading, workers
 from splitfeed.trainer_client import errors, specs
 
 from tests.support import transforms
@@ -152,15 +152,15 @@ def test_transform_threads_and_queue_depth_reach_streaming_dataset_and_keep_the_
 def test_default_transform_threads_are_the_cpus_the_sidecar_may_use_shared_among_workers(
     db_uri: str
 ) -> None:
-    assert reading.cpu_quota("200000 100000") == 2.0
-    assert reading.cpu_quota("150000 100000") == 1.5
-    assert reading.cpu_quota("max 100000") is None
-    assert reading.cpu_quota("50000", "100000") == 0.5  # cgroup v1
-    assert reading.cpu_quota("-1", "100000") is None
-    assert reading.cpu_quota("garbage") is None
-    assert reading.usable_cpus(64, 2.0) == 2  # a 2-CPU pod on a 64-CPU node
-    assert reading.usable_cpus(64, 1.5) == 2 and reading.usable_cpus(64, 0.5) == 1
-    assert reading.usable_cpus(4, 16.0) == 4 and reading.usable_cpus(8, None) == 8
+    assert cgroups.cpu_quota("200000 100000") == 2.0
+    assert cgroups.cpu_quota("150000 100000") == 1.5
+    assert cgroups.cpu_quota("max 100000") is None
+    assert cgroups.cpu_quota("50000", "100000") == 0.5  # cgroup v1
+    assert cgroups.cpu_quota("-1", "100000") is None
+    assert cgroups.cpu_quota("garbage") is None
+    assert cgroups.usable_cpus(64, 2.0) == 2  # a 2-CPU pod on a 64-CPU node
+    assert cgroups.usable_cpus(64, 1.5) == 2 and cgroups.usable_cpus(64, 0.5) == 1
+    assert cgroups.usable_cpus(4, 16.0) == 4 and cgroups.usable_cpus(8, None) == 8
     assert reading.transform_parallelism(transform_job(db_uri), 8) == 8
     assert reading.transform_parallelism(transform_job(db_uri, num_workers=2), 8) == 4
     assert reading.transform_parallelism(transform_job(db_uri, num_workers=4), 2) == 1
@@ -377,7 +377,7 @@ def test_packing_auto_budget_is_lancedbs_epoch_0_estimate(token_uri: str) -> Non
                                     pack_sequences=BLOCK, eos_id=EOS, pad_id=PAD,
                                     blocks_per_epoch="auto")._blocks_per_epoch
         assert reading.blocks_per_epoch(reading.open_table(data), data) == estimate
-        assert reading.layout_epoch(reading.open_table(data), data, 0).steps_per_epoch == estimate // 24
+        assert reading.layout(reading.open_table(data), data).steps_per_epoch == estimate // 24
 
 
 def test_a_checkpoint_of_other_preprocessing_is_not_resumed(db_uri: str) -> None:

@@ -104,7 +104,7 @@ def test_skip_yields_lancedb_skip_rows_for_every_rank_up_to_the_world_end(
     db_uri: str, bad_ids: list[int], ends: list[int], world_size: int, num_workers: int
 ) -> None:
     data = skip_job(db_uri, bad_ids, num_workers=num_workers)
-    spe = reading.layout_epoch(reading.open_table(data), data, 0).steps_per_epoch
+    spe = reading.layout(reading.open_table(data), data).steps_per_epoch
     per_step = G // world_size
     for rank in range(world_size):
         ledger: dict[int, reading.Passed] = {}
@@ -128,7 +128,7 @@ def test_checkpoint_positions_are_lancedbs_and_resume_is_exact_on_another_world_
     """Two ranks stop after step 9 of epoch 0 (split 3 has skipped rows by then); their
     states merge into one; three ranks resume from it through both epochs."""
     data = skip_job(db_uri, bad_ids)
-    spe = reading.layout_epoch(reading.open_table(data), data, 0).steps_per_epoch
+    spe = reading.layout(reading.open_table(data), data).steps_per_epoch
     cut = 10
     states, steps = [], {}
     for rank in range(2):
@@ -189,7 +189,7 @@ def test_a_resume_at_unequal_split_positions_still_reaches_the_scarcest_splits_l
     four, five = split_ids(data0, 0, 4), split_ids(data0, 0, 5)
     bad = four[:3] + five[20:24]
     data = skip_job(db_uri, bad)
-    spe = reading.layout_epoch(reading.open_table(data), data, 0).steps_per_epoch
+    spe = reading.layout(reading.open_table(data), data).steps_per_epoch
     end = world_end(data0, 0, set(bad))
     assert end == (len(five) - 4) // CYCLES and (len(four) - 3) // CYCLES >= end  # split 5 decides
     world, rank, cut, per_rank = 12, 2, 4, G // 12

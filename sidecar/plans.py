@@ -1,0 +1,442 @@
+"""One epoch's split permutation as a file: built once by lancedb, read split by split.
+
+lancedb's `StreamingDataset` builds the whole permutation (row id and split id of
+every row, ~16 B a row) in each process that opens it, then reads each split
+through a reader that costs O(table rows) to open. On 10^7-10^9 rows that is
+minutes and gigabytes per sidecar, per epoch. Here the permutation is built once
+per epoch per job, by the same lancedb builder with the same arguments
+StreamingDataset passes (so the order is lancedb's), streamed out of lancedb's
+in-memory table into a file, and each reader loads only the row ids of its own
+splits (one ranged read: a rank's splits are contiguous) and takes rows by id.
+
+File (`epoch-<e:06d>.plan`): every split's row ids as little-endian uint64, split
+0 first, each split `splitSize` long (lancedb's builder drops the surplus rows
+so that every split is as long), then a JSON footer (the key it was built for,
+the epoch, the lancedb version that built it, a CRC-32 per split), then the
+footer's length (uint64) and MAGIC. The footer comes last so that the ids can be
+written as they stream out of lancedb. A reader checks the key, the size and its
+own splits' CRCs: a foreign or damaged plan is never used.
+
+Where plans live: with spec.checkpoint.uri, next to the job's checkpoints
+(`<job uid>/plans/<key digest>/`), built by the world's coordinator and read by
+every sidecar of every later world; without it, in a directory of the sidecar's
+own, built by each sidecar for itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+
+from splitfeed.trainer_client import errors, specs, topology
+
+from . import cgroups
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MAGIC = b"SFPLAN01"
+_TAIL = struct.Struct("<Q8s")  # footer length, MAGIC
+ID_BYTES = 8
+EXPORT_BATCH_ROWS = 1 << 20
+"""Rows per batch read out of lancedb's in-memory permutation table: its default of
+1,024 made the export cost more than the build (8 s against 5 s at 20M rows)."""
+
+MEMORY_ENV = "LANCEDB_PERM_BUILDER_MEMORY_LIMIT"
+"""lancedb's builder sorts with a DataFusion pool of 100 MiB unless this says otherwise:
+at ~4M rows its external sort fails ("Not enough memory to continue external sort")."""
+MIN_POOL = 256 << 20
+MAX_POOL = 8 << 30
+BYTES_PER_ROW_BUILT = 16
+"""lancedb keeps the built permutation (row_id, split_id: uint64 each) in memory."""
+
+
+class PlanError(errors.DataError):
+    """A plan that cannot be built, or one that must not be used (damaged or foreign)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanKey:
+    """What fixes an epoch's permutation: the table at one version and the order fields.
+
+    Not columns, batch sizes or transforms (they read the plan, they do not change it),
+    and not the lancedb version: a stored plan keeps its order whatever lancedb reads
+    it; `Footer.lancedb` says which built it, and `Plans` refuses to mix versions.
+    """
+
+    uri: str
+    table: str
+    version: int
+    filter: str | None
+    num_splits: int
+    shuffle: bool
+    shuffle_seed: int
+    shuffle_clump_size: int
+
+    @classmethod
+    def of(cls, data: specs.DataSpec) -> PlanKey:
+        if not isinstance(data.version, int):
+            raise ValueError("a plan is for one pinned table version (reading.pin)")
+        return cls(data.uri, data.table, data.version, data.filter, data.num_splits, data.shuffle,
+                   data.shuffle_seed, data.shuffle_clump_size)
+
+    def fields(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()[:20]
+
+
+@dataclasses.dataclass(frozen=True)
+class Footer:
+    """What a plan file says about itself."""
+
+    key: dict[str, Any]
+    epoch: int
+    num_splits: int
+    split_size: int
+    crcs: list[int]
+    lancedb: str
+    format: int = FORMAT
+
+    @property
+    def ids_bytes(self) -> int:
+        return self.num_splits * self.split_size * ID_BYTES
+
+
+def lancedb_version() -> str:
+    import lancedb
+
+    return str(lancedb.__version__)
+
+
+def file_name(epoch: int) -> str:
+    return f"epoch-{epoch:06d}.plan"
+
+
+# --- building ------------------------------------------------------------------------
+
+
+def builder_pool_bytes(rows: int, free: int | None) -> int:
+    """The sort pool for lancedb's builder: what the build may use beside the permutation it
+    keeps in memory, capped by what the container has free (half of it: the sidecar and
+    its workers hold the rest), within [MIN_POOL, MAX_POOL]. It spills to disk past this."""
+    if free is None:
+        return MIN_POOL
+    spare = free // 2 - rows * BYTES_PER_ROW_BUILT
+    return max(MIN_POOL, min(MAX_POOL, spare))
+
+
+def check_fits(rows: int, free: int | None, limited: bool) -> None:
+    """Refuse a build that cannot fit the container, naming the field to raise."""
+    need = rows * BYTES_PER_ROW_BUILT + MIN_POOL
+    if limited and free is not None and need > free:
+        raise PlanError(
+            f"building the permutation of {rows:,} rows needs about {_mib(need)} of memory and "
+            f"the sidecar container has {_mib(free)} free: raise "
+            f"spec.sidecar.resources.limits.memory by at least {_mib(need - free)}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f} MiB"
+
+
+@contextlib.contextmanager
+def _pool(limit: int) -> Iterator[None]:
+    """LANCEDB_PERM_BUILDER_MEMORY_LIMIT for one build (a user's own setting wins)."""
+    if MEMORY_ENV in os.environ:
+        yield
+        return
+    os.environ[MEMORY_ENV] = str(limit)
+    try:
+        yield
+    finally:
+        os.environ.pop(MEMORY_ENV, None)
+
+
+def _permutation(table: Any, data: specs.DataSpec, epoch: int) -> Any:
+    """lancedb's permutation table, built exactly as StreamingDataset.__init__ builds it."""
+    from lancedb.permutation import permutation_builder
+    from lancedb.streaming import _EPOCH_PRIME
+
+    builder = permutation_builder(table)
+    if data.filter is not None:
+        builder = builder.filter(data.filter)
+    if data.shuffle:
+        return builder.split_random(
+            fixed=data.num_splits, seed=data.shuffle_seed + epoch * _EPOCH_PRIME,
+            clump_size=data.shuffle_clump_size or None).execute()
+    return builder.split_sequential(fixed=data.num_splits).execute()
+
+
+def build(table: Any, data: specs.DataSpec, epoch: int, path: str, *, rows: int) -> Footer:
+    """Build epoch `epoch`'s plan of `rows` rows (the filtered count) into local file `path`."""
+    free, limited = cgroups.free_memory()
+    check_fits(rows, free, limited)
+    key = PlanKey.of(data)
+    started = time.monotonic()
+    with _pool(builder_pool_bytes(rows, free)):
+        try:
+            permutation = _permutation(table, data, epoch)
+        except (RuntimeError, OSError) as exc:
+            if "memory" in str(exc).lower():
+                raise PlanError(
+                    f"lancedb ran out of memory building the permutation of {rows:,} rows: raise "
+                    f"spec.sidecar.resources.limits.memory (about "
+                    f"{_mib(rows * BYTES_PER_ROW_BUILT * 2 + MIN_POOL)} is enough)") from exc
+            raise
+    size = topology.split_size(rows, data.num_splits)
+    crcs = [0] * data.num_splits
+    written = 0
+    with open(path, "wb") as out:
+        batches = permutation.search().select(["row_id", "split_id"]).limit(None).to_batches(
+            batch_size=EXPORT_BATCH_ROWS)
+        for batch in batches:
+            ids = batch.column("row_id").to_numpy().astype("<u8", copy=False)
+            splits = batch.column("split_id").to_numpy()
+            first = written // size if size else 0
+            expected = (np.arange(written, written + len(ids)) // max(1, size)).astype(np.uint64)
+            if size == 0 or not np.array_equal(splits, expected) or first >= data.num_splits:
+                raise PlanError(
+                    f"lancedb's permutation of epoch {epoch} is not {data.num_splits} splits of "
+                    f"{size} rows in split order; splitfeed cannot serve it (lancedb "
+                    f"{lancedb_version()})")
+            for split in np.unique(splits):
+                part = ids[splits == split]
+                crcs[int(split)] = zlib.crc32(part.tobytes(), crcs[int(split)])
+            out.write(ids.tobytes())
+            written += len(ids)
+        if written != size * data.num_splits:
+            raise PlanError(
+                f"lancedb's permutation of epoch {epoch} holds {written:,} rows, not the "
+                f"{size * data.num_splits:,} of {data.num_splits} splits of {size:,} rows counted "
+                "on the table")
+        footer = Footer(key.fields(), epoch, data.num_splits, size, crcs, lancedb_version())
+        blob = json.dumps(dataclasses.asdict(footer)).encode()
+        out.write(blob)
+        out.write(_TAIL.pack(len(blob), MAGIC))
+        out.flush()
+        os.fsync(out.fileno())
+    log.info("built the plan of epoch %d: %d splits of %d rows in %.1f s", epoch,
+             data.num_splits, size, time.monotonic() - started)
+    return footer
+
+
+# --- where plans live ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A directory of plans: a filesystem uri (local path or s3://) and storage options.
+    Picklable: loader worker processes read their splits from it themselves."""
+
+    uri: str
+    storage_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def filesystem(self) -> tuple[pafs.FileSystem, str]:
+        from .checkpoints import filesystem
+
+        return filesystem(self.uri, self.storage_options)
+
+    def path(self, epoch: int) -> str:
+        return f"{self.filesystem()[1]}/{file_name(epoch)}"
+
+
+def location_for(data: specs.DataSpec, root: str | None,
+                 storage_options: Mapping[str, str] | None = None) -> Location:
+    """Plans of `data` under `root` (a job's checkpoint directory), or in a private
+    directory of this process when the job has no store to share them."""
+    digest = PlanKey.of(data).digest()
+    if root is None:
+        root = tempfile.mkdtemp(prefix="splitfeed-plans-")
+    return Location(f"{root.rstrip('/')}/plans/{digest}", dict(storage_options or {}))
+
+
+def _read_footer(fs: pafs.FileSystem, path: str) -> tuple[Footer, int]:
+    """The footer and the file's size; PlanError for a file that is not a whole plan."""
+    with fs.open_input_file(path) as f:
+        size = f.size()
+        if size < _TAIL.size:
+            raise PlanError(f"plan {path} is torn ({size} bytes)")
+        length, magic = _TAIL.unpack(f.read_at(_TAIL.size, size - _TAIL.size))
+        if magic != MAGIC or length > size - _TAIL.size:
+            raise PlanError(f"plan {path} is not a splitfeed plan or is torn")
+        try:
+            found = json.loads(f.read_at(length, size - _TAIL.size - length))
+            footer = Footer(**found)
+        except (ValueError, TypeError) as exc:
+            raise PlanError(f"plan {path} has a damaged footer ({exc})") from exc
+    if footer.format != FORMAT or footer.ids_bytes + length + _TAIL.size != size:
+        raise PlanError(f"plan {path} is of format {footer.format} or torn ({size} bytes)")
+    return footer, size
+
+
+def _check_key(footer: Footer, key: PlanKey, epoch: int, path: str) -> None:
+    ours = key.fields()
+    differs = sorted(k for k in ours if footer.key.get(k) != ours[k])
+    if differs or footer.epoch != epoch:
+        raise PlanError(
+            f"plan {path} was built for other data ({', '.join(differs) or 'epoch'} differ): "
+            "it is never used for this job")
+
+
+def read_splits(location: Location, key: PlanKey, epoch: int, splits: Sequence[int]) -> np.ndarray:
+    """Row ids of `splits` (contiguous, ascending) of epoch `epoch`: shape (len, splitSize).
+
+    One ranged read. Raises FileNotFoundError while the plan does not exist yet, PlanError
+    for a damaged or foreign one."""
+    fs, _ = location.filesystem()
+    path = location.path(epoch)
+    footer, _ = _read_footer(fs, path)
+    _check_key(footer, key, epoch, path)
+    first, count = splits[0], len(splits)
+    if list(splits) != list(range(first, first + count)) or first + count > footer.num_splits:
+        raise ValueError(f"splits {list(splits)} are not a contiguous block of {footer.num_splits}")
+    width = footer.split_size * ID_BYTES
+    with fs.open_input_file(path) as f:
+        raw = f.read_at(width * count, width * first)
+    ids = np.frombuffer(raw, dtype="<u8").reshape(count, footer.split_size)
+    for i in range(count):
+        if zlib.crc32(ids[i].tobytes()) != footer.crcs[first + i]:
+            raise PlanError(
+                f"plan {path} is damaged (split {first + i} fails its CRC): delete it and the "
+                "job's coordinator builds it again")
+    return ids
+
+
+def verify(location: Location, key: PlanKey, epoch: int) -> Footer | None:
+    """The footer of a whole, valid plan for `key` and `epoch`; None when there is none or it
+    is damaged (then it is to be rebuilt). Reads every split: for the plan's builder."""
+    try:
+        footer, _ = _read_footer(*_fs_path(location, epoch))
+        read_splits(location, key, epoch, range(footer.num_splits))
+    except FileNotFoundError:
+        return None
+    except PlanError as exc:
+        log.warning("%s; building it again", exc)
+        return None
+    return footer
+
+
+def _fs_path(location: Location, epoch: int) -> tuple[pafs.FileSystem, str]:
+    fs, _ = location.filesystem()
+    return fs, location.path(epoch)
+
+
+def publish(location: Location, local_file: str, epoch: int) -> None:
+    """Put a built plan at its place whole: a rename locally, one (multipart) put on S3."""
+    fs, root = location.filesystem()
+    fs.create_dir(root, recursive=True)
+    path = location.path(epoch)
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.replace(local_file, path)
+        return
+    with open(local_file, "rb") as src, fs.open_output_stream(path) as dst:
+        while chunk := src.read(16 << 20):
+            dst.write(chunk)
+    os.unlink(local_file)
+
+
+def built_by(location: Location) -> set[str]:
+    """lancedb versions that built the plans already stored at `location`."""
+    fs, root = location.filesystem()
+    found: set[str] = set()
+    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        if info.base_name.endswith(".plan"):
+            with contextlib.suppress(PlanError, OSError):
+                found.add(_read_footer(fs, info.path)[0].lancedb)
+    return found
+
+
+def check_builder(location: Location) -> None:
+    """Refuse to add a plan built by another lancedb than the job's stored ones: its order
+    could differ from theirs, and an epoch must never be reordered against its checkpoints."""
+    ours = lancedb_version()
+    others = built_by(location) - {ours}
+    if others:
+        raise PlanError(
+            f"this job's plans at {location.uri} were built by lancedb {', '.join(sorted(others))} "
+            f"and this image has lancedb {ours}, whose order may differ: run the job on an image "
+            "with the lancedb that started it, or start a new StreamingJob")
+
+
+def wait_for(location: Location, key: PlanKey, epoch: int, splits: Sequence[int], *,
+             timeout_s: float, build: Callable[[], None] | None = None,
+             poll_s: float = 0.05) -> np.ndarray:
+    """`read_splits`, waiting for the plan's builder; or building it with `build` (the
+    builder's own readers, a job without a shared store) when it is missing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return read_splits(location, key, epoch, splits)
+        except FileNotFoundError:
+            if build is not None:
+                build()
+                build = None
+                continue
+        if time.monotonic() > deadline:
+            raise errors.UserError(
+                f"the plan of epoch {epoch} did not appear at {location.uri} within "
+                f"{timeout_s:.0f} s: replica 0's sidecar builds it (is it running?)")
+        time.sleep(poll_s)
+        poll_s = min(1.0, poll_s * 2)
+
+
+def temp_file(directory: str | None = None) -> str:
+    """A local file to build a plan into (the build streams to disk, never to memory)."""
+    return os.path.join(directory or tempfile.gettempdir(), f"splitfeed-plan-{uuid.uuid4().hex}.tmp")
+
+
+PLAN_WAIT_S = 1800.0
+"""How long a reader waits for the builder's plan: a 10^9-row build takes minutes."""
+
+
+def build_and_publish(table: Any, data: specs.DataSpec, location: Location, epoch: int, *,
+                      rows: int) -> Footer:
+    """Build epoch `epoch`'s plan and put it at `location` (a local build file first: on a
+    local store in the same directory, so that the rename is atomic)."""
+    fs, root = location.filesystem()
+    local = isinstance(fs, pafs.LocalFileSystem)
+    if local:
+        os.makedirs(root, exist_ok=True)
+    path = temp_file(root if local else None)
+    try:
+        footer = build(table, data, epoch, path, rows=rows)
+        publish(location, path, epoch)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return footer
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a reader gets its splits' row ids: a plan location, and whether the reader
+    builds a missing plan itself (it does when no sidecar builds for it: tests, tools)."""
+
+    location: Location
+    builds: bool = False
+    timeout_s: float = PLAN_WAIT_S
+
+    def ids(self, table: Any, data: specs.DataSpec, epoch: int, splits: Sequence[int],
+            rows: int) -> np.ndarray:
+        """(len(splits), splitSize) row ids of `splits` in epoch `epoch`, lancedb's order."""
+        def build_here() -> None:
+            build_and_publish(table, data, self.location, epoch, rows=rows)
+
+        return wait_for(self.location, PlanKey.of(data), epoch, splits, timeout_s=self.timeout_s,
+                        build=build_here if self.builds else None)

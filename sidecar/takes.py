@@ -1,0 +1,107 @@
+"""Rows of a table by row id, in the order asked, with several takes in flight.
+
+lancedb's `take_row_ids` promises no row order, and one take waits for its
+object-store requests (10-50 ms each) before the next can begin: a loader that
+took one batch at a time waited for every round trip in turn. `Takes` keeps up to
+`depth` takes running on a small thread pool (lancedb's sync call parks its thread
+on lancedb's own event loop, so the threads overlap their I/O without holding the
+GIL), sized from a byte budget once the first take shows how large a row is, and
+hands results back in the order they were asked for, each row where it was asked.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import pyarrow as pa
+
+from splitfeed.trainer_client import errors
+
+T = TypeVar("T")
+
+ROW_ID = "_rowid"
+MAX_IN_FLIGHT = 32
+"""Takes one loader keeps running at most: each also fans out into lancedb's own
+concurrent range requests, and past this a pod's network, not latency, is the limit."""
+FIRST_DEPTH = 2
+"""Takes in flight before the first result says how many bytes a row holds."""
+
+
+def take_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None) -> pa.RecordBatch:
+    """The rows `ids` (unique row ids of the table's checked-out version), in that order."""
+    wanted = np.sort(ids)
+    query = table.take_row_ids(wanted.tolist())
+    if columns:
+        query = query.select(list(columns))
+    got = query.with_row_id().to_arrow()
+    found = got.column(ROW_ID).to_numpy()
+    at = np.zeros(0, dtype=np.int64)
+    if len(found) == len(ids):
+        order = np.argsort(found, kind="stable")
+        at = order[np.searchsorted(found, ids, sorter=order).clip(0, len(found) - 1)]
+    if len(found) != len(ids) or not np.array_equal(found[at], ids):
+        raise errors.SidecarFailed(
+            f"lancedb returned {len(found)} rows for {len(ids)} row ids: the table's version "
+            "changed under the reader, or its row ids are not stable")
+    rows = got.drop_columns([ROW_ID]).take(pa.array(at))
+    return rows.combine_chunks().to_batches(max_chunksize=len(ids))[0]
+
+
+def depth_for(budget_bytes: int, rows_per_take: int, bytes_per_row: float) -> int:
+    """Takes in flight that fit `budget_bytes` (spec.data.readAheadBytes), 1..MAX_IN_FLIGHT."""
+    per_take = max(1.0, rows_per_take * bytes_per_row)
+    return max(1, min(MAX_IN_FLIGHT, int(budget_bytes // per_take)))
+
+
+class Takes(Generic[T]):
+    """Iterate (tag, rows) over `requests` of (tag, row ids), up to `depth` takes running."""
+
+    def __init__(self, table: Any, columns: Sequence[str] | None,
+                 requests: Iterator[tuple[T, np.ndarray]], budget_bytes: int) -> None:
+        self._table = table
+        self._columns = list(columns) if columns else None
+        self._requests = requests
+        self._budget = budget_bytes
+        self._depth = FIRST_DEPTH
+        self._sized = False
+        self._running: collections.deque[tuple[T, int, concurrent.futures.Future[pa.RecordBatch]]] = (
+            collections.deque())
+        self._pool = concurrent.futures.ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="splitfeed-take")
+        self._exhausted = False
+
+    def _fill(self) -> None:
+        while not self._exhausted and len(self._running) < self._depth:
+            request = next(self._requests, None)
+            if request is None:
+                self._exhausted = True
+                return
+            tag, ids = request
+            future = self._pool.submit(take_rows, self._table, ids, self._columns)
+            self._running.append((tag, len(ids), future))
+
+    def __iter__(self) -> Iterator[tuple[T, pa.RecordBatch]]:
+        return self
+
+    def __next__(self) -> tuple[T, pa.RecordBatch]:
+        self._fill()
+        if not self._running:
+            raise StopIteration
+        tag, rows, future = self._running.popleft()
+        batch = future.result()
+        if not self._sized and batch.num_rows:
+            self._sized = True
+            self._depth = depth_for(self._budget, rows, batch.nbytes / batch.num_rows)
+        self._fill()
+        return tag, batch
+
+    def close(self) -> None:
+        """Stop: takes not started are dropped, running ones finish in the background."""
+        self._exhausted = True
+        for _, _, future in self._running:
+            future.cancel()
+        self._running.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
