@@ -20,7 +20,7 @@ from typing import Any
 
 from splitfeed.trainer_client import contract, errors, specs
 
-from . import agreement, checkpoints, identity, metrics, positions, reading, serving, workers
+from . import agreement, checkpoints, identity, metrics, planner, plans, positions, reading, serving, workers
 from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
@@ -361,6 +361,8 @@ class Sidecar:
     table_version: int | None = None
     """The table version every worker of this world reads."""
     metrics: metrics.SidecarMetrics | None = None
+    builder: planner.Planner | None = None
+    """Builds this job's epoch plans (replica 0's, or every sidecar's without a store)."""
 
 
 def provenance(data: specs.DataSpec, settings: SidecarSettings) -> dict[str, Any]:
@@ -385,6 +387,8 @@ def prepare(settings: SidecarSettings) -> Sidecar:
     data: specs.DataSpec | None = None
     stores: list[checkpoints.Store] = []
     resume_state: dict[str, Any] | None = None
+    builder: planner.Planner | None = None
+    plan: plans.Source | None = None
     try:
         job = load_job(settings)
         bind, address = coordinator_addresses(settings)
@@ -396,7 +400,8 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             assert data.version is not None  # pin() sets the number
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
-            steps_per_epoch = reading.job_layout(table, data).steps_per_epoch
+            sized = reading.job_layout(table, data)
+            steps_per_epoch = sized.steps_per_epoch
             resume_step = choose_resume_step(job, data, settings, stores, expect)
             if stores:
                 stores[0].start_world(resume_step=resume_step)  # fences every older world
@@ -415,11 +420,19 @@ def prepare(settings: SidecarSettings) -> Sidecar:
             table, data = reading.pin(job.data, storage_options, pinned=joined.table_version)
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
-            steps_per_epoch = reading.job_layout(table, data).steps_per_epoch
+            sized = reading.job_layout(table, data)
+            steps_per_epoch = sized.steps_per_epoch
         assert data is not None
         total_steps = steps_per_epoch * data.epochs
         del table
         resume_state = check_resume_step(data, stores, start_step, steps_per_epoch, expect)
+        if reading.reads_plans(data):
+            where = planner.location(data, stores[0].where if stores else None, storage_options)
+            plan = plans.Source(where)
+            if replica == 0 or not stores:  # the world's builder, or a sidecar on its own
+                builder = planner.Planner(data, storage_options, where, rows=sized.rows,
+                                          private=not stores)
+                builder.start(min(start_step // steps_per_epoch, data.epochs - 1))
     except errors.UserError as exc:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
@@ -435,8 +448,13 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         start, state = ledgers.resume_from(rank, first_step)
         batches = workers.iter_rank_batches(
             data, storage_options, rank=rank, world_size=settings.world_size, start_global_step=start,
-            resume_state=state, ledger=ledgers.ledger(rank))
+            resume_state=state, ledger=ledgers.ledger(rank), plan=plan)
         return observed.timed_batches(batches if start == first_step else iter_from(batches, first_step))
+
+    def on_published(rank: int, step: int) -> None:
+        ledgers.published(rank, step)
+        if builder is not None:
+            builder.reached(step // max(1, steps_per_epoch))  # the next epoch's plan is wanted
 
     checkpoint = commit = None
     if data is not None and stores:
@@ -456,7 +474,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         start_step=start_step, resume_step=start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
         member=member if failure is None else None, instance=instance,
-        skipping=data is not None and data.drops_rows, on_published=ledgers.published)
+        skipping=data is not None and data.drops_rows, on_published=on_published)
     if failure is not None and member is not None:
         member.close()
     observed.feeds = lambda: server.feeds
@@ -464,7 +482,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         observed.port = observed.serve(settings.metrics_port)
     return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator,
                    int(data.version) if data is not None and data.version is not None else None,
-                   observed)
+                   observed, builder)
 
 
 def serve(sidecar: Sidecar) -> int:
@@ -513,6 +531,8 @@ def serve(sidecar: Sidecar) -> int:
             "skippedRows": reading.SKIPPED_ROWS[0],
         }
         server.close()
+        if sidecar.builder is not None:
+            sidecar.builder.close()
         if sidecar.coordinator is not None:
             sidecar.coordinator.close()
         write_report(settings.termination_log, report)

@@ -25,12 +25,14 @@ own, built by each sidecar for itself.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import tempfile
 import time
@@ -262,8 +264,20 @@ def location_for(data: specs.DataSpec, root: str | None,
     directory of this process when the job has no store to share them."""
     digest = PlanKey.of(data).digest()
     if root is None:
-        root = tempfile.mkdtemp(prefix="splitfeed-plans-")
+        root = private_root()
     return Location(f"{root.rstrip('/')}/plans/{digest}", dict(storage_options or {}))
+
+
+_PRIVATE: list[str] = []
+
+
+def private_root() -> str:
+    """This process's own directory of plans, removed when it exits (a sidecar without a
+    store to share plans writes an epoch's row ids here: 8 B a row, not to be left behind)."""
+    if not _PRIVATE:
+        _PRIVATE.append(tempfile.mkdtemp(prefix="splitfeed-plans-"))
+        atexit.register(shutil.rmtree, _PRIVATE[0], True)
+    return _PRIVATE[0]
 
 
 def _read_footer(fs: pafs.FileSystem, path: str) -> tuple[Footer, int]:
@@ -374,6 +388,31 @@ def check_builder(location: Location) -> None:
             "with the lancedb that started it, or start a new StreamingJob")
 
 
+def mark_failed(location: Location, epoch: int, why: str) -> None:
+    """Tell the readers waiting for epoch `epoch`'s plan that its builder gave up, and why."""
+    with contextlib.suppress(OSError):
+        fs, root = location.filesystem()
+        fs.create_dir(root, recursive=True)
+        with fs.open_output_stream(f"{location.path(epoch)}.failed") as out:
+            out.write(why.encode())
+
+
+def clear_failed(location: Location, epoch: int) -> None:
+    with contextlib.suppress(OSError):
+        fs, _ = location.filesystem()
+        fs.delete_file(f"{location.path(epoch)}.failed")
+
+
+def failed(location: Location, epoch: int) -> str | None:
+    """Why the builder of epoch `epoch`'s plan gave up, if it did."""
+    try:
+        fs, _ = location.filesystem()
+        with fs.open_input_stream(f"{location.path(epoch)}.failed") as f:
+            return bytes(f.read()).decode(errors="replace")
+    except (FileNotFoundError, OSError):
+        return None
+
+
 def wait_for(location: Location, key: PlanKey, epoch: int, splits: Sequence[int], *,
              timeout_s: float, build: Callable[[], None] | None = None,
              poll_s: float = 0.05) -> np.ndarray:
@@ -388,6 +427,9 @@ def wait_for(location: Location, key: PlanKey, epoch: int, splits: Sequence[int]
                 build()
                 build = None
                 continue
+            why = failed(location, epoch)
+            if why is not None:
+                raise PlanError(f"the plan of epoch {epoch} could not be built: {why}") from None
         if time.monotonic() > deadline:
             raise errors.UserError(
                 f"the plan of epoch {epoch} did not appear at {location.uri} within "
@@ -431,6 +473,16 @@ class Source:
     location: Location
     builds: bool = False
     timeout_s: float = PLAN_WAIT_S
+
+    def ready(self, epoch: int) -> bool:
+        """Epoch `epoch`'s plan is there (or this reader would build it without waiting)."""
+        if self.builds:
+            return True
+        fs, _ = self.location.filesystem()
+        try:
+            return fs.get_file_info(self.location.path(epoch)).type == pafs.FileType.File
+        except OSError:
+            return False
 
     def ids(self, table: Any, data: specs.DataSpec, epoch: int, splits: Sequence[int],
             rows: int) -> np.ndarray:

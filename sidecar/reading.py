@@ -236,11 +236,14 @@ def preprocessed_layout(table: Any, data: specs.DataSpec) -> Layout:
     return sized
 
 
+def reads_plans(data: specs.DataSpec) -> bool:
+    """A plain job (no transform, packing or skip): read from plan files by row id."""
+    return not data.transform and data.pack_sequences is None
+
+
 def job_layout(table: Any, data: specs.DataSpec) -> Layout:
     """The job's epoch size: `layout`, refused past its limit for the StreamingDataset jobs."""
-    if data.transform or data.pack_sequences is not None:
-        return preprocessed_layout(table, data)
-    return layout(table, data)
+    return layout(table, data) if reads_plans(data) else preprocessed_layout(table, data)
 
 
 def iter_blocks(
@@ -268,7 +271,7 @@ def iter_blocks(
         if data.drops_rows:
             yield from _iter_skipping(table, data, splits, start_global_step, stop_global_step,
                                       resume_state)
-        elif data.transform or data.pack_sequences is not None:
+        elif not reads_plans(data):
             yield from _iter_preprocessed(table, data, splits, start_global_step, stop_global_step)
         else:
             if not isinstance(data.version, int):  # a caller that did not pin: this reader's version
@@ -294,7 +297,9 @@ def _iter_planned(
     readBatchSize rows of each split), asked in the reference order, so its rows are the
     steps' blocks as they are. Takes run ahead across steps and epochs up to
     spec.data.readAheadBytes (takes.Takes); an epoch's row ids are loaded when the
-    first take of that epoch is asked for, so at most two epochs' ids are held.
+    first take of that epoch is asked for, so at most two epochs' ids are held. The
+    planner builds epoch e+1's plan once a step of epoch e is published, so reads never
+    run ahead into an epoch whose plan is not there yet (takes.BARRIER).
     """
     sized = layout(table, data)
     per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
@@ -303,10 +308,12 @@ def _iter_planned(
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
     rows_per_step = per_step * len(splits)
 
-    def requests() -> Iterator[tuple[tuple[int, int], np.ndarray]]:
+    def requests() -> Iterator[tuple[tuple[int, int], np.ndarray] | None]:
         global_step = start_global_step
         while global_step < end:
             pos = positions.position_of(global_step, spe)
+            if global_step != start_global_step and not plan.ready(pos.epoch):
+                yield takes.BARRIER  # built once this epoch's steps are published: no read-ahead
             ids = plan.ids(table, data, pos.epoch, splits, sized.rows)
             last = min(spe, end - pos.epoch * spe)
             for first in range(pos.step, last, steps_per_take):

@@ -29,6 +29,7 @@ MAX_IN_FLIGHT = 32
 concurrent range requests, and past this a pod's network, not latency, is the limit."""
 FIRST_DEPTH = 2
 """Takes in flight before the first result says how many bytes a row holds."""
+_END = object()
 
 
 def take_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None) -> pa.RecordBatch:
@@ -57,11 +58,18 @@ def depth_for(budget_bytes: int, rows_per_take: int, bytes_per_row: float) -> in
     return max(1, min(MAX_IN_FLIGHT, int(budget_bytes // per_take)))
 
 
+BARRIER = None
+"""A request that says: what comes next may block (an epoch whose plan is still being
+built). Takes hands back every result asked before it, then asks for more only when the
+consumer asks for the next result: a plan built once a step before it is published
+must never wait for reads that wait for it."""
+
+
 class Takes(Generic[T]):
     """Iterate (tag, rows) over `requests` of (tag, row ids), up to `depth` takes running."""
 
     def __init__(self, table: Any, columns: Sequence[str] | None,
-                 requests: Iterator[tuple[T, np.ndarray]], budget_bytes: int) -> None:
+                 requests: Iterator[tuple[T, np.ndarray] | None], budget_bytes: int) -> None:
         self._table = table
         self._columns = list(columns) if columns else None
         self._requests = requests
@@ -72,13 +80,21 @@ class Takes(Generic[T]):
             collections.deque())
         self._pool = concurrent.futures.ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="splitfeed-take")
         self._exhausted = False
+        self._at_barrier = False
 
-    def _fill(self) -> None:
+    def _fill(self, *, cross: bool) -> None:
         while not self._exhausted and len(self._running) < self._depth:
-            request = next(self._requests, None)
-            if request is None:
+            if self._at_barrier:
+                if self._running or not cross:
+                    return
+                self._at_barrier = False
+            request = next(self._requests, _END)
+            if request is _END:
                 self._exhausted = True
                 return
+            if request is BARRIER:
+                self._at_barrier = True
+                continue
             tag, ids = request
             future = self._pool.submit(take_rows, self._table, ids, self._columns)
             self._running.append((tag, len(ids), future))
@@ -87,7 +103,7 @@ class Takes(Generic[T]):
         return self
 
     def __next__(self) -> tuple[T, pa.RecordBatch]:
-        self._fill()
+        self._fill(cross=True)
         if not self._running:
             raise StopIteration
         tag, rows, future = self._running.popleft()
@@ -95,7 +111,7 @@ class Takes(Generic[T]):
         if not self._sized and batch.num_rows:
             self._sized = True
             self._depth = depth_for(self._budget, rows, batch.nbytes / batch.num_rows)
-        self._fill()
+        self._fill(cross=False)
         return tag, batch
 
     def close(self) -> None:

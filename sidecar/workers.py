@@ -97,6 +97,10 @@ def iter_rank_batches(
         raise ValueError(f"start_global_step must be >= 0, got {start_global_step}")
     options = dict(storage_options or {})
     state = dict(resume_state) if resume_state is not None else None
+    if plan is None and reading.reads_plans(data) and isinstance(data.version, int):
+        # Nobody builds for these readers: they build into this process's own directory
+        # (workers too, so that it goes when this process exits).
+        plan = plans.Source(plans.location_for(data, None), builds=True)
     if data.num_workers == 1:
         return _iter_in_process(data, options, rank, world_size, start_global_step, stop_global_step,
                                 state, ledger, plan)
@@ -166,7 +170,7 @@ def _from_ipc(payload: memoryview) -> pa.RecordBatch:
         return reader.read_next_batch()
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Die when the parent does, even if it was SIGKILLed and cleaned nothing up."""
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -179,7 +183,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="splitfeed-parent-watch", daemon=True).start()
 
 
-def _context() -> Any:
+def fork_context() -> Any:
     """The 'forkserver' context whose server has imported what a worker imports (module doc)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
@@ -199,7 +203,7 @@ def _worker_main(
     plan: plans.Source | None = None,
 ) -> None:
     """Entry point of loader worker `worker`: stream its sub-block's steps to the parent."""
-    _exit_with_parent()
+    exit_with_parent()
     try:
         table = reading.open_table(data, storage_options)
         splits = topology.worker_splits(rank, world_size, data.num_splits, data.num_workers, worker)
@@ -304,7 +308,7 @@ def _iter_in_processes(
     worker has are dropped (each worker's steps rise, and an epoch's lost steps
     only end where the next epoch starts, so aligning on the highest step is exact).
     """
-    context = _context()
+    context = fork_context()
     cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []

@@ -1,0 +1,158 @@
+"""Each epoch's plan built ahead of the readers, in a child process of the sidecar.
+
+lancedb's builder holds the whole permutation (~16 B a row) and its sort pool while
+it runs: in a child process that memory goes back when the build ends, so a
+sidecar's own memory stays its splits' row ids, and it keeps serving meanwhile
+(replica 0's coordinator keeps answering its world). Where the job has a store to
+share plans, replica 0's sidecar builds them and every sidecar reads them; without
+one, each sidecar builds its own. The epoch a world starts in is built before its
+first batch; each next epoch's while the current one is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection
+import threading
+import traceback
+from collections.abc import Mapping
+
+from splitfeed.trainer_client import errors, specs
+
+from . import plans, reading, workers
+
+log = logging.getLogger(__name__)
+
+_OK, _DATA_ERROR, _USER_ERROR, _FAILURE = "ok", "data", "user", "failure"
+
+
+def _build_main(conn: multiprocessing.connection.Connection, data: specs.DataSpec,
+                storage_options: dict[str, str], location: plans.Location, epoch: int,
+                rows: int) -> None:
+    """In the child: open the pinned table, build and publish the plan, say how it went."""
+    workers.exit_with_parent()
+    kind, text = _OK, ""
+    try:
+        table = reading.open_table(data, storage_options)
+        plans.build_and_publish(table, data, location, epoch, rows=rows)
+    except errors.DataError as exc:
+        kind, text = _DATA_ERROR, str(exc)
+    except errors.UserError as exc:
+        kind, text = _USER_ERROR, str(exc)
+    except BaseException as exc:  # noqa: BLE001 - reported to the sidecar, which fails with it
+        kind, text = _FAILURE, "".join(traceback.format_exception(exc)).rstrip()
+    try:
+        conn.send((kind, text))
+    finally:
+        conn.close()
+
+
+def build_in_child(data: specs.DataSpec, storage_options: Mapping[str, str],
+                   location: plans.Location, epoch: int, rows: int) -> None:
+    """Build and publish one plan in a child forked from the loader workers' fork server
+    (lancedb already imported there); its errors are raised here as they were there."""
+    context = workers.fork_context()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_build_main, name=f"splitfeed-plan-{epoch}", daemon=True,
+                              args=(sender, data, dict(storage_options), location, epoch, rows))
+    process.start()
+    sender.close()
+    try:
+        kind, text = receiver.recv()
+    except EOFError:
+        process.join(5)
+        raise errors.SidecarFailed(
+            f"the plan builder of epoch {epoch} exited (code {process.exitcode}) without a result: "
+            "if it was OOM-killed, raise spec.sidecar.resources.limits.memory") from None
+    finally:
+        receiver.close()
+        process.join(5)
+    if kind == _DATA_ERROR:
+        raise plans.PlanError(text)
+    if kind == _USER_ERROR:
+        raise errors.UserError(text)
+    if kind != _OK:
+        raise errors.SidecarFailed(f"the plan builder of epoch {epoch} failed:\n{text}")
+
+
+class Planner:
+    """Makes sure the plans of this sidecar's job exist at `location`, one epoch ahead."""
+
+    def __init__(self, data: specs.DataSpec, storage_options: Mapping[str, str],
+                 location: plans.Location, *, rows: int, private: bool = False) -> None:
+        self.data = data
+        self.private = private
+        """The plans are this sidecar's alone (no store): removed when it closes."""
+        self.location = location
+        self._options = dict(storage_options)
+        self._rows = rows
+        self._key = plans.PlanKey.of(data)
+        self._cond = threading.Condition()
+        self._reached = -1
+        self._built: set[int] = set()
+        self._closed = False
+        self.failure: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def ensure(self, epoch: int) -> None:
+        """Epoch `epoch`'s plan exists and is whole once this returns (built if need be)."""
+        if epoch in self._built or epoch >= self.data.epochs:
+            return
+        if plans.verify(self.location, self._key, epoch) is None:
+            plans.clear_failed(self.location, epoch)
+            log.info("building the plan of epoch %d (%d rows) at %s", epoch, self._rows,
+                     self.location.uri)
+            try:
+                plans.check_builder(self.location)
+                build_in_child(self.data, self._options, self.location, epoch, self._rows)
+            except Exception as exc:
+                plans.mark_failed(self.location, epoch, str(exc))
+                raise
+        self._built.add(epoch)
+
+    def start(self, epoch: int) -> None:
+        """Build `epoch` now (raising what stops it), then each next epoch in the background."""
+        self.ensure(epoch)
+        self.reached(epoch)
+        self._thread = threading.Thread(target=self._ahead, name="splitfeed-planner", daemon=True)
+        self._thread.start()
+
+    def reached(self, epoch: int) -> None:
+        """A rank of this sidecar published a step of `epoch`: its next epoch is wanted."""
+        with self._cond:
+            if epoch > self._reached:
+                self._reached = epoch
+                self._cond.notify_all()
+
+    def _ahead(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and self._reached + 1 in self._built:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                epoch = self._reached + 1
+            if epoch >= self.data.epochs:
+                return
+            try:
+                self.ensure(epoch)
+            except Exception as exc:  # noqa: BLE001 - told to the readers waiting for it
+                self.failure = f"the plan of epoch {epoch}: {exc}"
+                log.error("%s", self.failure)
+                return
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self.private:
+            fs, root = self.location.filesystem()
+            with contextlib.suppress(OSError):
+                fs.delete_dir(root)
+
+
+def location(data: specs.DataSpec, store_where: str | None,
+             storage_options: Mapping[str, str]) -> plans.Location:
+    """Plans next to the job's checkpoints (shared by its worlds), else this sidecar's own."""
+    return plans.location_for(data, store_where, storage_options if store_where else None)

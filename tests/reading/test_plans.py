@@ -1,0 +1,272 @@
+"""Epoch plans (sidecar/plans.py) against lancedb's own order, and plans that must not be used.
+
+The oracle is StreamingDataset iterated in-process: a world of N ranks over N splits
+gives each split's rows in lancedb's order, so split s of a plan, taken by row id,
+must give rank s's `id` column exactly. A large table is compared on sampled splits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import struct
+from pathlib import Path
+
+import lancedb
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from splitfeed.sidecar import cgroups, planner, plans, reading, takes, workers
+from splitfeed.trainer_client import errors, specs, topology
+from tests.reading.tables import data_spec, ids_of, open_reference_table, reference_rows
+
+ORDERS = [
+    pytest.param({}, id="shuffled"),
+    pytest.param({"shuffle": False}, id="sequential"),
+    pytest.param({"shuffle_clump_size": 5}, id="clumps"),
+    pytest.param({"filter": "label != 3"}, id="filtered"),
+]
+
+
+def pinned(uri: str, **overrides: object) -> tuple[object, specs.DataSpec]:
+    return reading.pin(data_spec(uri, **overrides))
+
+
+def plan_ids(table: object, data: specs.DataSpec, epoch: int, location: plans.Location) -> np.ndarray:
+    rows = reading.layout(table, data).rows
+    return plans.Source(location, builds=True).ids(table, data, epoch, range(data.num_splits), rows)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_each_split_of_a_plan_is_lancedbs_split_row_for_row(
+        db_uri: str, tmp_path: Path, order: dict[str, object], epoch: int) -> None:
+    table, data = pinned(db_uri, **order)
+    location = plans.location_for(data, str(tmp_path))
+    ids = plan_ids(table, data, epoch, location)
+    for split in range(data.num_splits):
+        expected = [r["id"] for r in reference_rows(data, epoch=epoch, rank=split, world_size=data.num_splits)]
+        got = takes.take_rows(table, ids[split], ["id"])
+        assert ids_of(got) == expected, f"split {split}"
+
+
+def test_a_rank_loads_only_its_splits_and_they_are_the_plans_rows(db_uri: str, tmp_path: Path) -> None:
+    table, data = pinned(db_uri)
+    location = plans.location_for(data, str(tmp_path))
+    whole = plan_ids(table, data, 0, location)
+    part = plans.read_splits(location, plans.PlanKey.of(data), 0, range(6, 12))
+    assert part.shape == (6, whole.shape[1])
+    assert np.array_equal(part, whole[6:12])
+    with pytest.raises(ValueError, match="contiguous"):
+        plans.read_splits(location, plans.PlanKey.of(data), 0, [1, 3])
+
+
+def test_step_order_is_streaming_datasets_cycle_order() -> None:
+    ids = np.arange(3 * 8, dtype=np.uint64).reshape(3, 8)  # 3 splits of 8 rows
+    # step 1 of 2 rows per split: cycle 0 of splits 0, 1, 2, then cycle 1
+    assert reading.step_order(ids, 1, 1, 2).tolist() == [2, 10, 18, 3, 11, 19]
+    assert reading.step_order(ids, 0, 2, 2).tolist() == [0, 8, 16, 1, 9, 17, 2, 10, 18, 3, 11, 19]
+
+
+def test_take_rows_gives_rows_in_the_order_asked(db_uri: str) -> None:
+    table, _ = pinned(db_uri)
+    order = np.array([907, 3, 512, 4, 999, 0], dtype=np.uint64)  # one fragment: row id = row number
+    assert ids_of(takes.take_rows(table, order, ["id"])) == order.tolist()
+
+
+def test_a_missing_row_id_is_a_failure_not_a_short_batch(db_uri: str) -> None:
+    table, _ = pinned(db_uri)
+    with pytest.raises(errors.SidecarFailed, match="returned 1 rows for 2 row ids"):
+        takes.take_rows(table, np.array([5, 10**9], dtype=np.uint64), ["id"])
+
+
+def test_a_reader_of_a_stored_plan_serves_every_world_size_exactly(db_uri: str, tmp_path: Path) -> None:
+    """A plan built once (by a world of 1) serves a world of 3 that never builds: a
+    rescale's new world reads the old world's plans."""
+    table, data = pinned(db_uri, global_batch_size=72)
+    location = plans.location_for(data, str(tmp_path))
+    plan_ids(table, data, 0, location)
+    plan_ids(table, data, 1, location)
+    reader = plans.Source(location, builds=False, timeout_s=0)
+    per_rank = data.global_batch_size // 3
+    for rank in range(3):
+        expected = [r["id"] for r in reference_rows(data, epoch=1, rank=rank, world_size=3)]
+        spe = reading.layout(table, data).steps_per_epoch
+        got: list[int] = []
+        for step, batch in workers.iter_rank_batches(data, None, rank=rank, world_size=3,
+                                                     start_global_step=spe + 2, plan=reader):
+            assert batch.num_rows == per_rank
+            got += ids_of(batch)
+        assert got == expected[2 * per_rank:spe * per_rank]
+
+
+def test_a_reader_waits_for_a_missing_plan_then_says_who_builds_it(db_uri: str, tmp_path: Path) -> None:
+    table, data = pinned(db_uri)
+    location = plans.location_for(data, str(tmp_path))
+    with pytest.raises(errors.UserError, match="replica 0's sidecar builds it"):
+        plans.Source(location, timeout_s=0.2).ids(table, data, 0, range(4), 1000)
+
+
+def test_a_builders_failure_reaches_the_readers_waiting_for_it(db_uri: str, tmp_path: Path) -> None:
+    table, data = pinned(db_uri)
+    location = plans.location_for(data, str(tmp_path))
+    plans.mark_failed(location, 0, "building the permutation of 1,000 rows needs about 9 MiB")
+    with pytest.raises(plans.PlanError, match="could not be built: building the permutation"):
+        plans.Source(location, timeout_s=30).ids(table, data, 0, range(4), 1000)
+
+
+def _plan_file(db_uri: str, tmp_path: Path) -> tuple[object, specs.DataSpec, plans.Location, Path]:
+    table, data = pinned(db_uri)
+    location = plans.location_for(data, str(tmp_path))
+    plan_ids(table, data, 0, location)
+    return table, data, location, Path(location.path(0))
+
+
+def test_a_damaged_split_is_refused_by_its_reader_and_rebuilt_by_the_builder(db_uri: str, tmp_path: Path) -> None:
+    table, data, location, path = _plan_file(db_uri, tmp_path)
+    good = path.read_bytes()
+    raw = bytearray(good)
+    raw[5 * 41 * 8 + 3] ^= 0xFF  # a byte of split 5 (24 splits of 41 rows)
+    path.write_bytes(bytes(raw))
+    key = plans.PlanKey.of(data)
+    plans.read_splits(location, key, 0, range(0, 5))  # other splits still read
+    with pytest.raises(plans.PlanError, match="split 5 fails its CRC"):
+        plans.read_splits(location, key, 0, range(4, 8))
+    assert plans.verify(location, key, 0) is None  # the builder's check: build it again
+    builder = planner.Planner(data, {}, location, rows=1000)
+    builder.ensure(0)
+    assert path.read_bytes() == good
+
+
+def test_a_torn_plan_is_refused(db_uri: str, tmp_path: Path) -> None:
+    _, data, location, path = _plan_file(db_uri, tmp_path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(plans.PlanError, match="torn|not a splitfeed plan|damaged"):
+        plans.read_splits(location, plans.PlanKey.of(data), 0, range(4))
+
+
+def test_a_plan_of_another_seed_is_never_used(db_uri: str, tmp_path: Path) -> None:
+    _, data, location, _ = _plan_file(db_uri, tmp_path)
+    other = plans.PlanKey.of(dataclasses.replace(data, shuffle_seed=data.shuffle_seed + 1))
+    with pytest.raises(plans.PlanError, match="built for other data \\(shuffle_seed differ\\)"):
+        plans.read_splits(location, other, 0, range(4))
+    Path(location.path(1)).write_bytes(Path(location.path(0)).read_bytes())  # epoch 0's as epoch 1's
+    with pytest.raises(plans.PlanError, match="epoch differ"):
+        plans.read_splits(location, plans.PlanKey.of(data), 1, range(4))
+
+
+def _rewrite_footer(path: Path, **changes: object) -> None:
+    raw = path.read_bytes()
+    length, magic = struct.unpack("<Q8s", raw[-16:])
+    footer = json.loads(raw[-16 - length:-16])
+    footer.update(changes)
+    blob = json.dumps(footer).encode()
+    path.write_bytes(raw[:-16 - length] + blob + struct.pack("<Q8s", len(blob), magic))
+
+
+def test_a_job_whose_plans_another_lancedb_built_refuses_to_build_more(db_uri: str, tmp_path: Path) -> None:
+    table, data, location, path = _plan_file(db_uri, tmp_path)
+    _rewrite_footer(path, lancedb="0.39.0")
+    # the stored plan itself is still read: it fixes the order, whichever lancedb reads it
+    assert plans.read_splits(location, plans.PlanKey.of(data), 0, range(4)).shape == (4, 41)
+    builder = planner.Planner(data, {}, location, rows=1000)
+    builder.ensure(0)  # exists and is whole: nothing to build
+    with pytest.raises(plans.PlanError) as info:
+        builder.ensure(1)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "built by lancedb 0.39.0" in message and f"has lancedb {lancedb.__version__}" in message
+    assert "image with the lancedb that started it" in message
+
+
+def test_the_builder_pool_is_sized_from_the_container_not_lancedbs_default() -> None:
+    assert plans.builder_pool_bytes(20_000_000, None) == plans.MIN_POOL
+    gib = 1 << 30
+    # 8 GiB free: half of it, less the 320 MB permutation lancedb holds
+    assert plans.builder_pool_bytes(20_000_000, 8 * gib) == 4 * gib - 20_000_000 * 16
+    assert plans.builder_pool_bytes(10**9, 1000 * gib) == plans.MAX_POOL
+    assert plans.builder_pool_bytes(10**9, 2 * gib) == plans.MIN_POOL  # spills to disk
+    assert plans.builder_pool_bytes(1, 1) == plans.MIN_POOL
+
+
+def test_a_build_that_cannot_fit_names_the_field_and_the_size() -> None:
+    plans.check_fits(10_000_000, 1 << 30, limited=True)  # 160 MB + pool fit 1 GiB
+    plans.check_fits(10**9, 1 << 30, limited=False)  # no limit known: lancedb spills
+    with pytest.raises(plans.PlanError) as info:
+        plans.check_fits(10**9, 1 << 30, limited=True)
+    message = str(info.value)
+    assert "spec.sidecar.resources.limits.memory" in message and "15,515 MiB" in message
+    assert "\n" not in message
+
+
+def test_cgroup_memory_limits_are_read_as_kubernetes_sets_them() -> None:
+    assert cgroups.memory_limit("2147483648\n", "1073741824\n") == (2 << 30, 1 << 30)
+    assert cgroups.memory_limit("max\n", "5") is None  # v2: no limit
+    assert cgroups.memory_limit("9223372036854771712", "5") is None  # v1: no limit
+    assert cgroups.memory_limit("garbage", "5") is None
+
+
+def test_steps_per_epoch_come_from_a_row_count(db_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    table, data = pinned(db_uri, filter="label != 3")
+    import lancedb.permutation
+
+    def no_permutation(*_: object, **__: object) -> None:
+        raise AssertionError("layout built a permutation")
+
+    monkeypatch.setattr(lancedb.permutation, "permutation_builder", no_permutation)
+    sized = reading.layout(table, data)
+    assert sized.rows == 900 and sized.split_size == 37 and sized.steps_per_epoch == 18
+
+
+BIG_ROWS = 4_000_000
+
+
+@pytest.fixture(scope="module")
+def big_table(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """4M narrow rows in 4 fragments: lancedb's own builder fails on it at its 100 MiB default."""
+    uri = str(tmp_path_factory.mktemp("big"))
+    schema = pa.schema([("id", pa.int64()), ("label", pa.int32())])
+
+    def batches():  # type: ignore[no-untyped-def]
+        for start in range(0, BIG_ROWS, 1_000_000):
+            ids = np.arange(start, start + 1_000_000, dtype=np.int64)
+            yield pa.record_batch([ids, (ids % 10).astype(np.int32)], schema=schema)
+
+    db = lancedb.connect(uri)
+    db.create_table("frames", pa.RecordBatchReader.from_batches(schema, batches()),
+                    mode="overwrite")
+    return uri
+
+
+def test_a_4m_row_plan_matches_lancedb_on_sampled_splits(
+        big_table: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table, data = reading.pin(data_spec(big_table, num_splits=48, global_batch_size=4800))
+    location = plans.location_for(data, str(tmp_path))
+    builder = planner.Planner(data, {}, location, rows=BIG_ROWS)
+    builder.ensure(0)  # in a child process, as a sidecar builds it
+    # The reference: StreamingDataset in-process, with its builder given the memory
+    # it needs (at lancedb's default it fails on this table).
+    monkeypatch.setenv(plans.MEMORY_ENV, str(1 << 30))
+    for split in (0, 31):
+        expected = [r["id"] for r in reference_rows(data, epoch=0, rank=split, world_size=48, limit=500)]
+        ids = plans.read_splits(location, plans.PlanKey.of(data), 0, [split])[0][:500]
+        assert ids_of(takes.take_rows(table, ids, ["id"])) == expected
+
+
+def test_first_steps_of_a_4m_row_job_are_lancedbs(
+        big_table: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 splits, 2 splits a rank: lancedb's reference opens each split at O(table rows)
+    data = data_spec(big_table, num_splits=4, global_batch_size=400)
+    got = list(itertools.islice(
+        workers.iter_rank_batches(data, None, rank=1, world_size=2, start_global_step=0), 3))
+    monkeypatch.setenv(plans.MEMORY_ENV, str(1 << 30))
+    table = open_reference_table(data)
+    dataset = reading.reference_dataset(table, data, epoch=0, rank=1, world_size=2)
+    per_rank = topology.rows_per_split_per_step(400, 4) * 2
+    with contextlib.closing(iter(dataset)) as rows:
+        expected = [r["id"] for r in itertools.islice(rows, 3 * per_rank)]
+    assert [step for step, _ in got] == [0, 1, 2]
+    assert sum((ids_of(batch) for _, batch in got), []) == expected
