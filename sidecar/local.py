@@ -36,6 +36,9 @@ from splitfeed.trainer_client import contract, errors, specs, stalls, worlds
 from . import forkserver, metrics
 
 STOP_GRACE_S = 10.0
+EARLY_STOP_GRACE_S = 3.0
+"""After every trainer of a world exited 0, how long its sidecars get to end on their own
+(the job's last step, a drain) before the run counts as stopped early by the trainers."""
 
 
 def free_port() -> int:
@@ -192,6 +195,11 @@ class World:
     def finished(self) -> bool:
         return all(p.popen.poll() == 0 for p in self.trainers + self.sidecars)
 
+    def trainers_exited(self) -> tuple[list[str], list[str]]:
+        """(trainers that exited 0, trainers still running), by name."""
+        codes = [(p.name, p.popen.poll()) for p in self.trainers]
+        return [n for n, c in codes if c == 0], [n for n, c in codes if c is None]
+
     def total_steps(self) -> int:
         """The job's global steps, as the trainers were told (0 before any batch)."""
         return max((int(_read_json(f).get("total_steps", 0)) for f in self.stats), default=0)
@@ -299,6 +307,8 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     world: World | None = None
     interrupted = False
     failure: str | None = None
+    stopped: str | None = None
+    ended = EndWatch()
     # Sidecars fork from one process that imported lancedb and torch once (forkserver's doc).
     forks = forkserver.Server(str(logs / "forkserver.log"), preexec_fn=_die_with_parent)
     try:
@@ -311,6 +321,10 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
             finished = world.finished()
             if failure or (finished and (world.drain_to is None or world.drain_to[0] >= world.total_steps())):
                 break  # done; a --scale-at step past the job's end drained nothing
+            if world.drain_to is None:
+                stopped, failure = ended.check(world, time.monotonic())
+                if stopped or failure:
+                    break
             _ask_ahead(world, plan, display)
             steps = world.steps()
             if rescales and rescales[-1].first_batch_s is None and max(steps) > (world.resume_step or 0):
@@ -336,6 +350,8 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
         display.close()
         if world is not None:
             world.stop()
+            if not failure and not interrupted:
+                stopped = stopped_early(world)  # from the reports, before `work` goes
         forks.close()
         if not interrupted:
             _summary(history, time.monotonic() - started, out)
@@ -347,7 +363,55 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     if failure:
         print(f"splitfeed local: failed: {failure}", file=out)
         return 1
+    if stopped:
+        print(f"splitfeed local: {stopped}", file=out, flush=True)
     return 0
+
+
+def stopped_early(world: World) -> str | None:
+    """What a run whose trainers returned before its last step says, from the sidecars'
+    reports (the trainers' stats files are written now and then, the reports as the
+    sidecars stop); None for a run that reached its end."""
+    reports = [_read_json(r) for r in world.reports]
+    if not reports or not all(reports) or any(r.get("drained") for r in reports):
+        return None
+    step = min(int(r.get("globalStep", 0)) for r in reports)
+    total = max(int(r.get("stepsPerEpoch", 0)) for r in reports) * world.job.data.epochs
+    if step >= total:
+        return None
+    return (f"trainers stopped at global step {step} of {total}: the run ends there; its newest "
+            "complete checkpoint resumes it (--resume latest)")
+
+
+class EndWatch:
+    """Trainers that return before the job's last step (a max_steps loop, an early stop)
+    end the run cleanly; some ranks returned while the others still wait (a DDP peer gone)
+    fail it after spec.checkpoint.timeoutSeconds, naming them, instead of hanging."""
+
+    def __init__(self) -> None:
+        self._all_since: float | None = None
+        self._some_since: float | None = None
+
+    def check(self, world: World, now: float) -> tuple[str | None, str | None]:
+        """(why the trainers ended the run, why it failed); both None while it goes on."""
+        exited, running = world.trainers_exited()
+        if exited and not running:
+            self._all_since = self._all_since or now
+            if now - self._all_since < EARLY_STOP_GRACE_S:
+                return None, None  # the sidecars may be ending on their own
+            return "trainers stopped", None
+        self._all_since = None
+        if exited and running:
+            self._some_since = self._some_since or now
+            timeout = world.job.checkpoint.timeout_seconds
+            if now - self._some_since > timeout:
+                return None, (f"{', '.join(exited)} returned but {', '.join(running)} still ran "
+                              f"{timeout} s later (spec.checkpoint.timeoutSeconds): a rank that "
+                              "stops early stops its DDP peers' collectives; stop every rank at "
+                              "the same step")
+        else:
+            self._some_since = None
+        return None, None
 
 
 def _rescale_token(world: World) -> str:

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 _OK, _DATA_ERROR, _USER_ERROR, _FAILURE = "ok", "data", "user", "failure"
 
+IN_PROCESS_ROWS = 4_000_000
+"""Up to this many rows a plan is built in the sidecar itself: lancedb holds 64 MB of
+permutation for a moment, while a child costs seconds to start (a fork server importing
+lancedb and torch), more than the build. Past it, the child's memory is the point."""
+
 
 def _build_main(conn: multiprocessing.connection.Connection, data: specs.DataSpec,
                 storage_options: dict[str, str], location: plans.Location, epoch: int,
@@ -105,7 +110,11 @@ class Planner:
                      self.location.uri)
             try:
                 plans.check_builder(self.location)
-                build_in_child(self.data, self._options, self.location, epoch, self._rows)
+                if self._rows <= IN_PROCESS_ROWS:
+                    table = reading.open_table(self.data, self._options)
+                    plans.build_and_publish(table, self.data, self.location, epoch, rows=self._rows)
+                else:
+                    build_in_child(self.data, self._options, self.location, epoch, self._rows)
             except Exception as exc:
                 plans.mark_failed(self.location, epoch, str(exc))
                 raise

@@ -480,7 +480,7 @@ class Source:
             return True
         fs, _ = self.location.filesystem()
         try:
-            return fs.get_file_info(self.location.path(epoch)).type == pafs.FileType.File
+            return bool(fs.get_file_info(self.location.path(epoch)).type == pafs.FileType.File)
         except OSError:
             return False
 

@@ -29,7 +29,7 @@ MAX_IN_FLIGHT = 32
 concurrent range requests, and past this a pod's network, not latency, is the limit."""
 FIRST_DEPTH = 2
 """Takes in flight before the first result says how many bytes a row holds."""
-_END = object()
+_END: Any = object()
 
 
 def take_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None) -> pa.RecordBatch:
@@ -95,6 +95,7 @@ class Takes(Generic[T]):
             if request is BARRIER:
                 self._at_barrier = True
                 continue
+            assert isinstance(request, tuple)
             tag, ids = request
             future = self._pool.submit(take_rows, self._table, ids, self._columns)
             self._running.append((tag, len(ids), future))

@@ -51,6 +51,29 @@ def test_local_runs_every_rank_with_the_pod_environment(table_uri, tmp_path):
         assert got == reference_batches(table_uri, {}, 2, rank)
 
 
+@pytest.mark.parametrize("close", [True, False], ids=["close", "no-close"])
+def test_trainers_that_return_early_end_the_run_cleanly(table_uri, tmp_path, close):
+    """A max_steps loop: every trainer returns after 3 steps, with or without close()."""
+    args = ["--stop-after", "3"] + ([] if close else ["--no-close"])
+    started = time.monotonic()
+    done = splitfeed("local", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "2", "--quiet",
+                     "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), *args, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"trainers stopped at global step 3 of (\d+)", done.stderr)
+    assert found and int(found.group(1)) > 3, done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_a_rank_that_returns_while_its_peers_wait_fails_the_run_naming_them(table_uri, tmp_path):
+    job = manifest(table_uri)
+    job["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt"), "timeoutSeconds": 3}
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--quiet",
+                     "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--stop-after", "3",
+                     "--stop-rank", "1", timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "w0-trainer-1 returned but w0-trainer-0 still ran 3 s later" in done.stderr, done.stderr
+
+
 def test_a_failed_rank_stops_the_run_with_its_error(table_uri, tmp_path):
     done = splitfeed("local", "-f", job_file(tmp_path, manifest(table_uri)), "--replicas", "2", "--quiet",
                      "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--fail-at", "3")

@@ -1,7 +1,8 @@
 """A trainer process for data-plane tests: logs the ids of every batch it gets.
 
     python trainer_script.py LOG [--pause-after N] [--checkpoint-at S] [--save-at S] [--fail-at S]
-                                 [--compute-s T] [--stall-out PATH]
+                                 [--compute-s T] [--stall-out PATH] [--stop-after N [--stop-rank R]]
+                                 [--no-close]
 
 It prints "resume N" (client.resume_step) first. `--save-at S` checkpoints and
 commits after S global steps and goes on, as a periodic save would.
@@ -31,6 +32,9 @@ def main() -> int:
                         help="checkpoint when S global steps are done, then die before saving a model")
     parser.add_argument("--compute-s", type=float, default=0.0, help="sleep this long per batch (a model step)")
     parser.add_argument("--stall-out", help="write client.stats.stall (JSON) here at the end")
+    parser.add_argument("--stop-after", type=int, help="return after N batches, as a max_steps loop does")
+    parser.add_argument("--stop-rank", type=int, help="only this rank stops (--stop-after); the others pause")
+    parser.add_argument("--no-close", action="store_true", help="return without client.close()")
     args = parser.parse_args()
     client = StreamClient(timeout_s=60)
     print(f"resume {client.resume_step}", flush=True)
@@ -56,6 +60,10 @@ def main() -> int:
                 client.checkpoint()
                 if client.drained:
                     break
+            if received == args.stop_after:
+                if args.stop_rank is None or args.stop_rank == client.rank:
+                    break
+                args.pause_after = received  # a DDP peer: waits in a collective for ever
             if received == args.pause_after:
                 print("paused", flush=True)
                 while True:
@@ -65,7 +73,8 @@ def main() -> int:
         with open(args.stall_out, "w") as out:
             json.dump({"share": stall.stall_share, "p50_s": stall.p50_s, "p95_s": stall.p95_s,
                        "p99_s": stall.p99_s, "batches": stall.batches}, out)
-    client.close()
+    if not args.no_close:
+        client.close()
     return 0
 
 
