@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 FORK_WARNING = "lancedb fork support is experimental"
+STREAMING_ENV = "SPLITFEED_FORKSERVER_STREAMING"
+"""Set to 1 when the job is read through StreamingDataset: its children import torch then."""
 
 
 def _child(argv: Sequence[str], env: Mapping[str, str], log: str) -> None:
@@ -94,6 +96,9 @@ def serve(inp: IO[str], out: IO[str]) -> int:
     import splitfeed.sidecar.main  # noqa: F401  (the imports every child would do)
     from splitfeed.trainer_client import cli  # noqa: F401
 
+    if os.environ.get(STREAMING_ENV) == "1":
+        import lancedb.streaming  # noqa: F401  (and torch: the jobs StreamingDataset reads)
+
     warnings.filterwarnings("ignore", message=FORK_WARNING, category=RuntimeWarning)
     out.write(json.dumps({"ready": os.getpid()}) + "\n")
     out.flush()
@@ -153,14 +158,16 @@ class Forked:
 class Server:
     """The launcher's end: starts the server, asks it for sidecars, learns how they ended."""
 
-    def __init__(self, log: str, preexec_fn: Callable[[], object] | None = None) -> None:
+    def __init__(self, log: str, preexec_fn: Callable[[], object] | None = None, *,
+                 streaming: bool = False) -> None:
         import subprocess
         import threading
 
         self._log = open(log, "wb")
+        env = {**os.environ, STREAMING_ENV: "1" if streaming else "0"}
         self.proc = subprocess.Popen([sys.executable, "-m", "splitfeed.sidecar.forkserver"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, start_new_session=True, preexec_fn=preexec_fn)
+                                     text=True, start_new_session=True, preexec_fn=preexec_fn, env=env)
         self.changed = threading.Condition()
         self._codes: dict[int, int] = {}
         self._pids: list[int] = []

@@ -310,7 +310,8 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     stopped: str | None = None
     ended = EndWatch()
     # Sidecars fork from one process that imported lancedb and torch once (forkserver's doc).
-    forks = forkserver.Server(str(logs / "forkserver.log"), preexec_fn=_die_with_parent)
+    forks = forkserver.Server(str(logs / "forkserver.log"), preexec_fn=_die_with_parent,
+                              streaming=bool(job.data.transform) or job.data.pack_sequences is not None)
     try:
         world = start_world(job, first_world_epoch(job, storage_options_dir), argv, work, logs,
                             resume=resume, resume_step=None, storage_options_dir=storage_options_dir,

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import resource
 import signal
 import time
 import uuid
@@ -531,6 +532,7 @@ def serve(sidecar: Sidecar) -> int:
             "skippedRows": reading.SKIPPED_ROWS[0],
         }
         server.close()
+        log.info("peak RSS %.0f MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if sidecar.builder is not None:
             sidecar.builder.close()
         if sidecar.coordinator is not None:

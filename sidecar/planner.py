@@ -57,7 +57,7 @@ def build_in_child(data: specs.DataSpec, storage_options: Mapping[str, str],
                    location: plans.Location, epoch: int, rows: int) -> None:
     """Build and publish one plan in a child forked from the loader workers' fork server
     (lancedb already imported there); its errors are raised here as they were there."""
-    context = workers.fork_context()
+    context = workers.fork_context(data)
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(target=_build_main, name=f"splitfeed-plan-{epoch}", daemon=True,
                               args=(sender, data, dict(storage_options), location, epoch, rows))
@@ -155,10 +155,10 @@ class Planner:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self.private:
+        if self.private:  # location_for's own directory, above plans/<digest>
             fs, root = self.location.filesystem()
             with contextlib.suppress(OSError):
-                fs.delete_dir(root)
+                fs.delete_dir(root.rsplit("/plans/", 1)[0])
 
 
 def location(data: specs.DataSpec, store_where: str | None,

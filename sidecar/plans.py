@@ -67,6 +67,12 @@ BYTES_PER_ROW_BUILT = 16
 """lancedb keeps the built permutation (row_id, split_id: uint64 each) in memory."""
 
 
+EPOCH_PRIME = 100_003
+"""lancedb.streaming's _EPOCH_PRIME: epoch e's seed is shuffleSeed + e * EPOCH_PRIME. Written
+here because importing lancedb.streaming imports torch (180 MiB) into every sidecar;
+tests/reading/test_plans.py holds it equal to lancedb's."""
+
+
 class PlanError(errors.DataError):
     """A plan that cannot be built, or one that must not be used (damaged or foreign)."""
 
@@ -173,14 +179,13 @@ def _pool(limit: int) -> Iterator[None]:
 def _permutation(table: Any, data: specs.DataSpec, epoch: int) -> Any:
     """lancedb's permutation table, built exactly as StreamingDataset.__init__ builds it."""
     from lancedb.permutation import permutation_builder
-    from lancedb.streaming import _EPOCH_PRIME
 
     builder = permutation_builder(table)
     if data.filter is not None:
         builder = builder.filter(data.filter)
     if data.shuffle:
         return builder.split_random(
-            fixed=data.num_splits, seed=data.shuffle_seed + epoch * _EPOCH_PRIME,
+            fixed=data.num_splits, seed=data.shuffle_seed + epoch * EPOCH_PRIME,
             clump_size=data.shuffle_clump_size or None).execute()
     return builder.split_sequential(fixed=data.num_splits).execute()
 
@@ -260,11 +265,11 @@ class Location:
 
 def location_for(data: specs.DataSpec, root: str | None,
                  storage_options: Mapping[str, str] | None = None) -> Location:
-    """Plans of `data` under `root` (a job's checkpoint directory), or in a private
+    """Plans of `data` under `root` (a job's checkpoint directory), or in a new private
     directory of this process when the job has no store to share them."""
     digest = PlanKey.of(data).digest()
-    if root is None:
-        root = private_root()
+    if root is None:  # its own: sidecars run as threads of one process in tests
+        root = tempfile.mkdtemp(prefix="sidecar-", dir=private_root())
     return Location(f"{root.rstrip('/')}/plans/{digest}", dict(storage_options or {}))
 
 

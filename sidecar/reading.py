@@ -25,15 +25,17 @@ import logging
 import os
 import typing
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import lancedb
 import numpy as np
 import pyarrow as pa
 from lancedb.permutation import Permutation, Transforms
-from lancedb.streaming import StreamingDataset
 
 from splitfeed.trainer_client import errors, specs, topology
+
+if TYPE_CHECKING:
+    from lancedb.streaming import StreamingDataset
 
 from . import batching, cgroups, plans, positions, preprocessing, storage_errors, takes
 
@@ -155,6 +157,8 @@ def reference_dataset(
     table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int
 ) -> StreamingDataset:
     """The StreamingDataset whose in-process order is the determinism contract."""
+    from lancedb.streaming import StreamingDataset  # torch, 180 MiB: only for the jobs it reads
+
     return StreamingDataset(table, epoch=epoch, rank=rank, world_size=world_size, **_order_arguments(data))
 
 
@@ -385,6 +389,8 @@ def _streaming_dataset(
         arguments.update(columns=[pack.column], pack_sequences=pack.block_size, eos_id=pack.eos_id,
                          pad_id=pack.pad_id, blocks_per_epoch=blocks)
     try:
+        from lancedb.streaming import StreamingDataset
+
         return StreamingDataset(
             table,
             epoch=epoch,
@@ -522,7 +528,16 @@ def _substitute(
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """lancedb's own merge of per-rank states into one topology-free state."""
+    """lancedb's own merge of per-rank states into one topology-free state.
+
+    A plain job's ranks all write the same state at a step (positions.state_dict), which
+    lancedb's merge returns as it is (tests/reading/test_checkpoints.py checks that);
+    not importing lancedb.streaming for it keeps torch (180 MiB) out of such sidecars.
+    """
+    if states and all(state == states[0] for state in states[1:]):
+        return dict(states[0])
+    from lancedb.streaming import StreamingDataset
+
     return StreamingDataset.merge_state_dicts(states)
 
 

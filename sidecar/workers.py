@@ -12,7 +12,8 @@ Worker processes exist because decoding and copying Arrow data holds the GIL
 for part of each read. They are not forked from the sidecar, whose lancedb Rust
 runtime (its thread pool and object-store clients) is running and not fork-safe,
 but from multiprocessing's 'forkserver': a server process started once per
-sidecar that imports this module (lancedb, and torch through lancedb.streaming)
+sidecar that imports this module (lancedb, and torch through lancedb.streaming for the jobs
+it reads)
 and runs nothing, then forks each worker. A spawned worker spent seconds of CPU
 on those imports, per worker and per world; a forked one starts at once. Forking
 after imports alone is safe for the reason sidecar/forkserver.py gives. Blocks
@@ -183,10 +184,11 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="splitfeed-parent-watch", daemon=True).start()
 
 
-def fork_context() -> Any:
-    """The 'forkserver' context whose server has imported what a worker imports (module doc)."""
+def fork_context(data: specs.DataSpec) -> Any:
+    """The 'forkserver' context whose server has imported what a worker imports (module doc):
+    lancedb.streaming (and torch) too for the jobs StreamingDataset reads."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload([__name__] + ([] if reading.reads_plans(data) else ["lancedb.streaming"]))
     return context
 
 
@@ -308,7 +310,7 @@ def _iter_in_processes(
     worker has are dropped (each worker's steps rise, and an epoch's lost steps
     only end where the next epoch starts, so aligning on the highest step is exact).
     """
-    context = fork_context()
+    context = fork_context(data)
     cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []

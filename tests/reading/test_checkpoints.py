@@ -349,3 +349,18 @@ def test_a_bad_identity_names_the_variable(env: dict[str, str], words: str) -> N
     with pytest.raises(errors.UserError, match=words):
         identity.from_env(env)
 
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_identical_rank_states_merge_as_lancedb_merges_them(ranks: int) -> None:
+    """reading.merge_states skips lancedb for a plain job's identical states: its answer is
+    lancedb's own, and unequal states still go to lancedb."""
+    from lancedb.streaming import StreamingDataset
+
+    data = specs.DataSpec(uri="x", table="t", num_splits=6, global_batch_size=12)
+    state = positions.state_dict(data, positions.Position(1, 4))
+    states = [dict(state) for _ in range(ranks)]
+    assert reading.merge_states(states) == StreamingDataset.merge_state_dicts(states)
+    skipped = positions.state_after(data, positions.Position(1, 4), {2: 11})
+    assert reading.merge_states([state, skipped]) == StreamingDataset.merge_state_dicts([state, skipped])
+    assert reading.merge_states([state, skipped])["positions_consumed_per_split"][2] == 11

@@ -270,3 +270,9 @@ def test_first_steps_of_a_4m_row_job_are_lancedbs(
         expected = [r["id"] for r in itertools.islice(rows, 3 * per_rank)]
     assert [step for step, _ in got] == [0, 1, 2]
     assert sum((ids_of(batch) for _, batch in got), []) == expected
+
+
+def test_the_epoch_seed_step_is_lancedbs() -> None:
+    from lancedb.streaming import _EPOCH_PRIME
+
+    assert plans.EPOCH_PRIME == _EPOCH_PRIME

@@ -1,0 +1,202 @@
+"""Real tables: start-up, sidecar memory and steady rows/s as a table grows (issue 19).
+
+    python -m tests.bench.tables [--rows 1000000,20000000,50000000] [--payload-rows 16384]
+                                 [--lancedb-timeout 150] [--steps 300]
+
+For each table, `splitfeed local` with 2 replicas and numWorkers 1 is timed from launch
+to the trainers' first batch, cold (no stored plan) and warm (the same job again: its
+plans are stored beside its checkpoints), each beside lancedb's own StreamingDataset
+in-process on the same table (time to its first row and its peak RSS, in a child, cut
+off at --lancedb-timeout). A sidecar's peak RSS (its log's last line) is held against
+the goal 300 MiB + 2.2 x its splits' row ids (8 B a row) + readAheadBytes. Steady rows/s
+is what a trainer receives after its first batch, over --steps batches.
+
+The payload table is 64 KiB a row; the issue's 1M rows of it would be 64 GiB, more than
+this machine's disk holds for a bench, so it has --payload-rows rows (1 GiB by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+SPLITS, REPLICAS = 48, 2
+READ_AHEAD = 256 * MiB
+GOALS = {"cold_s": 15.0, "warm_s": 5.0, "rows_ratio_50m": 0.9}
+
+
+def write_table(uri: str, rows: int, payload: int = 0) -> None:
+    import lancedb
+
+    fields = [("id", pa.int64()), ("label", pa.int32())] + ([("payload", pa.binary())] if payload else [])
+    schema = pa.schema(fields)
+    chunk = 1_000_000 if not payload else max(1, (64 * MiB) // payload)
+
+    def batches():  # type: ignore[no-untyped-def]
+        blob = np.random.default_rng(0).bytes(payload) if payload else b""
+        for start in range(0, rows, chunk):
+            ids = np.arange(start, min(rows, start + chunk), dtype=np.int64)
+            columns = [pa.array(ids), pa.array((ids % 10).astype(np.int32))]
+            if payload:
+                columns.append(pa.array([blob] * len(ids), pa.binary()))
+            yield pa.record_batch(columns, schema=schema)
+
+    lancedb.connect(uri).create_table("t", pa.RecordBatchReader.from_batches(schema, batches()),
+                                      mode="overwrite")
+
+
+def job(uri: str, ckpt: str, batch: int) -> dict:
+    return {"apiVersion": "splitfeed.io/v1alpha1", "kind": "StreamingJob", "metadata": {"name": "tables"},
+            "spec": {"replicas": REPLICAS, "data": {"uri": uri, "table": "t", "numSplits": SPLITS,
+                                                    "globalBatchSize": batch, "columns": ["id", "label"]
+                                                    if batch != PAYLOAD_BATCH else None,
+                                                    "readBatchSize": 1024},
+                     "checkpoint": {"uri": ckpt}, "sidecar": {"prefetchBatches": 4}}}
+
+
+PAYLOAD_BATCH = 480
+NARROW_BATCH = 4800
+
+
+def run_local(work: Path, spec: dict, steps: int) -> dict:
+    """One `splitfeed local` run: seconds to the later rank's first batch, rows/s, sidecar RSS."""
+    if spec["spec"]["data"]["columns"] is None:
+        del spec["spec"]["data"]["columns"]
+    path = work / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = work / "first"
+    for old in work.glob("first.*.json"):
+        old.unlink()
+    launched = time.time()
+    done = subprocess.run([sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", str(path),
+                           "--quiet", "--", sys.executable, "-m", "tests.bench.first_batch", str(out),
+                           str(steps)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"splitfeed local failed:\n{done.stderr[-3000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted(work.glob("first.*.json"))]
+    logs = Path(re.search(r"logs in (\S+)", done.stderr).group(1))  # type: ignore[union-attr]
+    rss = [float(m.group(1)) for f in logs.glob("*sidecar*.log")
+           for m in re.finditer(r"peak RSS (\d+) MiB", f.read_text())]
+    shutil.rmtree(logs, ignore_errors=True)
+    return {"first_batch_s": round(max(r["first_batch_at"] for r in ranks) - launched, 2),
+            "rows_per_s": round(min(r["rows_per_s"] for r in ranks) * REPLICAS),
+            "sidecar_peak_rss_mib": max(rss, default=float("nan"))}
+
+
+LANCEDB_CHILD = """
+import os, resource, sys, time, lancedb
+from lancedb.streaming import StreamingDataset
+started = time.perf_counter()
+table = lancedb.connect(sys.argv[1]).open_table("t")
+ds = StreamingDataset(table, num_splits=int(sys.argv[2]), shuffle=True, shuffle_seed=0, rank=0,
+                      world_size=int(sys.argv[3]), columns=["id", "label"], read_batch_size=1024)
+next(iter(ds))
+print(time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def lancedb_first_row(uri: str, timeout: float) -> dict:
+    """lancedb in-process, rank 0 of 2: seconds to its first row, peak RSS (MiB)."""
+    env = {**os.environ, "LANCEDB_PERM_BUILDER_MEMORY_LIMIT": str(8 << 30)}  # its 100 MiB fails
+    try:
+        done = subprocess.run([sys.executable, "-c", LANCEDB_CHILD, uri, str(SPLITS), str(REPLICAS)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"first_row_s": f"> {timeout:.0f}", "peak_rss_mib": None}
+    if done.returncode != 0:
+        return {"first_row_s": "failed", "error": done.stderr.strip().splitlines()[-1:]}
+    seconds, rss = done.stdout.split()
+    return {"first_row_s": round(float(seconds), 2), "peak_rss_mib": round(float(rss))}
+
+
+def rss_goal_mib(rows: int) -> float:
+    own_ids = rows // REPLICAS * 8
+    return 300 + 2.2 * own_ids / MiB + READ_AHEAD / MiB
+
+
+def bench(rows_list: list[int], payload_rows: int, lancedb_timeout: float, steps: int) -> dict:
+    results: dict = {"tables": []}
+    cases = [(rows, 0, NARROW_BATCH) for rows in rows_list]
+    if payload_rows:
+        cases.append((payload_rows, 64 * 1024, PAYLOAD_BATCH))
+    for rows, payload, batch in cases:
+        work = Path(tempfile.mkdtemp(prefix="sf-bench-tables-"))
+        try:
+            uri = str(work / "db")
+            started = time.perf_counter()
+            write_table(uri, rows, payload)
+            name = f"{rows:,} rows" + (f" x {payload // 1024} KiB" if payload else "")
+            print(f"  {name}: written in {time.perf_counter() - started:.1f} s", flush=True)
+            spec = job(uri, str(work / "ckpt"), batch)
+            case_steps = min(steps, max(1, rows // batch - 2))
+            cold = run_local(work, json.loads(json.dumps(spec)), case_steps)
+            warm = run_local(work, json.loads(json.dumps(spec)), case_steps)
+            base = lancedb_first_row(uri, lancedb_timeout)
+            row = {"table": name, "rows": rows, "cold": cold, "warm": warm, "lancedb": base,
+                   "rss_goal_mib": round(rss_goal_mib(rows))}
+            print(f"    cold {cold['first_batch_s']} s, warm {warm['first_batch_s']} s to the first batch; "
+                  f"lancedb {base['first_row_s']} s to its first row; sidecar peak RSS "
+                  f"{max(cold['sidecar_peak_rss_mib'], warm['sidecar_peak_rss_mib']):.0f} MiB (goal <= "
+                  f"{row['rss_goal_mib']}), lancedb {base.get('peak_rss_mib')} MiB; "
+                  f"{warm['rows_per_s']:,} rows/s steady", flush=True)
+            results["tables"].append(row)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def verdicts(results: dict) -> list[str]:
+    """Each goal of issue 19 that this run can judge, met or missed."""
+    lines = []
+    by_rows = {t["rows"]: t for t in results["tables"] if "KiB" not in t["table"]}
+    if 20_000_000 in by_rows:
+        t = by_rows[20_000_000]
+        for kind, goal in (("cold", GOALS["cold_s"]), ("warm", GOALS["warm_s"])):
+            got = t[kind]["first_batch_s"]
+            lines.append(f"20M rows {kind} start {got} s <= {goal} s: {'met' if got <= goal else 'MISSED'}")
+    for t in results["tables"]:
+        rss = max(t["cold"]["sidecar_peak_rss_mib"], t["warm"]["sidecar_peak_rss_mib"])
+        lines.append(f"{t['table']}: sidecar RSS {rss:.0f} MiB <= {t['rss_goal_mib']} MiB: "
+                     f"{'met' if rss <= t['rss_goal_mib'] else 'MISSED'}")
+    if 1_000_000 in by_rows and 50_000_000 in by_rows:
+        ratio = by_rows[50_000_000]["warm"]["rows_per_s"] / by_rows[1_000_000]["warm"]["rows_per_s"]
+        lines.append(f"steady rows/s at 50M = {ratio:.2f} x at 1M >= {GOALS['rows_ratio_50m']}: "
+                     f"{'met' if ratio >= GOALS['rows_ratio_50m'] else 'MISSED'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1000000,20000000,50000000")
+    parser.add_argument("--payload-rows", type=int, default=16384)
+    parser.add_argument("--lancedb-timeout", type=float, default=150.0)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args(argv)
+    results = bench([int(r) for r in args.rows.split(",") if r], args.payload_rows,
+                    args.lancedb_timeout, args.steps)
+    results["verdicts"] = verdicts(results)
+    results["machine"] = {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2),
+                          "bench_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    for line in results["verdicts"]:
+        print(f"  {line}")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
