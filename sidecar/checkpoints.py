@@ -235,7 +235,6 @@ class Store:
 
     def write(self, *, global_step: int, rank: int, world_size: int, state: Mapping[str, Any]) -> str:
         """Phase one: the rank's data position for `global_step` (not resumable until committed)."""
-        self.fs.create_dir(self._step_dir(global_step), recursive=True)
         path = self.record_path(global_step, rank, world_size)
         record = {"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
                   "worldSize": world_size, "worldEpoch": self.world_epoch,
@@ -263,13 +262,18 @@ class Store:
             log.info("world %d already started at step %d", self.world_epoch,
                      worlds[self.world_epoch]["resumeStep"])
             return
-        self.fs.create_dir(f"{self.root}/worlds", recursive=True)
         self._put(f"{self.root}/worlds/world-{self.world_epoch:06d}.json", _sealed(
             {"version": FORMAT_VERSION, "worldEpoch": self.world_epoch, "resumeStep": resume_step,
              "provenance": self.provenance}))
 
     def _put(self, path: str, blob: bytes) -> None:
+        """Write `path` whole, retrying a store's transient errors as reads do (a put of the
+        same bytes again is harmless): a drain's checkpoint must not fail on one 503."""
+        self._retry(f"writing {path}", lambda: self._put_once(path, blob))
+
+    def _put_once(self, path: str, blob: bytes) -> None:
         """Write `path` whole: temp file + rename locally, a single put on object storage."""
+        self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         if isinstance(self.fs, pafs.LocalFileSystem):
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             with open(tmp, "wb") as f:
@@ -284,7 +288,7 @@ class Store:
     # --- reading ---------------------------------------------------------------
 
     def _retry(self, what: str, read: Callable[[], T]) -> T:
-        """`read()`, retried with doubling waits on transient errors (not on absence)."""
+        """`read()` (or a write), retried with doubling waits on transient errors (not on absence)."""
         delay = self.backoff_s
         for attempt in range(1, self.retries + 1):
             try:
