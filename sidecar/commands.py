@@ -110,10 +110,30 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"table {data.table}: {rows} rows{' after filter' if data.filter else ''}, "
           f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
           f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
+    if reading.reads_plans(data):
+        from . import plans
+
+        columns, row_bytes = reading.sample_row_bytes(table, data)
+        c = plans.cost(rows, data.num_splits, w, data.shuffle_clump_size, columns, row_bytes)
+        print(f"plan: {_size(c.plan_bytes)} per epoch (8 B a row), built once by replica 0's sidecar; "
+              f"each rank holds {_size(c.rank_ids_bytes)} of row ids (twice that as an epoch ends)")
+        print(f"reads: ~{c.requests:,} requests and ~{_size(c.read_bytes)} per epoch "
+              + (f"(shuffleClumpSize {data.shuffle_clump_size}: one request per clump per column)"
+                 if data.shuffle_clump_size > 1 else
+                 "(rows shuffled one by one: one request per row per column; shuffleClumpSize "
+                 "N reads N neighbouring rows at once)"))
     if pack is not None:
         print(f"packing: {reading.blocks_per_epoch(table, data)} blocks per epoch"
               f"{' (auto: estimated by lancedb from epoch 0, fixed for the job)' if pack.blocks_per_epoch == 'auto' else ''}")
     return 0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def plan_storage_options(uri: str, named: dict[str, str]) -> dict[str, str]:

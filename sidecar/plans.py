@@ -136,6 +136,34 @@ def file_name(epoch: int) -> str:
     return f"epoch-{epoch:06d}.plan"
 
 
+# --- what a plan and an epoch's reads cost ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What one epoch of a plain job costs (`splitfeed plan --read-table` prints it)."""
+
+    plan_bytes: int
+    """The epoch's plan file: 8 B a row."""
+    rank_ids_bytes: int
+    """The row ids one rank holds for an epoch (twice that at an epoch's end: the next's)."""
+    requests: int
+    """Reads of the store: one per row per column read, or one per clump of rows."""
+    read_bytes: int
+
+
+def cost(rows: int, num_splits: int, world_size: int, clump: int, columns: int,
+         row_bytes: float) -> Cost:
+    """An epoch's plan and reads. Rows shuffled one by one are scattered over the whole
+    table, so each costs a ranged GET per column (lance merges only neighbours: on a small
+    table it needs fewer); shuffleClumpSize C reads C neighbouring rows at once."""
+    size = rows // num_splits
+    kept = size * num_splits
+    per_request = max(1, clump)
+    return Cost(kept * ID_BYTES, size * (num_splits // world_size) * ID_BYTES,
+                -(-kept // per_request) * max(1, columns), int(kept * row_bytes))
+
+
 # --- building ------------------------------------------------------------------------
 
 

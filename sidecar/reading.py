@@ -240,6 +240,17 @@ def preprocessed_layout(table: Any, data: specs.DataSpec) -> Layout:
     return sized
 
 
+def sample_row_bytes(table: Any, data: specs.DataSpec, sample: int = 256) -> tuple[int, float]:
+    """(columns read, average bytes of a row read) from `sample` rows spread over the table."""
+    total = table.count_rows()
+    offsets = sorted({int(i) for i in np.linspace(0, max(0, total - 1), min(sample, total))})
+    query = table.take_offsets(offsets)
+    if data.columns:
+        query = query.select(list(data.columns))
+    rows = query.to_arrow()
+    return rows.num_columns, rows.nbytes / max(1, rows.num_rows)
+
+
 def reads_plans(data: specs.DataSpec) -> bool:
     """A plain job (no transform, packing or skip): read from plan files by row id."""
     return not data.transform and data.pack_sequences is None

@@ -183,6 +183,18 @@ def test_plan_shows_valid_counts_splits_per_rank_and_steps_per_epoch(table_uri, 
     # 800 rows pass the filter: 33 per split, 2 rows per split per step -> 16 steps
     reference_steps = len(reference_batches(table_uri, {"filter": "label >= 2"}, 3, 0))
     assert f"{reference_steps} steps per epoch" in out
+    # 24 splits of 33 rows: a plan of 792 x 8 B; a rank of 8 splits holds 264 ids
+    assert "plan: 6.2 KiB per epoch (8 B a row)" in out and "each rank holds 2.1 KiB of row ids" in out
+    # per-row shuffle: a request per row per column read (id, label, vec)
+    assert "reads: ~2,376 requests" in out and "one request per row per column" in out
+
+
+def test_plan_prints_what_clumps_save_in_requests(table_uri, tmp_path):
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, shuffleClumpSize=8,
+                                                               columns=["id"])), "--read-table")
+    assert done.returncode == 0, done.stderr
+    # 24 splits of 41 rows = 984 rows, clumps of 8: 123 requests of the one column
+    assert "reads: ~123 requests and ~7.7 KiB per epoch (shuffleClumpSize 8" in done.stdout, done.stdout
 
 
 def test_plan_warns_of_a_field_that_changes_nothing_and_still_plans(table_uri, tmp_path):
