@@ -182,6 +182,22 @@ def test_a_valid_job_gets_its_service_config_map_and_pods(env: Env) -> None:
     assert status["allowedReplicas"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
 
 
+def test_a_job_without_a_storage_secret_keeps_its_service_account_and_gets_an_fs_group(env: Env) -> None:
+    """What IRSA and workload identity need from the created pod (docs/credentials.md)."""
+    env.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "s3-reader", "namespace": NS,
+               "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::111122223333:role/splitfeed-reader"}}})
+    m = job_manifest("sigma", replicas=1)
+    del m["spec"]["data"]["storageOptionsSecret"]
+    m["spec"]["trainer"]["template"]["spec"].update(serviceAccountName="s3-reader", automountServiceAccountToken=False)
+    env.apply(m)
+    pods = wait_for(lambda: len(env.pods("sigma")) == 1 and env.pods("sigma"), 30, "1 pod")
+    pod = env.api.sanitize_for_serialization(pods["sigma-w0-0"])
+    assert pod["spec"]["serviceAccountName"] == "s3-reader"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["securityContext"]["fsGroup"] == 65532
+    assert "splitfeed-storage" not in {v["name"] for v in pod["spec"]["volumes"]}
+
+
 def test_an_invalid_job_is_rejected_by_the_webhook(env: Env) -> None:
     out = env.apply(job_manifest("bad", replicas=5), check=False)
     assert out.returncode != 0

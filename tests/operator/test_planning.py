@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 
-from splitfeed.operator import planning
+from splitfeed.operator import admission, planning
 from splitfeed.trainer_client import specs
 from tests.operator import pss
 from tests.support.builders import OWNER, manifest
@@ -49,7 +52,7 @@ def job(**spec):
 
 
 def env_of(container):
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
 def containers(pod):
@@ -363,3 +366,310 @@ def test_a_transforms_volume_of_the_template_is_mounted_into_the_sidecar_on_its_
     plain = containers(planning.pod(job(), 0, 1, OWNER, NATIVE))["splitfeed-sidecar"]
     assert "PYTHONPATH" not in env_of(plain)
     assert all(v["name"] != "splitfeed-transforms" for v in plain["volumeMounts"])
+
+
+# --- identity: a job without storageOptionsSecret reads through the pod's service account ----
+
+ROLE_ARN = "arn:aws:iam::111122223333:role/splitfeed-reader"
+EKS_MOUNT = "/var/run/secrets/eks.amazonaws.com/serviceaccount"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "credentials"
+
+
+def identity_manifest(**template_spec):
+    """A job with no storage Secret whose template names a service account."""
+    m = manifest()
+    del m["spec"]["data"]["storageOptionsSecret"]
+    m["spec"]["trainer"]["template"]["spec"].update({"serviceAccountName": "s3-reader", **template_spec})
+    return m
+
+
+def eks_pod_identity_webhook(pod, service_accounts, region="us-east-1"):
+    """A stand-in for EKS's pod-identity webhook (amazon-eks-pod-identity-webhook,
+    pkg/handler/handler.go) on a pod being created: when the pod's service account carries
+    `eks.amazonaws.com/role-arn`, every init and regular container not named in the pod's
+    `eks.amazonaws.com/skip-containers` annotation gets AWS_ROLE_ARN and
+    AWS_WEB_IDENTITY_TOKEN_FILE (unless it sets either), AWS_REGION and AWS_DEFAULT_REGION
+    (unless it sets either), AWS_STS_REGIONAL_ENDPOINTS (when the account asks for it and
+    the container does not set it) and a read-only mount of `aws-iam-token` (unless it
+    mounts that volume), and the pod gets the projected token volume (unless it has one)."""
+    pod = copy.deepcopy(pod)
+    spec = pod["spec"]
+    account = service_accounts.get(spec.get("serviceAccountName") or "default") or {}
+    notes = (account.get("metadata") or {}).get("annotations") or {}
+    role = notes.get("eks.amazonaws.com/role-arn")
+    if not role:
+        return pod
+    skip = set(((pod["metadata"].get("annotations") or {}).get("eks.amazonaws.com/skip-containers") or "").split(","))
+    for key in ("initContainers", "containers"):
+        for c in spec.get(key) or []:
+            if c["name"] in skip:
+                continue
+            names = {e["name"] for e in c.get("env") or []}
+            env = c.setdefault("env", [])
+            if notes.get("eks.amazonaws.com/sts-regional-endpoints") == "true" \
+                    and "AWS_STS_REGIONAL_ENDPOINTS" not in names:
+                env.append({"name": "AWS_STS_REGIONAL_ENDPOINTS", "value": "regional"})
+            if not names & {"AWS_REGION", "AWS_DEFAULT_REGION"}:
+                env += [{"name": "AWS_DEFAULT_REGION", "value": region}, {"name": "AWS_REGION", "value": region}]
+            if not names & {"AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"}:
+                env += [{"name": "AWS_ROLE_ARN", "value": role},
+                        {"name": "AWS_WEB_IDENTITY_TOKEN_FILE", "value": f"{EKS_MOUNT}/token"}]
+            if not any(m["name"] == "aws-iam-token" for m in c.get("volumeMounts") or []):
+                c.setdefault("volumeMounts", []).append(
+                    {"name": "aws-iam-token", "mountPath": EKS_MOUNT, "readOnly": True})
+    if not any(v["name"] == "aws-iam-token" for v in spec.get("volumes") or []):
+        spec.setdefault("volumes", []).insert(0, {"name": "aws-iam-token", "projected": {"sources": [
+            {"serviceAccountToken": {"audience": "sts.amazonaws.com", "expirationSeconds": 86400, "path": "token"}}]}})
+    return pod
+
+
+SA_READER = {"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": "s3-reader", "namespace": "ns",
+                          "annotations": {"eks.amazonaws.com/role-arn": ROLE_ARN}}}
+
+
+def token_file(pod, volume):
+    """(owner uid, group, mode) of the service-account token in projected volume `volume` as
+    the kubelet (1.19+) writes it: the volume's defaultMode (0644 by default), but 0600 when
+    the pod has fsGroup or one runAsUser for every container (FsUserFrom: then owned by that
+    user); with fsGroup the file is then group-owned by it and group-readable (0640)."""
+    spec = pod["spec"]
+    pod_sc = spec.get("securityContext") or {}
+    users = {(c.get("securityContext") or {}).get("runAsUser", pod_sc.get("runAsUser"))
+             for c in spec.get("initContainers", []) + spec["containers"]}
+    fs_user = users.pop() if len(users) == 1 and None not in users else None
+    fs_group = pod_sc.get("fsGroup")
+    projected = next(v for v in spec["volumes"] if v["name"] == volume)["projected"]
+    mode = projected.get("defaultMode", 0o644)
+    if fs_user is not None or fs_group is not None:
+        mode = 0o600
+    if fs_group is not None:
+        mode |= 0o040
+    return (fs_user if fs_user is not None else 0), (fs_group if fs_group is not None else 0), mode
+
+
+def can_read(pod, container, path):
+    """Whether `container`'s process (its or the pod's runAsUser, else the image's 65532; its
+    groups: the primary, fsGroup and supplementalGroups) may read the token file at `path`."""
+    spec = pod["spec"]
+    pod_sc = spec.get("securityContext") or {}
+    sc = container.get("securityContext") or {}
+    uid = sc.get("runAsUser", pod_sc.get("runAsUser", planning.LOADER_GROUP))
+    groups = {sc.get("runAsGroup", pod_sc.get("runAsGroup", planning.LOADER_GROUP)),
+              *([pod_sc["fsGroup"]] if "fsGroup" in pod_sc else []), *(pod_sc.get("supplementalGroups") or [])}
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    owner, group, mode = token_file(pod, mount["name"])
+    if uid == 0:
+        return True
+    if uid == owner:
+        return bool(mode & 0o400)
+    return bool(mode & (0o040 if group in groups else 0o004))
+
+
+@pytest.mark.parametrize("automount", [None, False, True])
+@pytest.mark.parametrize("settings", [NATIVE, CONTAINER], ids=["native", "container"])
+def test_the_templates_service_account_reaches_the_pod_unchanged(settings, automount):
+    extra = {} if automount is None else {"automountServiceAccountToken": automount}
+    pod = planning.pod(specs.parse_job(identity_manifest(**extra)), 2, 1, OWNER, settings)
+    assert pod["spec"]["serviceAccountName"] == "s3-reader"
+    assert pod["spec"].get("automountServiceAccountToken") == automount
+    kubernetes_validate.validate(pod, "1.30.0", strict=True)
+    plain = planning.pod(job(), 0, 0, OWNER, settings)["spec"]
+    assert "serviceAccountName" not in plain and "automountServiceAccountToken" not in plain
+
+
+def test_the_pod_gets_fs_group_65532_unless_its_template_sets_one():
+    assert planning.pod(job(), 0, 0, OWNER, NATIVE)["spec"]["securityContext"] == {
+        "fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch"}
+    restricted = planning.pod(specs.parse_job(restricted_manifest()), 0, 0, OWNER, NATIVE)
+    assert restricted["spec"]["securityContext"] == {
+        **pss.RESTRICTED_POD_SECURITY, "fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch"}
+    for own, built in [({"fsGroup": 2000}, {"fsGroup": 2000}),
+                       ({"fsGroup": 2000, "fsGroupChangePolicy": "Always"},
+                        {"fsGroup": 2000, "fsGroupChangePolicy": "Always"}),
+                       ({"fsGroupChangePolicy": "Always"}, {"fsGroup": 65532, "fsGroupChangePolicy": "Always"}),
+                       ({"runAsUser": 1000, "supplementalGroups": [7]},
+                        {"runAsUser": 1000, "supplementalGroups": [7], "fsGroup": 65532,
+                         "fsGroupChangePolicy": "OnRootMismatch"})]:
+        m = manifest()
+        m["spec"]["trainer"]["template"]["spec"]["securityContext"] = own
+        pod = planning.pod(specs.parse_job(m), 0, 0, OWNER, NATIVE)
+        assert pod["spec"]["securityContext"] == built, own
+        kubernetes_validate.validate(pod, "1.30.0", strict=True)
+
+
+@pytest.mark.parametrize("restricted", [False, True], ids=["plain", "restricted"])
+@pytest.mark.parametrize("settings", [NATIVE, CONTAINER], ids=["native", "container"])
+def test_the_eks_webhook_injects_the_role_into_the_sidecar_and_its_user_can_read_the_token(settings, restricted):
+    m = identity_manifest()
+    if restricted:
+        m = restricted_manifest()
+        del m["spec"]["data"]["storageOptionsSecret"]
+        m["spec"]["trainer"]["template"]["spec"]["serviceAccountName"] = "s3-reader"
+    built = planning.pod(specs.parse_job(m), 0, 1, OWNER, settings)
+    sidecar_before = containers(built)["splitfeed-sidecar"]
+    assert not {e["name"] for e in sidecar_before["env"]} & {"AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"}
+    pod = eks_pod_identity_webhook(built, {"s3-reader": SA_READER})
+    kubernetes_validate.validate(pod, "1.30.0", strict=True)  # what the webhook added is a valid pod
+    assert pss.violations(pod) == ([] if restricted else pss.violations(built))
+    for name in ("trainer", "splitfeed-sidecar"):
+        c = containers(pod)[name]
+        env = env_of(c)
+        assert env["AWS_ROLE_ARN"] == ROLE_ARN
+        assert env["AWS_WEB_IDENTITY_TOKEN_FILE"] == f"{EKS_MOUNT}/token"
+        assert env["AWS_REGION"] == "us-east-1"
+        assert {"name": "aws-iam-token", "mountPath": EKS_MOUNT, "readOnly": True} in c["volumeMounts"]
+        assert can_read(pod, c, env["AWS_WEB_IDENTITY_TOKEN_FILE"]), name
+    assert pod["spec"]["securityContext"]["fsGroup"] == 65532
+    # The sidecar's own contract env survives the webhook.
+    assert env_of(containers(pod)["splitfeed-sidecar"])["SPLITFEED_COORDINATOR"] == "tcp://resnet-w0-0.resnet:29501"
+
+
+def test_the_eks_webhook_leaves_a_pod_alone_whose_service_account_has_no_role():
+    built = planning.pod(specs.parse_job(identity_manifest()), 0, 0, OWNER, NATIVE)
+    assert eks_pod_identity_webhook(built, {"s3-reader": {"metadata": {"name": "s3-reader"}}}) == built
+    assert eks_pod_identity_webhook(planning.pod(job(), 0, 0, OWNER, NATIVE), {"s3-reader": SA_READER}) \
+        == planning.pod(job(), 0, 0, OWNER, NATIVE)  # no serviceAccountName: "default", no role
+
+
+def explicit_identity_manifest(default_mode=None):
+    """A cluster without the webhook: the user wrote the IRSA variables, a token volume, a GCP
+    key file and an Azure client id on the trainer, beside settings of its own."""
+    m = identity_manifest()
+    tpl = m["spec"]["trainer"]["template"]["spec"]
+    token = {"sources": [{"serviceAccountToken": {"audience": "sts.amazonaws.com", "path": "token"}}]}
+    if default_mode is not None:
+        token["defaultMode"] = default_mode
+    tpl["volumes"] = [{"name": "aws-iam-token", "projected": token},
+                      {"name": "gcp-key", "secret": {"secretName": "gcp-key"}},
+                      {"name": "model-out", "persistentVolumeClaim": {"claimName": "models"}}]
+    trainer = tpl["containers"][0]
+    trainer["env"] += [
+        {"name": "AWS_ROLE_ARN", "value": ROLE_ARN},
+        {"name": "AWS_WEB_IDENTITY_TOKEN_FILE", "value": f"{EKS_MOUNT}/token"},
+        {"name": "AWS_REGION", "value": "eu-west-1"},
+        {"name": "GOOGLE_APPLICATION_CREDENTIALS", "value": "/var/secrets/google/key.json"},
+        {"name": "AZURE_CLIENT_ID", "valueFrom": {"configMapKeyRef": {"name": "azure", "key": "client-id"}}},
+        {"name": "NCCL_DEBUG", "value": "WARN"}]
+    trainer["volumeMounts"] = [{"name": "aws-iam-token", "mountPath": EKS_MOUNT, "readOnly": True},
+                               {"name": "gcp-key", "mountPath": "/var/secrets/google", "readOnly": True},
+                               {"name": "model-out", "mountPath": "/models"}]
+    return m
+
+
+@pytest.mark.parametrize("settings", [NATIVE, CONTAINER], ids=["native", "container"])
+def test_the_sidecar_gets_the_identity_the_user_wrote_on_the_trainer(settings):
+    m = explicit_identity_manifest()
+    pod = planning.pod(specs.parse_job(m), 0, 0, OWNER, settings)
+    kubernetes_validate.validate(pod, "1.30.0", strict=True)
+    c = containers(pod)
+    trainer_env = {e["name"]: e for e in c["trainer"]["env"]}
+    sidecar_env = {e["name"]: e for e in c["splitfeed-sidecar"]["env"]}
+    for name in ("AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_REGION", "GOOGLE_APPLICATION_CREDENTIALS",
+                 "AZURE_CLIENT_ID"):
+        assert sidecar_env[name] == trainer_env[name], name  # a valueFrom stays a reference
+    assert "NCCL_DEBUG" not in sidecar_env and "KEEP" not in sidecar_env
+    own = [m for m in c["splitfeed-sidecar"]["volumeMounts"] if not m["name"].startswith("splitfeed-")]
+    assert own == [{"name": "aws-iam-token", "mountPath": EKS_MOUNT, "readOnly": True},
+                   {"name": "gcp-key", "mountPath": "/var/secrets/google", "readOnly": True}]
+    # The webhook, if the cluster has one after all, then adds nothing that conflicts.
+    hooked = eks_pod_identity_webhook(pod, {"s3-reader": SA_READER})
+    kubernetes_validate.validate(hooked, "1.30.0", strict=True)
+    for name in ("trainer", "splitfeed-sidecar"):
+        assert env_of(containers(hooked)[name])["AWS_REGION"] == "eu-west-1"
+        assert [e["name"] for e in containers(hooked)[name]["env"]].count("AWS_ROLE_ARN") == 1
+
+
+def test_a_strict_token_mode_is_readable_by_the_sidecar_through_the_pods_fs_group():
+    """A token volume with defaultMode 0400 is root's alone, unless the pod has fsGroup."""
+    pod = planning.pod(specs.parse_job(explicit_identity_manifest(default_mode=0o400)), 0, 0, OWNER, NATIVE)
+    sidecar = containers(pod)["splitfeed-sidecar"]
+    assert can_read(pod, sidecar, f"{EKS_MOUNT}/token")
+    without = copy.deepcopy(pod)
+    del without["spec"]["securityContext"]["fsGroup"]
+    assert not can_read(without, sidecar, f"{EKS_MOUNT}/token")  # the model would catch a missing fsGroup
+    m = explicit_identity_manifest(default_mode=0o400)
+    m["spec"]["trainer"]["template"]["spec"]["securityContext"] = {"fsGroup": 3000}
+    own = planning.pod(specs.parse_job(m), 0, 0, OWNER, NATIVE)
+    assert own["spec"]["securityContext"] == {"fsGroup": 3000}
+    assert can_read(own, containers(own)["splitfeed-sidecar"], f"{EKS_MOUNT}/token")
+
+
+def test_the_sidecar_keeps_its_own_variables_and_mount_paths_over_the_trainers():
+    sidecar = {"name": "splitfeed-sidecar", "env": [{"name": "AWS_REGION", "value": "ours"}],
+               "volumeMounts": [{"name": "data", "mountPath": "/data"}]}
+    trainer = {"name": "trainer",
+               "env": [{"name": "AWS_REGION", "value": "theirs"}, {"name": "AWS_SHARED_CREDENTIALS_FILE",
+                                                                   "value": "/data/aws/credentials"},
+                       {"name": "AZURE_FEDERATED_TOKEN_FILE", "value": "/var/run/secrets/azure/tokens/token"},
+                       {"name": "GOOGLE_CLOUD_PROJECT", "value": "p"}, {"name": "PATH", "value": "/x"}],
+               "envFrom": [{"secretRef": {"name": "everything"}}],
+               "volumeMounts": [{"name": "other", "mountPath": "/data/"},
+                                {"name": "azure-identity-token", "mountPath": "/var/run/secrets/azure/tokens",
+                                 "readOnly": True, "mountPropagation": "None"},
+                                {"name": "scratch", "mountPath": "/scratch"}]}
+    before = copy.deepcopy((sidecar, trainer))
+    out = planning.with_trainer_identity(sidecar, trainer, [])
+    assert (sidecar, trainer) == before  # pure
+    assert out["env"] == [{"name": "AWS_REGION", "value": "ours"}, trainer["env"][1], trainer["env"][2],
+                          trainer["env"][3]]
+    assert out["volumeMounts"] == [{"name": "data", "mountPath": "/data"},  # /data/ is taken: not the trainer's
+                                   {"name": "azure-identity-token", "mountPath": "/var/run/secrets/azure/tokens",
+                                    "readOnly": True}]
+    assert "envFrom" not in out
+    token_volume = {"name": "scratch", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}
+    assert {"name": "scratch", "mountPath": "/scratch"} in \
+        planning.with_trainer_identity(sidecar, trainer, [token_volume])["volumeMounts"]
+
+
+# --- the credentials examples (docs/credentials.md) -------------------------------------------
+
+def example(name):
+    return list(yaml.safe_load_all((EXAMPLES / name).read_text()))
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_every_credentials_example_is_admitted_and_builds_valid_pods(name):
+    docs = example(name)
+    jobs = [d for d in docs if d["kind"] == "StreamingJob"]
+    assert len(jobs) == 1
+    for d in docs:
+        if d["kind"] != "StreamingJob":
+            kubernetes_validate.validate(d, "1.30.0", strict=True)
+            assert d["kind"] != "Secret", "no Secret in an example: the user creates it"
+    j = admission.review_job(jobs[0])
+    for settings in (NATIVE, CONTAINER):
+        for p in planning.world(j, 0, OWNER, settings)[3:]:
+            kubernetes_validate.validate(p, "1.30.0", strict=True)
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    wanted = (j.trainer.template.get("spec") or {}).get("serviceAccountName")
+    assert (wanted in accounts) == (j.data.storage_options_secret is None), "identity, or a Secret"
+
+
+def test_the_irsa_example_gives_the_sidecar_its_role_through_the_webhook():
+    docs = example("s3-irsa.yaml")
+    j = admission.review_job(next(d for d in docs if d["kind"] == "StreamingJob"))
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    pod = eks_pod_identity_webhook(planning.pod(j, 0, 0, OWNER, NATIVE), accounts)
+    sidecar = containers(pod)["splitfeed-sidecar"]
+    assert env_of(sidecar)["AWS_ROLE_ARN"].startswith("arn:aws:iam::")
+    assert can_read(pod, sidecar, env_of(sidecar)["AWS_WEB_IDENTITY_TOKEN_FILE"])
+    assert "--storage-options-dir" not in sidecar["args"]
+
+
+def test_the_gcs_example_names_a_workload_identity_account_and_shares_its_checkpoint_volume():
+    docs = example("gcs-workload-identity.yaml")
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert account["metadata"]["annotations"]["iam.gke.io/gcp-service-account"].endswith(".iam.gserviceaccount.com")
+    j = admission.review_job(next(d for d in docs if d["kind"] == "StreamingJob"))
+    sidecar = containers(planning.pod(j, 0, 0, OWNER, NATIVE))["splitfeed-sidecar"]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints"} in sidecar["volumeMounts"]
+
+
+def test_the_endpoint_example_keeps_keys_in_the_secret_and_the_endpoint_in_storage_options():
+    (doc,) = example("r2-endpoint.yaml")
+    data = doc["spec"]["data"]
+    assert data["storageOptionsSecret"] == "r2-creds"
+    assert data["storageOptions"]["aws_endpoint"].endswith(".r2.cloudflarestorage.com")
+    assert data["storageOptions"]["aws_region"] == "auto"
+    admission.check_storage_options(specs.parse_job(doc))  # nothing that looks like a credential
