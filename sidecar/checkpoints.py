@@ -273,8 +273,8 @@ class Store:
 
     def _put_once(self, path: str, blob: bytes) -> None:
         """Write `path` whole: temp file + rename locally, a single put on object storage."""
-        self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        if isinstance(self.fs, pafs.LocalFileSystem):
+        if isinstance(self.fs, pafs.LocalFileSystem):  # object stores have no directories to make
+            self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             with open(tmp, "wb") as f:
                 f.write(blob)
@@ -455,6 +455,14 @@ class Store:
         return None if found is None else (found.step, found.state, found.world_size)
 
 
+def store_options(job: specs.JobSpec, secret: Mapping[str, str] | None) -> dict[str, str]:
+    """The storage options of spec.checkpoint.uri: the Secret's, and spec.data.storageOptions
+    (an endpoint, a region) when the checkpoints are on the same kind of store as the table,
+    which they nearly always are (a MinIO or R2 endpoint given once must serve both)."""
+    same = urlparse(job.checkpoint.uri or "").scheme == urlparse(job.data.uri).scheme
+    return {**(dict(job.data.storage_options) if same else {}), **dict(secret or {})}
+
+
 def stores(job: specs.JobSpec, *, uid: str, storage_options: Mapping[str, str] | None = None,
            provenance: Mapping[str, Any] | None = None) -> list[Store]:
     """Where a job may resume from, in order: its own checkpoints, then (when it has none)
@@ -462,6 +470,7 @@ def stores(job: specs.JobSpec, *, uid: str, storage_options: Mapping[str, str] |
     uri = job.checkpoint.uri
     if not uri:
         return []
+    storage_options = store_options(job, storage_options)
     own = Store(uri, job.namespace, job.name, storage_options, uid=uid, provenance=provenance)
     source = job.checkpoint.resume_from
     if source is None:

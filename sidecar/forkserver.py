@@ -97,7 +97,9 @@ def serve(inp: IO[str], out: IO[str]) -> int:
     from splitfeed.trainer_client import cli  # noqa: F401
 
     if os.environ.get(STREAMING_ENV) == "1":
-        import lancedb.streaming  # noqa: F401  (and torch: the jobs StreamingDataset reads)
+        from splitfeed.sidecar import reading
+
+        reading.import_streaming()  # and torch: the jobs StreamingDataset reads
 
     warnings.filterwarnings("ignore", message=FORK_WARNING, category=RuntimeWarning)
     out.write(json.dumps({"ready": os.getpid()}) + "\n")

@@ -151,8 +151,8 @@ def first_world_epoch(job: specs.JobSpec, storage_options_dir: Path | None) -> i
         return 0
     from . import checkpoints, storage_options
 
-    store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name,
-                              storage_options.read_storage_options(storage_options_dir), uid=LOCAL_JOB_UID)
+    options = checkpoints.store_options(job, storage_options.read_storage_options(storage_options_dir))
+    store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name, options, uid=LOCAL_JOB_UID)
     newest = store.newest_world()
     return 0 if newest is None else newest + 1
 

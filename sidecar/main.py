@@ -428,7 +428,8 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         del table
         resume_state = check_resume_step(data, stores, start_step, steps_per_epoch, expect)
         if reading.reads_plans(data):
-            where = planner.location(data, stores[0].where if stores else None, storage_options)
+            where = planner.location(data, stores[0].where if stores else None,
+                                     checkpoints.store_options(job, storage_options))
             plan = plans.Source(where)
             if replica == 0 or not stores:  # the world's builder, or a sidecar on its own
                 builder = planner.Planner(data, storage_options, where, rows=sized.rows,

@@ -251,6 +251,11 @@ def sample_row_bytes(table: Any, data: specs.DataSpec, sample: int = 256) -> tup
     return rows.num_columns, rows.nbytes / max(1, rows.num_rows)
 
 
+def import_streaming() -> None:
+    """Import lancedb.streaming (and torch) now: a fork server does it once for its children."""
+    import lancedb.streaming  # noqa: F401
+
+
 def reads_plans(data: specs.DataSpec) -> bool:
     """A plain job (no transform, packing or skip): read from plan files by row id."""
     return not data.transform and data.pack_sequences is None

@@ -364,3 +364,18 @@ def test_identical_rank_states_merge_as_lancedb_merges_them(ranks: int) -> None:
     skipped = positions.state_after(data, positions.Position(1, 4), {2: 11})
     assert reading.merge_states([state, skipped]) == StreamingDataset.merge_state_dicts([state, skipped])
     assert reading.merge_states([state, skipped])["positions_consumed_per_split"][2] == 11
+
+
+def test_a_store_on_the_tables_kind_of_store_gets_its_endpoint() -> None:
+    """An R2 / MinIO endpoint in spec.data.storageOptions serves the checkpoints too (they went
+    to AWS's endpoint before); the Secret's keys win; another kind of store gets none."""
+    job = specs.parse_job({"apiVersion": specs.API_VERSION, "kind": specs.KIND, "metadata": {"name": "j"},
+                           "spec": {"data": {"uri": "s3://lake/db", "table": "t", "numSplits": 2,
+                                             "globalBatchSize": 4,
+                                             "storageOptions": {"aws_endpoint": "https://r2", "region": "auto"}},
+                                    "checkpoint": {"uri": "s3://lake/ckpt"}}})
+    secret = {"aws_access_key_id": "k", "region": "eu"}
+    assert checkpoints.store_options(job, secret) == {"aws_endpoint": "https://r2", "region": "eu",
+                                                      "aws_access_key_id": "k"}
+    local = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, uri="/ckpt"))
+    assert checkpoints.store_options(local, secret) == secret
