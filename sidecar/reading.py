@@ -343,7 +343,8 @@ def _iter_planned(
             del ids
 
     taken = takes.Takes(table, data.columns, requests(),
-                        specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes"))
+                        specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes"),
+                        clump=data.shuffle_clump_size, cpus=max(1, cgroups.process_cpus() // data.num_workers))
     try:
         for (first, count), rows in taken:
             for i in range(count):

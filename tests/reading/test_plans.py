@@ -276,3 +276,13 @@ def test_the_epoch_seed_step_is_lancedbs() -> None:
     from lancedb.streaming import _EPOCH_PRIME
 
     assert plans.EPOCH_PRIME == _EPOCH_PRIME
+
+
+def test_takes_in_flight_fit_the_budget_with_what_a_take_holds_while_it_decodes() -> None:
+    mib = 1 << 20
+    # 26,400 rows of 12 B shuffled one by one: ~13.8 MB a take -> 19 fit 256 MiB, 2 CPUs allow 4
+    assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=2) == 4
+    assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=16) == 19
+    assert takes.depth_for(256 * mib, 26_400, 12.0, clump=64, cpus=64) == takes.MAX_IN_FLIGHT
+    assert takes.depth_for(256 * mib, 1_920, 65_536.0, cpus=16) == 2  # 125 MB takes
+    assert takes.depth_for(1, 10, 1.0, cpus=8) == 1
