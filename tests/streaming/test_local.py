@@ -304,3 +304,43 @@ def test_sigterm_to_one_trainer_drains_the_world_at_one_step_and_the_next_run_re
         expected = reference_batches(table_uri, {}, 3, rank)
         assert {s: ids[0] for s, ids in resumed.batches[rank].items()} == {
             s: expected[s] for s in range(step, len(expected))}
+
+
+def test_a_4m_row_job_delivers_its_first_steps_as_lancedb_orders_them(tmp_path, monkeypatch):
+    """lancedb's own builder fails on this table at its 100 MiB default ("Not enough memory
+    to continue external sort"): the job's plan is built with the memory the sidecar has."""
+    import contextlib
+    import itertools
+
+    import lancedb
+    import numpy as np
+    import pyarrow as pa
+
+    from splitfeed.sidecar import plans, reading
+    from splitfeed.trainer_client import specs
+
+    uri, rows = str(tmp_path / "db"), 4_000_000
+    schema = pa.schema([("id", pa.int64()), ("label", pa.int32())])
+    chunks = (pa.record_batch([pa.array(np.arange(s, s + 1_000_000)), pa.array(np.zeros(1_000_000, np.int32))],
+                              schema=schema) for s in range(0, rows, 1_000_000))
+    lancedb.connect(uri).create_table("frames", pa.RecordBatchReader.from_batches(schema, chunks))
+    job = manifest(uri, numSplits=4, globalBatchSize=400, columns=["id", "label"])
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--quiet", "--",
+                     sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--stop-after", "3", timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "trainers stopped at global step 3 of 10000" in done.stderr, done.stderr
+    monkeypatch.setenv(plans.MEMORY_ENV, str(1 << 30))  # the reference's builder needs it too
+    data = specs.parse_job(job, check_replicas=False).data
+    table = reading.open_table(data)
+    expected: dict[int, list[list[int]]] = {0: [], 1: [], 2: []}  # step -> both ranks' batches
+    for rank in range(2):
+        dataset = reading.reference_dataset(table, data, epoch=0, rank=rank, world_size=2)
+        with contextlib.closing(iter(dataset)) as it:
+            ids = [r["id"] for r in itertools.islice(it, 600)]
+        for k in range(3):
+            expected[k].append(ids[k * 200:(k + 1) * 200])
+    got: dict[int, list[list[int]]] = {0: [], 1: [], 2: []}
+    for line in (tmp_path / "ids.jsonl").read_text().splitlines():  # both trainers log here
+        record = json.loads(line)
+        got[record["step"]].append(record["ids"])
+    assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in expected.items()}
