@@ -247,6 +247,7 @@ def main() -> int:
     from tests.bench import object_store, tables
 
     big = tables.bench([1_000_000, 20_000_000, 50_000_000], 16_384, 150.0, 300)
+    big["epoch_starts"] = tables.bench_epoch_starts()
     big["verdicts"] = tables.verdicts(big)
     print("object storage (an S3 endpoint with 0, 10 and 50 ms a request):", flush=True)
     store = object_store.bench(8.0, [0.0, 0.01, 0.05], quick=False)

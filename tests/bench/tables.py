@@ -93,9 +93,36 @@ def run_local(work: Path, spec: dict, steps: int) -> dict:
     rss = [float(m.group(1)) for f in logs.glob("*sidecar*.log")
            for m in re.finditer(r"peak RSS (\d+) MiB", f.read_text())]
     shutil.rmtree(logs, ignore_errors=True)
+    def worst(key: str) -> float | None:
+        found = [r[key] for r in ranks if r.get(key) is not None]
+        return round(max(found), 4) if found else None
+
     return {"first_batch_s": round(max(r["first_batch_at"] for r in ranks) - launched, 2),
             "rows_per_s": round(min(r["rows_per_s"] for r in ranks) * REPLICAS),
-            "sidecar_peak_rss_mib": max(rss, default=float("nan"))}
+            "sidecar_peak_rss_mib": max(rss, default=float("nan")),
+            "epoch_start_p99_s": worst("epoch_start_p99_s"), "steady_p99_s": worst("steady_p99_s")}
+
+
+EPOCH_ROWS, EPOCH_BATCH, EPOCHS = 1_000_000, 48_000, 12
+"""The epoch-start case: 20 steps an epoch, so a run crosses 11 epoch starts."""
+
+
+def bench_epoch_starts() -> dict:
+    """Data-ready p99 at the first step of each epoch against the other steps (issue 19
+    goal 4: <= 2x): the next epoch's plan is built while the current one is read."""
+    work = Path(tempfile.mkdtemp(prefix="sf-bench-epochs-"))
+    try:
+        uri = str(work / "db")
+        write_table(uri, EPOCH_ROWS)
+        spec = job(uri, str(work / "ckpt"), EPOCH_BATCH)
+        spec["spec"]["data"]["epochs"] = EPOCHS
+        got = run_local(work, spec, EPOCHS * 20 - 2)
+        ratio = (got["epoch_start_p99_s"] or 0) / max(1e-9, got["steady_p99_s"] or 0)
+        print(f"  epoch starts: data-ready p99 {got['epoch_start_p99_s']} s at an epoch's first step, "
+              f"{got['steady_p99_s']} s at the others ({ratio:.1f} x)", flush=True)
+        return {**got, "ratio": round(ratio, 2)}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 LANCEDB_CHILD = """
@@ -173,6 +200,10 @@ def verdicts(results: dict) -> list[str]:
         rss = max(t["cold"]["sidecar_peak_rss_mib"], t["warm"]["sidecar_peak_rss_mib"])
         lines.append(f"{t['table']}: sidecar RSS {rss:.0f} MiB <= {t['rss_goal_mib']} MiB: "
                      f"{'met' if rss <= t['rss_goal_mib'] else 'MISSED'}")
+    starts = results.get("epoch_starts")
+    if starts:
+        lines.append(f"epoch-start data-ready p99 = {starts['ratio']} x the steady p99 <= 2: "
+                     f"{'met' if starts['ratio'] <= 2 else 'MISSED'}")
     if 1_000_000 in by_rows and 50_000_000 in by_rows:
         ratio = by_rows[50_000_000]["warm"]["rows_per_s"] / by_rows[1_000_000]["warm"]["rows_per_s"]
         lines.append(f"steady rows/s at 50M = {ratio:.2f} x at 1M >= {GOALS['rows_ratio_50m']}: "
@@ -189,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = bench([int(r) for r in args.rows.split(",") if r], args.payload_rows,
                     args.lancedb_timeout, args.steps)
+    results["epoch_starts"] = bench_epoch_starts()
     results["verdicts"] = verdicts(results)
     results["machine"] = {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2),
                           "bench_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
