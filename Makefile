@@ -23,7 +23,7 @@ envtest:
 
 test: install
 	KUBEBUILDER_ASSETS="$$(bash tests/envtest/build.sh | tail -n 1)" \
-		$(PY) -m pytest $(PYTEST_ARGS)
+		$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 demo: install
 	$(PY) examples/demo.py
