@@ -4,7 +4,8 @@
     ├── UserError                          bad input; the message says what to fix (CLI exits 2)
     │   ├── DataError                      the table, its columns or the filter cannot feed this job:
     │   │   │                              restarting cannot help (the operator fails the job at once)
-    │   │   └── sidecar.checkpoints.ProvenanceMismatch   checkpoints of other data or another order
+    │   │   ├── sidecar.checkpoints.ProvenanceMismatch   checkpoints of other data or another order
+    │   │   └── sidecar.plans.PlanError    a plan that cannot be built, or is damaged or foreign
     │   ├── sidecar.checkpoints.StaleWorld         a newer world replaced this pod's
     │   └── sidecar.checkpoints.StoreUnavailable   the checkpoint store kept failing; a restart may help
     ├── ProtocolError                      a malformed, oversized or out-of-order message
