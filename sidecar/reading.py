@@ -315,7 +315,8 @@ def _iter_planned(
 
     One take serves `steps_per_take` whole steps of every split of `splits` (at least
     readBatchSize rows of each split), asked in the reference order, so its rows are the
-    steps' blocks as they are. Takes run ahead across steps and epochs up to
+    steps' blocks as they are (fewer steps once rows are known to be large: a take
+    stays under takes.TAKE_BYTES). Takes run ahead across steps and epochs up to
     spec.data.readAheadBytes (takes.Takes); an epoch's row ids are loaded when the
     first take of that epoch is asked for, so at most two epochs' ids are held. The
     planner builds epoch e+1's plan once a step of epoch e is published, so reads never
@@ -336,9 +337,11 @@ def _iter_planned(
                 yield takes.BARRIER  # built once this epoch's steps are published: no read-ahead
             ids = plan.ids(table, data, pos.epoch, splits, sized.rows)
             last = min(spe, end - pos.epoch * spe)
-            for first in range(pos.step, last, steps_per_take):
-                count = min(steps_per_take, last - first)
+            first = pos.step
+            while first < last:
+                count = min(taken.steps_per_take(steps_per_take, rows_per_step), last - first)
                 yield (pos.epoch * spe + first, count), step_order(ids, first, count, per_step)
+                first += count
             global_step = pos.epoch * spe + last
             del ids
 

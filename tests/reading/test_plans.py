@@ -286,3 +286,17 @@ def test_takes_in_flight_fit_the_budget_with_what_a_take_holds_while_it_decodes(
     assert takes.depth_for(256 * mib, 26_400, 12.0, clump=64, cpus=64) == takes.MAX_IN_FLIGHT
     assert takes.depth_for(256 * mib, 1_920, 65_536.0, cpus=16) == 2  # 125 MB takes
     assert takes.depth_for(1, 10, 1.0, cpus=8) == 1
+
+
+def test_a_take_of_large_rows_stays_under_take_bytes(db_uri: str) -> None:
+    """Until the first take sizes a row, takes are one step; then as many steps as fit."""
+    table, data = pinned(db_uri)
+    requests = iter([((0, 1), np.arange(10, dtype=np.uint64))])
+    taken = takes.Takes(table, ["id"], requests, 1 << 20)
+    assert taken.steps_per_take(50, 1000) == 1
+    next(taken)
+    row = taken._row_bytes
+    assert row is not None and row > 0
+    assert taken.steps_per_take(10**9, 1000) == int(takes.TAKE_BYTES // (1000 * row))
+    assert taken.steps_per_take(3, 1000) == 3
+    taken.close()
