@@ -29,6 +29,9 @@ from tests.support.waiting import wait_for
 
 KILL_AT = 5
 """The global step after which replica 0's sidecar is killed: mid-epoch 0, the look-ahead full."""
+STEP_S = 0.05
+"""A drain asked of a restarted coordinator waits for its members to rejoin; trainers that
+took no time at all ran the 32 steps left in 90 ms and the world ended before that."""
 
 
 def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported_before():
@@ -156,6 +159,7 @@ def test_a_drain_after_the_restart_agrees_on_one_step(pods, table_uri, tmp_path)
                 restart(started[0])
             if client.rank == 0 and batch.global_step == request_at:
                 assert request_drain(address, "rescale-w0", "rescale", timeout_s=10) is not None
+            time.sleep(STEP_S)  # a model step: the world must not end before its members rejoin
             barrier.wait()
             if client.checkpoint_requested:
                 out["saved"] = client.checkpoint()
