@@ -256,6 +256,12 @@ def import_streaming() -> None:
     import lancedb.streaming  # noqa: F401
 
 
+def remote(uri: str) -> bool:
+    """An object store (s3://, gs://, az://, ...): its reads wait on the network, not a CPU."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    return scheme not in ("", "file")
+
+
 def reads_plans(data: specs.DataSpec) -> bool:
     """A plain job (no transform, packing or skip): read from plan files by row id."""
     return not data.transform and data.pack_sequences is None
@@ -347,7 +353,8 @@ def _iter_planned(
 
     taken = takes.Takes(table, data.columns, requests(),
                         specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes"),
-                        clump=data.shuffle_clump_size, cpus=max(1, cgroups.process_cpus() // data.num_workers))
+                        clump=data.shuffle_clump_size,
+                        cpus=None if remote(data.uri) else max(1, cgroups.process_cpus() // data.num_workers))
     try:
         for (first, count), rows in taken:
             for i in range(count):

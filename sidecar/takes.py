@@ -31,7 +31,8 @@ TAKES_PER_CPU = 2
 """A take from local disk is CPU work (decoding the pages its rows sit in), so more
 takes than CPUs only contend: on 2 CPUs, 4 in flight read a 20M-row table at 318k
 rows/s in 493 MiB and 32 at 239k rows/s in 1,034 MiB. An object store's latency is
-mostly hidden inside one take by lancedb's own concurrent requests."""
+partly hidden inside one take by lancedb's own concurrent requests; takes from one wait
+on the network, so they are not held to this."""
 SCATTERED_ROW_BYTES = 512
 """Memory a take holds per row beyond the row itself while it decodes: a row shuffled on
 its own sits in a page of its own (measured: ~15 MB for a take of 26,400 rows of 12 B
@@ -65,12 +66,13 @@ def take_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None) -> pa.
 
 
 def depth_for(budget_bytes: int, rows_per_take: int, bytes_per_row: float, *, clump: int = 0,
-              cpus: int = 1) -> int:
+              cpus: int | None = 1) -> int:
     """Takes in flight that fit `budget_bytes` (spec.data.readAheadBytes) with what each
-    holds while it decodes, at most TAKES_PER_CPU x `cpus` and MAX_IN_FLIGHT, at least 1."""
+    holds while it decodes, at most MAX_IN_FLIGHT and, reading local files (`cpus` given),
+    TAKES_PER_CPU x `cpus`; at least 1. An object store's takes wait on the network."""
     per_row = bytes_per_row + SCATTERED_ROW_BYTES / max(1, clump)
     per_take = max(1.0, rows_per_take * per_row)
-    cap = min(MAX_IN_FLIGHT, TAKES_PER_CPU * max(1, cpus))
+    cap = MAX_IN_FLIGHT if cpus is None else min(MAX_IN_FLIGHT, TAKES_PER_CPU * max(1, cpus))
     return max(1, min(cap, int(budget_bytes // per_take)))
 
 
@@ -86,7 +88,7 @@ class Takes(Generic[T]):
 
     def __init__(self, table: Any, columns: Sequence[str] | None,
                  requests: Iterator[tuple[T, np.ndarray] | None], budget_bytes: int, *,
-                 clump: int = 0, cpus: int = 1) -> None:
+                 clump: int = 0, cpus: int | None = 1) -> None:
         self._table = table
         self._columns = list(columns) if columns else None
         self._requests = requests
@@ -99,7 +101,7 @@ class Takes(Generic[T]):
         self._running: collections.deque[tuple[T, int, concurrent.futures.Future[pa.RecordBatch]]] = (
             collections.deque())
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            min(MAX_IN_FLIGHT, TAKES_PER_CPU * max(1, cpus)), thread_name_prefix="splitfeed-take")
+            depth_for(1 << 62, 1, 0.0, cpus=cpus), thread_name_prefix="splitfeed-take")
         self._exhausted = False
         self._at_barrier = False
 

@@ -286,6 +286,9 @@ def test_takes_in_flight_fit_the_budget_with_what_a_take_holds_while_it_decodes(
     assert takes.depth_for(256 * mib, 26_400, 12.0, clump=64, cpus=64) == takes.MAX_IN_FLIGHT
     assert takes.depth_for(256 * mib, 1_920, 65_536.0, cpus=16) == 2  # 125 MB takes
     assert takes.depth_for(1, 10, 1.0, cpus=8) == 1
+    assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=None) == 19  # an object store: no CPU cap
+    assert reading.remote("s3://b/db") and reading.remote("gs://b/db") and not reading.remote("/data/db")
+    assert not reading.remote("file:///data/db")
 
 
 def test_a_take_of_large_rows_stays_under_take_bytes(db_uri: str) -> None:
