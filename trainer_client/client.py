@@ -63,6 +63,16 @@ MAX_WAIT_SLICE_S = 0.1
 """The slices double up to this during one long wait: each look costs the trainer CPU, and the
 sidecar wakes the futex itself when it sends the trainer anything (an error, the end)."""
 
+AFTER_BARE_WAKE_SLICE_S = 0.001
+"""After a wake that brought no batch, the slices start again from this short one.
+
+Such a wake is a message on its way (the sidecar bumps `posts` after it sends; ZeroMQ's
+I/O threads may hand the message over later, and the trainer looks at its socket between
+slices) or a bump of something this trainer already took (`_send` bumps after its message,
+which the trainer may have read; `slots.post` bumps after FILLED, and the trainer may have
+taken the batch). It cannot tell which, so it keeps sleeping on the futex, where the next
+batch's wake reaches it, and looks at its socket soon and then less and less often."""
+
 TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
 
@@ -315,9 +325,11 @@ class StreamClient:
                 if index is None and not spun:
                     index, spun = self._spin(control, step), True
                 if index is None:
-                    if not self._waiting:
-                        self._waits = slots.next_trainer_wait(self._waits)
-                        control.trainer_waiting, self._waiting = self._waits, True
+                    # A new value before every sleep, not once per wait: the sidecar wakes once
+                    # per value, and a wake spent on a bump with no batch for us must not leave
+                    # the next sleep without one (slots, rule 2).
+                    self._waits = slots.next_trainer_wait(self._waits)
+                    control.trainer_waiting, self._waiting = self._waits, True
                     seen = control.posts  # after the flag, before the last look (slots, rule 1)
                     index = control.find(step, scan=True)  # it may have landed meanwhile
                 later = control.find_after(step) if index is None and control.skipping else None
@@ -354,14 +366,13 @@ class StreamClient:
                 if now - quiet_since > self._heartbeat_s:
                     self._say_hello()  # a silent sidecar may have restarted: its welcome says so
                     quiet_since = now
-                timeout_s = min(slice_s, max(0.0, deadline - now))
                 if slept_at is not None and seen != slept_at:
-                    # Woken by a bump with no batch for us: the sidecar sent a message (an
-                    # error, the end), which ZeroMQ's I/O threads may not have delivered yet
-                    # (found under load). Wait for it on the socket, not on the futex.
-                    slept_at = None
-                    self._sock.poll(max(1, int(timeout_s * 1000)))
-                    continue
+                    # Woken by a bump with no batch for us: a message ZeroMQ may not have
+                    # delivered yet (found under load), or a bump of a batch or message already
+                    # taken. Look at the socket again soon, but go on sleeping on the futex: a
+                    # wait on the socket alone missed the next batch's wake until the timeout.
+                    slice_s = AFTER_BARE_WAKE_SLICE_S
+                timeout_s = min(slice_s, max(0.0, deadline - now))
                 # The sidecar bumps `posts` and wakes this futex when it posts a batch or sends
                 # a message; the socket is also looked at between slices (a restarted sidecar).
                 slept_at = seen

@@ -168,8 +168,9 @@ class _Flag:
 
     Each flag has one writer (its waiter); setting it takes two RMWs, which
     only that writer may do. The peer only reads (adds 0). A waiter writes a
-    new non-zero value for every wait, and the peer wakes it once per value:
-    one message per wait, without the peer ever writing the flag.
+    new non-zero value for every wait (the trainer: for every sleep), and the
+    peer wakes it once per value: one wake-up per value, without the peer
+    ever writing the flag.
     """
 
     def __init__(self, index: int) -> None:

@@ -29,12 +29,18 @@ thread in between (a `ready` message through the sidecar's serving loop cost
 both processes ~100 us and three thread switches per wake-up: make bench).
 
 1. A waiter says so before it sleeps, then reads its counter, then looks at
-   the ring once more: the trainer sets `trainer_waiting` to a new number per
-   wait (`next_trainer_wait`), the sidecar sets `sidecar_waiting` to
+   the ring once more: the trainer sets `trainer_waiting` to a new number
+   before every sleep (`next_trainer_wait`; once per wait lost wake-ups: a
+   wake spent on a bump with no batch left the trainer's next sleep without
+   one), the sidecar sets `sidecar_waiting` to
    `ring.Waiting.episode(n, kind)` with the kind of what it waits for
    (`sidecar_waits_for`).
 2. The sidecar bumps `posts` after every batch it posts (`post`) and wakes
-   the trainer once per trainer wait (`ready_due`, `ready`).
+   the trainer once per `trainer_waiting` value (`ready_due`, `ready`). A
+   bump can come after the trainer took what it announced (`post` bumps
+   after FILLED, the sidecar's messages bump after they are sent), so a
+   trainer woken with no batch sleeps on `posts` again and looks at its
+   socket after short slices (`client.AFTER_BARE_WAKE_SLICE_S`).
 3. The trainer bumps `room` and wakes the sidecar once per sidecar wait, and
    only once what the sidecar waits for has happened: at most half of
    `prefetch` FILLED (ROOM) or a FREE slot (SLOT) (`wake_due`).
@@ -278,7 +284,7 @@ def open_slot(directory: Path, instance: str, local_rank: int, slot: int, gen: i
 # -- the wake-up rules ---------------------------------------------------------------------------
 
 def next_trainer_wait(count: int) -> int:
-    """The trainer's next non-zero `trainer_waiting` value (rule 1)."""
+    """The trainer's next non-zero `trainer_waiting` value, before each sleep (rule 1)."""
     return count % 0x7FFFFFFF + 1
 
 

@@ -6,6 +6,7 @@ drive it with a trivial in-memory factory so that every wait is deliberate.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from splitfeed.sidecar import serving
-from splitfeed.trainer_client import ring
+from splitfeed.trainer_client import messages, ring
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.streaming.harness import wait_for
@@ -126,6 +127,50 @@ def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, m
         started = time.monotonic()
         got = [ids(b)[0] // ROWS for b in client]
         # heartbeat_s=30, WAIT_SLICE_S=60: only the sidecar's wake can have woken it this soon
+        assert time.monotonic() - started < 10
+    assert got == [0, 1, 2]
+
+
+def test_a_wake_with_no_batch_and_no_message_leaves_the_next_batch_its_own_wake(serve, socket_root, monkeypatch):
+    """A bump of `posts` can come after what it announced was taken: `_send` bumps after its
+    message, which the trainer may have read already (here the welcome's bump lands 0.2 s
+    late, while the trainer sleeps for batch 0), and `post` bumps after FILLED. Such a wake
+    brings no batch and no message; the batch that lands later must still wake the trainer
+    (it used to wait on its socket for the rest of the slice, and the sidecar wakes once
+    per `trainer_waiting` value: the timeout, 30 s, under load)."""
+    from splitfeed.trainer_client import client as client_module
+
+    monkeypatch.setattr(client_module, "SPIN_S", 0.0)
+    monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
+    monkeypatch.setattr(client_module, "AFTER_BARE_WAKE_SLICE_S", 60.0)  # only wakes may wake it
+    send = serving.Server._send
+
+    def bump_late(self, peer: bytes, message) -> None:
+        if not isinstance(message, messages.Welcome):
+            return send(self, peer, message)
+        self.sock.send_multipart([peer, message.encode()])  # the welcome now, its bump and wake later
+        controls = [feed.control for feed in self.feeds]
+
+        def bump() -> None:
+            for control in controls:
+                with contextlib.suppress(ValueError):  # closed: the test is over
+                    control.bump(ring.POSTS)
+                    control.wake(ring.POSTS)
+        threading.Timer(0.2, bump).start()
+
+    monkeypatch.setattr(serving.Server, "_send", bump_late)
+    gate = threading.Event()
+
+    def slow(rank: int, first: int):
+        for step in range(first, 3):
+            gate.wait(10)
+            yield step, pa.record_batch({"id": pa.array(np.arange(step * ROWS, (step + 1) * ROWS))})
+
+    serve(total_steps=3, prefetch=2, source=slow)
+    with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30, heartbeat_s=30) as client:
+        threading.Timer(0.6, gate.set).start()
+        started = time.monotonic()
+        got = [ids(b)[0] // ROWS for b in client]
         assert time.monotonic() - started < 10
     assert got == [0, 1, 2]
 
