@@ -135,7 +135,9 @@ def test_transform_threads_and_queue_depth_reach_streaming_dataset_and_keep_the_
                 built.append((kwargs.get("transform_parallelism"), kwargs.get("transform_queue_depth")))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(reading, "StreamingDataset", Recording)
+    import lancedb.streaming
+
+    monkeypatch.setattr(lancedb.streaming, "StreamingDataset", Recording)  # reading imports it when it needs it
     world_size = 3
     for threads, depth in ((1, 1), (3, 64)):
         data = transform_job(db_uri, transform_parallelism=threads, transform_queue_depth=depth)
