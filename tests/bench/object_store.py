@@ -49,7 +49,8 @@ with S3Endpoint(sys.argv[1]) as endpoint:
         elif word == "reset":
             endpoint.reset_counters()
         print(json.dumps({"requests": sum(endpoint.requests.values()), "bytes": endpoint.bytes_sent,
-                          "max_in_flight": endpoint.max_in_flight}), flush=True)
+                          "max_in_flight": endpoint.max_in_flight, "by_method": dict(endpoint.requests),
+                          "statuses": {str(k): v for k, v in endpoint.statuses.items()}}), flush=True)
 """
 
 
