@@ -29,7 +29,10 @@ from splitfeed.trainer_client.messages import (
 log = logging.getLogger(__name__)
 
 EVERY = b""
-"""Send to every joined member."""
+"""Send to every joined member (`Coordinator.recipients`: its own member last)."""
+
+OWN = 0
+"""The replica whose sidecar runs the coordinator (docs/agreement.md), and dies with it."""
 
 IDLE, WAITING_FOR_MEMBERS, FREEZING, COMMITTED = "idle", "waiting-for-members", "freezing", "committed"
 
@@ -184,6 +187,24 @@ class Coordinator:
         self.complete_step: int | None = None
         self.progress: dict[int, dict[str, Any]] = {}
         """Each member's last `progress` (live status; docs/observability.md)."""
+
+    def recipients(self, peer: bytes) -> list[bytes]:
+        """Whom an Out goes to, in order: EVERY is each joined member, the coordinator's own
+        (replica 0's, in the same process) last.
+
+        What replica 0's member is told, its ranks act on: a step `agreed` to exist is published
+        and taken, and that trainer then waits in the step's all-reduce for its peers. A SIGKILL
+        of replica 0's sidecar ends the coordinator with it, and the restarted one learns that
+        rank's reach only from its new reader, which starts at that trainer's next hello, after
+        the all-reduce: a step only replica 0's member was told exists (or is absent) deadlocks
+        the world. Handed to the other members first, it left before replica 0's member could
+        hear of it: ZeroMQ's I/O thread writes each frame in the order it was handed over, and
+        the coordinator thread may lose the GIL to replica 0's publishers between two sends.
+        """
+        if peer != EVERY:
+            return [peer]
+        own = self.members.get(OWN)
+        return [p for r, p in self.members.items() if r != OWN] + ([] if own is None else [own])
 
     def on_join(self, peer: bytes, replica: int) -> list[Out]:
         if not 0 <= replica < self.replicas:
@@ -372,9 +393,8 @@ class CoordinatorThread:
 
     def _send(self, outs: list[Out]) -> None:
         for out in outs:
-            targets = list(self.coordinator.members.values()) if out.peer == EVERY else [out.peer]
             frame = out.message.encode()
-            for target in targets:
+            for target in self.coordinator.recipients(out.peer):
                 try:
                     self._sock.send_multipart([target, frame], zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # gone, or not reading: it rejoins if it comes back

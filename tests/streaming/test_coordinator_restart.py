@@ -80,6 +80,67 @@ def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported
         member.close()
 
 
+class KilledOnceItsOwnMemberIsTold:
+    """The coordinator's ROUTER socket in replica 0's sidecar, SIGKILLed the moment the
+    coordinator has handed that same sidecar's member an `agreed` (which its publisher acts on):
+    what was handed over before goes out, nothing after it does. Everything else is the real
+    socket's."""
+
+    def __init__(self, sock: zmq.Socket[Any], own_member: Any) -> None:
+        self._sock = sock
+        self._own_member = own_member
+        self.killed = False
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        if self.killed:
+            return
+        self._sock.send_multipart(frames, flags)
+        message = messages.decode(frames[1])
+        if frames[0] == self._own_member() and isinstance(message, messages.Agreed) and message.through >= 0:
+            self.killed = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_every_other_member_holds_an_agreed_before_the_coordinators_own_member_does():
+    """Real ZeroMQ, no data. The coordinator dies with replica 0's sidecar, its own member: a
+    step that member was told exists may be published and taken by its trainer, which then
+    waits in the all-reduce for its peers. The restarted coordinator learns that rank's reach
+    only once that trainer says hello again, after the all-reduce; so the other members must
+    already hold every `agreed` replica 0's member got, or the world deadlocks (CI: a rank got
+    no batch for 60 s after the kill two steps before epoch 1's end)."""
+    address = coordinator_address()
+    thread = agreement.CoordinatorThread(agreement.Coordinator(
+        replicas=3, total_steps=40, resume_step=0,
+        watermark=agreement.Watermark(ranks=3, steps_per_epoch=20)), address)
+    dying = KilledOnceItsOwnMemberIsTold(thread._sock, lambda: thread.coordinator.members.get(0))
+    thread._sock = dying  # type: ignore[assignment]
+    members = [agreement.Member(address, replica, f"m{replica}") for replica in range(3)]
+    told: dict[int, int] = {replica: -1 for replica in range(3)}
+
+    def heard(replica: int) -> int:
+        for message in members[replica].receive():
+            if isinstance(message, messages.Agreed):
+                told[replica] = max(told[replica], message.through)
+        return told[replica]
+
+    try:
+        for member in members:  # replica 0's own member first, as its sidecar starts the coordinator
+            member.join(published=-1, timeout_s=10)
+        for replica in (1, 2, 0):
+            members[replica].report_reach({replica: (3, {})})
+        wait_for(lambda: heard(0) == 3, timeout=10, what="replica 0's member told that step 3 exists")
+        assert dying.killed
+        for replica in (1, 2):
+            wait_for(lambda r=replica: heard(r) == 3, timeout=5,
+                     what=f"replica {replica}'s member told step 3 exists before the coordinator died")
+    finally:
+        for member in members:
+            member.close()
+        thread.close()
+
+
 def world_of(pods, job_manifest: dict[str, Any], replicas: int, **kwargs: Any) -> list:  # type: ignore[no-untyped-def]
     """Replica 0 a process (to be killed), the others threads, one coordinator address."""
     address = coordinator_address()

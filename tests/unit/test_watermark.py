@@ -126,3 +126,17 @@ def test_a_drain_in_a_job_that_holds_no_step_at_all_commits_the_jobs_end():
     assert c.step is None
     c.on_reach(agreement.flat_reports({0: (30, {0: 0, 1: 0, 2: 0}), 1: (30, {0: 0, 1: 0, 2: 0})}))
     assert c.step == 30
+
+
+def test_what_goes_to_every_member_reaches_the_coordinators_own_member_last():
+    """Replica 0's sidecar runs the coordinator and dies with it: what its member is told (a
+    step exists), every other member must have been handed first, whatever the join order, a
+    rejoin included (tests/streaming/test_coordinator_restart.py shows why)."""
+    c = joined(3, 30)  # replica 0 joined first, as its own sidecar does
+    outs = c.on_reach(agreement.flat_reports({0: (5, {}), 1: (5, {}), 2: (5, {})}))
+    assert [o.peer for o in outs] == [agreement.EVERY] and agreed(outs)[0].through == 5
+    assert c.recipients(agreement.EVERY) == [b"p1", b"p2", b"p0"]
+    c.on_join(b"p0-restarted", 0)
+    c.on_join(b"p2-again", 2)
+    assert c.recipients(agreement.EVERY) == [b"p1", b"p2-again", b"p0-restarted"]
+    assert c.recipients(b"p1") == [b"p1"]
