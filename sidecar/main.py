@@ -21,7 +21,7 @@ from typing import Any
 
 from splitfeed.trainer_client import contract, errors, specs
 
-from . import agreement, checkpoints, identity, metrics, planner, plans, positions, reading, serving, workers
+from . import agreement, cgroups, checkpoints, identity, metrics, planner, plans, positions, reading, serving, workers
 from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
@@ -560,6 +560,9 @@ def run(settings: SidecarSettings) -> int:
     second SIGTERM, or SIGINT, stops at once.
     """
     serving.tune_interpreter()
+    # lancedb's permutation builder, sized once before any thread reads the environment
+    # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
+    plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
     try:
         sidecar = prepare(settings)
     except Exception as exc:  # not bad input (prepare reports that): a bug or a broken host

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from splitfeed.trainer_client import errors, specs
 
-from . import plans, reading, workers
+from . import cgroups, plans, reading, workers
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def _build_main(conn: multiprocessing.connection.Connection, data: specs.DataSpe
                 rows: int) -> None:
     """In the child: open the pinned table, build and publish the plan, say how it went."""
     workers.exit_with_parent()
+    plans.size_pool(rows, cgroups.free_memory()[0])  # before lancedb's threads read the environment
     kind, text = _OK, ""
     try:
         table = reading.open_table(data, storage_options)

@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -191,17 +191,18 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
 
 
-@contextlib.contextmanager
-def _pool(limit: int) -> Iterator[None]:
-    """LANCEDB_PERM_BUILDER_MEMORY_LIMIT for one build (a user's own setting wins)."""
-    if MEMORY_ENV in os.environ:
-        yield
+OURS_ENV = "SPLITFEED_PERM_POOL_SET"
+"""Set beside MEMORY_ENV when splitfeed chose it (a user's own setting is never changed)."""
+
+
+def size_pool(rows: int, free: int | None) -> None:
+    """Set lancedb's builder pool for `rows` rows in this process's environment, unless the
+    user set one. Call it before threads that may read the environment start (the sidecar
+    at start, a build's child first thing): setenv beside a concurrent getenv can crash."""
+    if MEMORY_ENV in os.environ and OURS_ENV not in os.environ:
         return
-    os.environ[MEMORY_ENV] = str(limit)
-    try:
-        yield
-    finally:
-        os.environ.pop(MEMORY_ENV, None)
+    os.environ[MEMORY_ENV] = str(builder_pool_bytes(rows, free))
+    os.environ[OURS_ENV] = "1"
 
 
 def _permutation(table: Any, data: specs.DataSpec, epoch: int) -> Any:
@@ -224,16 +225,22 @@ def build(table: Any, data: specs.DataSpec, epoch: int, path: str, *, rows: int)
     check_fits(rows, free, limited)
     key = PlanKey.of(data)
     started = time.monotonic()
-    with _pool(builder_pool_bytes(rows, free)):
-        try:
-            permutation = _permutation(table, data, epoch)
-        except (RuntimeError, OSError) as exc:
-            if "memory" in str(exc).lower():
-                raise PlanError(
-                    f"lancedb ran out of memory building the permutation of {rows:,} rows: raise "
-                    f"spec.sidecar.resources.limits.memory (about "
-                    f"{_mib(rows * BYTES_PER_ROW_BUILT * 2 + MIN_POOL)} is enough)") from exc
-            raise
+    unsized = MEMORY_ENV not in os.environ  # a caller that did not size it (a tool, a test)
+    if unsized:
+        size_pool(rows, free)
+    try:
+        permutation = _permutation(table, data, epoch)
+    except (RuntimeError, OSError) as exc:
+        if "memory" in str(exc).lower():
+            raise PlanError(
+                f"lancedb ran out of memory building the permutation of {rows:,} rows: raise "
+                f"spec.sidecar.resources.limits.memory (about "
+                f"{_mib(rows * BYTES_PER_ROW_BUILT * 2 + MIN_POOL)} is enough)") from exc
+        raise
+    finally:
+        if unsized:
+            os.environ.pop(MEMORY_ENV, None)
+            os.environ.pop(OURS_ENV, None)
     size = topology.split_size(rows, data.num_splits)
     crcs = [0] * data.num_splits
     written = 0

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -303,3 +304,16 @@ def test_a_take_of_large_rows_stays_under_take_bytes(db_uri: str) -> None:
     assert taken.steps_per_take(10**9, 1000) == int(takes.TAKE_BYTES // (1000 * row))
     assert taken.steps_per_take(3, 1000) == 3
     taken.close()
+
+
+def test_the_pool_is_set_once_for_the_process_and_a_users_own_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(plans.MEMORY_ENV, raising=False)
+    monkeypatch.delenv(plans.OURS_ENV, raising=False)
+    plans.size_pool(20_000_000, 8 << 30)
+    assert int(os.environ[plans.MEMORY_ENV]) == plans.builder_pool_bytes(20_000_000, 8 << 30)
+    plans.size_pool(1_000, 8 << 30)  # ours: sized again (a build's child, for its rows)
+    assert int(os.environ[plans.MEMORY_ENV]) == plans.builder_pool_bytes(1_000, 8 << 30)
+    monkeypatch.setenv(plans.MEMORY_ENV, "12345")
+    monkeypatch.delenv(plans.OURS_ENV)
+    plans.size_pool(1_000, 8 << 30)  # the user's
+    assert os.environ[plans.MEMORY_ENV] == "12345"
