@@ -639,6 +639,7 @@ class Server:
         self._ctx = context or zmq.Context.instance()
         self.context = self._ctx
         """The ZeroMQ context of the sidecar's sockets: `flush` it before the process exits."""
+        served = served_out(self.directory)
         sweep(self.directory)
         self.sock = self._ctx.socket(zmq.ROUTER)
         # MANDATORY: a full or unknown peer is an error (EAGAIN, EHOSTUNREACH) on a
@@ -672,6 +673,11 @@ class Server:
                  Session(rank=rank, start_step=start_step, total_steps=total_steps))
             for i, rank in enumerate(ranks)
         ]
+        for i, feed in enumerate(self.feeds):
+            if i in served:  # nobody will say hello: finish once the linger for a checkpoint ends
+                log.info("rank %d: its trainer took every batch from this sidecar's predecessor; "
+                         "nothing is left to serve", feed.rank)
+                feed.session.all_taken_at = time.monotonic()
         self.stopping = threading.Event()
         self.end_linger_s = END_LINGER_S
         self._failed_at: float | None = None
@@ -1025,6 +1031,25 @@ def tune_interpreter() -> None:
     welcome) can wait that long for the GIL.
     """
     sys.setswitchinterval(0.0002)
+
+
+def served_out(directory: Path) -> set[int]:
+    """Local ranks whose trainer took the last batch from a sidecar that was here before
+    (restarted in place: its control blocks are still in the emptyDir). Such a trainer
+    may be gone: the restarted sidecar must not wait for its hello for ever."""
+    done: set[int] = set()
+    for path in directory.glob("ctl-*-r*") if directory.is_dir() else []:
+        try:
+            local_rank = int(path.name.rsplit("-r", 1)[1])
+            control = ring.Control(path, create=False)
+        except (ValueError, OSError):
+            continue  # torn, foreign or of another layout: nothing to learn from it
+        try:
+            if control.end_step > 0 and control.acked + 1 >= control.end_step:
+                done.add(local_rank)
+        finally:
+            control.close()
+    return done
 
 
 def sweep(directory: Path) -> None:

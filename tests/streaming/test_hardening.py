@@ -369,3 +369,22 @@ def test_a_volume_without_room_for_the_control_block_is_a_user_error(socket_root
         with pytest.raises(UserError, match="control block of local rank 0 .* spec.sidecar.shmSize"):
             serving.Publisher(directory=volume, instance="i", local_rank=0, rank=0, factory=lambda r, f: iter(()),
                               prefetch=2, start_step=0, total_steps=1)
+
+
+def test_a_restarted_sidecar_knows_which_trainers_took_every_batch_from_its_predecessor(tmp_path):
+    """A sidecar SIGKILLed after its trainer took the job's last batch leaves its control block
+    in the emptyDir; the restarted one must not wait for that trainer's hello for ever."""
+    from splitfeed.sidecar import serving
+    from splitfeed.trainer_client import ring
+
+    done = ring.Control(ring.control_path(tmp_path, "old", 0), create=True)
+    done.end_step, done.acked = 40, 39
+    midway = ring.Control(ring.control_path(tmp_path, "old", 1), create=True)
+    midway.end_step, midway.acked = 40, 12
+    (tmp_path / "ctl-torn-r2").write_bytes(b"not a control block")
+    try:
+        assert serving.served_out(tmp_path) == {0}
+    finally:
+        done.close()
+        midway.close()
+    assert serving.served_out(tmp_path / "absent") == set()
