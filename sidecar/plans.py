@@ -39,7 +39,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -290,9 +290,14 @@ class Location:
     storage_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def filesystem(self) -> tuple[pafs.FileSystem, str]:
-        from .checkpoints import filesystem
+        """The filesystem and root, made once per Location (on a store, an S3 client)."""
+        made = self.__dict__.get("_filesystem")
+        if made is None:
+            from .checkpoints import filesystem
 
-        return filesystem(self.uri, self.storage_options)
+            made = filesystem(self.uri, self.storage_options)
+            object.__setattr__(self, "_filesystem", made)  # a cache, not a field: frozen stays true
+        return cast(tuple[pafs.FileSystem, str], made)
 
     def path(self, epoch: int) -> str:
         return f"{self.filesystem()[1]}/{file_name(epoch)}"
