@@ -14,8 +14,10 @@ File (`epoch-<e:06d>.plan`): every split's row ids as little-endian uint64, spli
 so that every split is as long), then a JSON footer (the key it was built for,
 the epoch, the lancedb version that built it, a CRC-32 per split), then the
 footer's length (uint64) and MAGIC. The footer comes last so that the ids can be
-written as they stream out of lancedb. A reader checks the key, the size and its
-own splits' CRCs: a foreign or damaged plan is never used.
+written as they stream out of lancedb. The builder checks a stored plan's footer
+alone (size, key, a CRC per split) at each world start; a reader checks the key,
+the size and its own splits' CRCs, and marks a damaged plan for its builder to build
+again (`refuse_damaged`): a foreign or damaged plan is never used.
 
 Where plans live: with spec.checkpoint.uri, next to the job's checkpoints
 (`<job uid>/plans/<key digest>/`), built by the world's coordinator and read by
@@ -341,6 +343,10 @@ def _read_footer(fs: pafs.FileSystem, path: str) -> tuple[Footer, int]:
             raise PlanError(f"plan {path} has a damaged footer ({exc})") from exc
     if footer.format != FORMAT or footer.ids_bytes + length + _TAIL.size != size:
         raise PlanError(f"plan {path} is of format {footer.format} or torn ({size} bytes)")
+    crcs = footer.crcs
+    if (not isinstance(crcs, list) or len(crcs) != footer.num_splits
+            or not all(isinstance(c, int) and 0 <= c < 1 << 32 for c in crcs)):
+        raise PlanError(f"plan {path} has a damaged footer (not one CRC-32 per split)")
     return footer, size
 
 
@@ -353,14 +359,15 @@ def _check_key(footer: Footer, key: PlanKey, epoch: int, path: str) -> None:
             "it is never used for this job")
 
 
-def read_splits(location: Location, key: PlanKey, epoch: int, splits: Sequence[int]) -> np.ndarray:
-    """Row ids of `splits` (contiguous, ascending) of epoch `epoch`: shape (len, splitSize).
-
-    One ranged read. Raises FileNotFoundError while the plan does not exist yet, PlanError
-    for a damaged or foreign one."""
+def _load(location: Location, key: PlanKey, epoch: int, splits: Sequence[int]) -> np.ndarray | str:
+    """`read_splits`' ids, or what is damaged in the plan (a torn file, a split failing its
+    CRC). A plan built for another key raises PlanError: it was never this job's."""
     fs, _ = location.filesystem()
     path = location.path(epoch)
-    footer, _ = _read_footer(fs, path)
+    try:
+        footer, _ = _read_footer(fs, path)
+    except PlanError as exc:
+        return str(exc).removeprefix(f"plan {path} ")
     _check_key(footer, key, epoch, path)
     first, count = splits[0], len(splits)
     if list(splits) != list(range(first, first + count)) or first + count > footer.num_splits:
@@ -368,25 +375,89 @@ def read_splits(location: Location, key: PlanKey, epoch: int, splits: Sequence[i
     width = footer.split_size * ID_BYTES
     with fs.open_input_file(path) as f:
         raw = f.read_at(width * count, width * first)
+    if len(raw) != width * count:
+        return f"is torn (split {first + count - 1} is short)"
     ids = np.frombuffer(raw, dtype="<u8").reshape(count, footer.split_size)
     for i in range(count):
-        if zlib.crc32(ids[i].tobytes()) != footer.crcs[first + i]:
-            raise PlanError(
-                f"plan {path} is damaged (split {first + i} fails its CRC): delete it and the "
-                "job's coordinator builds it again")
+        if zlib.crc32(ids[i]) != footer.crcs[first + i]:
+            return f"is damaged (split {first + i} fails its CRC)"
     return ids
 
 
-def verify(location: Location, key: PlanKey, epoch: int) -> Footer | None:
-    """The footer of a whole, valid plan for `key` and `epoch`; None when there is none or it
-    is damaged (then it is to be rebuilt). Reads every split: for the plan's builder."""
+def read_splits(location: Location, key: PlanKey, epoch: int, splits: Sequence[int]) -> np.ndarray:
+    """Row ids of `splits` (contiguous, ascending) of epoch `epoch`: shape (len, splitSize).
+
+    One ranged read, each split checked against its CRC (the only full check of a plan:
+    `verify` reads its footer alone). Raises FileNotFoundError while the plan does not
+    exist yet, PlanError for a plan built for another key, and for a damaged one
+    (`refuse_damaged`) a UserError that a restart cures: the builder builds it again."""
+    got = _load(location, key, epoch, splits)
+    if isinstance(got, str):
+        raise refuse_damaged(location, epoch, got)
+    return got
+
+
+DAMAGED = ".damaged"
+"""Beside a plan a reader found damaged: its builder's `verify` then builds it again."""
+
+
+def refuse_damaged(location: Location, epoch: int, what: str) -> errors.UserError:
+    """Report a damaged plan where its builder looks (`verify`) and say so in one line.
+
+    Not a PlanError (a DataError fails the job for good): the world restarts within the
+    operator's restart budget and replica 0's sidecar builds the plan again before its
+    readers use it. Where the mark cannot be written, the line says to delete the plan."""
+    path = location.path(epoch)
     try:
-        footer, _ = _read_footer(*_fs_path(location, epoch))
-        read_splits(location, key, epoch, range(footer.num_splits))
+        fs, root = location.filesystem()
+        fs.create_dir(root, recursive=True)
+        with fs.open_output_stream(f"{path}{DAMAGED}") as out:
+            out.write(what.encode())
+    except OSError as exc:
+        log.warning("cannot mark plan %s damaged: %s", path, exc)
+        return errors.UserError(
+            f"plan {path} {what} and is never used: delete it, and replica 0's sidecar builds it "
+            "again when the job's next world starts")
+    return errors.UserError(
+        f"plan {path} {what} and is never used: marked {file_name(epoch)}{DAMAGED} for "
+        "replica 0's sidecar to build it again when the job's next world starts (if it "
+        "recurs, delete the plan)")
+
+
+def damaged(location: Location, epoch: int) -> str | None:
+    """What a reader found damaged in epoch `epoch`'s plan, if one did (`refuse_damaged`)."""
+    try:
+        fs, _ = location.filesystem()
+        with fs.open_input_stream(f"{location.path(epoch)}{DAMAGED}") as f:
+            return bytes(f.read()).decode(errors="replace")
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def clear_damaged(location: Location, epoch: int) -> None:
+    with contextlib.suppress(OSError):
+        fs, _ = location.filesystem()
+        fs.delete_file(f"{location.path(epoch)}{DAMAGED}")
+
+
+def verify(location: Location, key: PlanKey, epoch: int) -> Footer | None:
+    """The footer of a whole plan for `key` and `epoch`, from its footer alone: its size,
+    MAGIC and format, key and epoch, and a CRC for every split (each reader checks its own
+    splits' CRCs as it loads them: reading every split here cost a 10^9-row plan's 8 GB at
+    every world start). None when there is none, when it is torn or foreign, or when a
+    reader found it damaged (`refuse_damaged`): then it is to be rebuilt."""
+    fs, path = _fs_path(location, epoch)
+    try:
+        footer, _ = _read_footer(fs, path)
+        _check_key(footer, key, epoch, path)
     except FileNotFoundError:
         return None
     except PlanError as exc:
         log.warning("%s; building it again", exc)
+        return None
+    why = damaged(location, epoch)
+    if why is not None:
+        log.warning("plan %s %s (a reader found it); building it again", path, why)
         return None
     return footer
 
@@ -466,7 +537,15 @@ def wait_for(location: Location, key: PlanKey, epoch: int, splits: Sequence[int]
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return read_splits(location, key, epoch, splits)
+            got = _load(location, key, epoch, splits)
+            if not isinstance(got, str):
+                return got
+            if build is None:
+                raise refuse_damaged(location, epoch, got)
+            log.warning("plan %s %s; building it again", location.path(epoch), got)
+            build()
+            build = None
+            continue
         except FileNotFoundError:
             if build is not None:
                 build()
@@ -504,6 +583,7 @@ def build_and_publish(table: Any, data: specs.DataSpec, location: Location, epoc
     try:
         footer = build(table, data, epoch, path, rows=rows)
         publish(location, path, epoch)
+        clear_damaged(location, epoch)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
