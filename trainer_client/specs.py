@@ -6,68 +6,38 @@ agree on defaults and on what is an error. Field names on the wire are the
 contract in docs/architecture.md; Python names are their snake_case twins.
 
 Each field is declared once, on the dataclasses below: type and default in Python,
-a `Rule` (kind, minimum, maximum) in its metadata, its wire name its camelCase
-twin. Parsing reads those rather than using pydantic because this layer must stay
+a `fields.Rule` (kind, minimum, maximum) in its metadata, its wire name its camelCase
+twin; trainer_client/fields.py reads manifests by those rules. Parsing reads them rather than using pydantic because this layer must stay
 importable with pyzmq, numpy and pyarrow alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
-from . import contract, topology
-from .errors import SplitfeedError
+from . import contract, fields, topology
 
 API_VERSION = contract.API_VERSION
 KIND = contract.KIND
 
 
-class SpecError(SplitfeedError, ValueError):
-    """A manifest that does not describe a valid StreamingJob; names the field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(f"{field}: {message}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """How one spec field is read from a manifest; its wire name is the field's camelCase name.
-
-    The dataclasses below declare each field once: its type and default in Python,
-    its rule in the field's metadata. Parsing, required flags, defaults on the wire
-    and MAXIMA all come from there (tests/crd checks the CRD against the same fields).
-    """
-
-    kind: str
-    """str, int, bool, strlist, strmap, map, version, quantity, resumeFrom, importPath,
-    jsonObject, onTransformError, blocksPerEpoch, packSequences or section."""
-    minimum: int | None = None
-    maximum: int | None = None
-    """The CRD's `maximum` (MAXIMA): keeps every piece of per-job work small."""
-    model: type | None = None
-    """For a section: the dataclass it parses into."""
-
-
-def _rule(kind: str, minimum: int | None = None, maximum: int | None = None,
-          model: type | None = None) -> dict[str, Rule]:
-    return {"rule": Rule(kind, minimum, maximum, model)}
+SpecError = fields.SpecError
+"""What parse_job raises for a manifest that is not a valid StreamingJob (defined in fields.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
     """lancedb's pack_sequences, eos_id, pad_id, blocks_per_epoch and the token column."""
 
-    column: str = dataclasses.field(metadata=_rule("str"))
-    block_size: int = dataclasses.field(metadata=_rule("int", 1))
-    eos_id: int = dataclasses.field(metadata=_rule("int"))
-    pad_id: int = dataclasses.field(metadata=_rule("int"))
-    blocks_per_epoch: int | str = dataclasses.field(metadata=_rule("blocksPerEpoch", 1))
+    column: str = dataclasses.field(metadata=fields.rule("str"))
+    block_size: int = dataclasses.field(metadata=fields.rule("int", 1))
+    eos_id: int = dataclasses.field(metadata=fields.rule("int"))
+    pad_id: int = dataclasses.field(metadata=fields.rule("int"))
+    blocks_per_epoch: int | str = dataclasses.field(metadata=fields.rule("blocksPerEpoch", 1))
     """A multiple of numSplits, or "auto" (estimated once, from epoch 0, for the job)."""
 
 
@@ -91,54 +61,54 @@ DEFAULT_READ_AHEAD = "256Mi"
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-    uri: str = dataclasses.field(metadata=_rule("str"))
+    uri: str = dataclasses.field(metadata=fields.rule("str"))
     """Anything `lancedb.connect` accepts: a local path, s3://bucket/db, ..."""
-    table: str = dataclasses.field(metadata=_rule("str"))
-    num_splits: int = dataclasses.field(metadata=_rule("int", 1, 1_000_000))
+    table: str = dataclasses.field(metadata=fields.rule("str"))
+    num_splits: int = dataclasses.field(metadata=fields.rule("int", 1, 1_000_000))
     """Fixed splits the table is cut into; the unit of elasticity."""
-    global_batch_size: int = dataclasses.field(metadata=_rule("int", 1))
+    global_batch_size: int = dataclasses.field(metadata=fields.rule("int", 1))
     """Rows per global training step, summed over all ranks."""
-    columns: tuple[str, ...] | None = dataclasses.field(default=None, metadata=_rule("strlist"))
-    filter: str | None = dataclasses.field(default=None, metadata=_rule("str"))
+    columns: tuple[str, ...] | None = dataclasses.field(default=None, metadata=fields.rule("strlist"))
+    filter: str | None = dataclasses.field(default=None, metadata=fields.rule("str"))
     """SQL predicate applied before splitting."""
-    storage_options_secret: str | None = dataclasses.field(default=None, metadata=_rule("str"))
+    storage_options_secret: str | None = dataclasses.field(default=None, metadata=fields.rule("str"))
     """Secret whose keys become lancedb storage options (credentials)."""
-    storage_options: Mapping[str, str] = dataclasses.field(default_factory=dict, metadata=_rule("strmap"))
+    storage_options: Mapping[str, str] = dataclasses.field(default_factory=dict, metadata=fields.rule("strmap"))
     """Non-secret storage options (endpoint, region); never credentials."""
-    shuffle: bool = dataclasses.field(default=True, metadata=_rule("bool"))
-    shuffle_seed: int = dataclasses.field(default=0, metadata=_rule("int", 0))
-    shuffle_clump_size: int = dataclasses.field(default=0, metadata=_rule("int", 0))
+    shuffle: bool = dataclasses.field(default=True, metadata=fields.rule("bool"))
+    shuffle_seed: int = dataclasses.field(default=0, metadata=fields.rule("int", 0))
+    shuffle_clump_size: int = dataclasses.field(default=0, metadata=fields.rule("int", 0))
     """0 shuffles rows one by one; n > 0 shuffles runs of n rows."""
-    epochs: int = dataclasses.field(default=1, metadata=_rule("int", 1))
-    num_workers: int = dataclasses.field(default=1, metadata=_rule("int", 1, 64))
+    epochs: int = dataclasses.field(default=1, metadata=fields.rule("int", 1))
+    num_workers: int = dataclasses.field(default=1, metadata=fields.rule("int", 1, 64))
     """Loader worker processes per rank."""
-    read_batch_size: int = dataclasses.field(default=64, metadata=_rule("int", 1, 1_000_000))
+    read_batch_size: int = dataclasses.field(default=64, metadata=fields.rule("int", 1, 1_000_000))
     """Rows fetched from one split per read."""
-    read_ahead_bytes: str = dataclasses.field(default=DEFAULT_READ_AHEAD, metadata=_rule("quantity"))
+    read_ahead_bytes: str = dataclasses.field(default=DEFAULT_READ_AHEAD, metadata=fields.rule("quantity"))
     """Bytes of table reads a loader keeps in flight ahead of the trainer: with an object
     store's 10-50 ms per request, throughput is (requests in flight x rows per request
     / latency), so reads of several steps overlap up to this budget (sidecar/reading.py)."""
-    version: int | str | None = dataclasses.field(default=None, metadata=_rule("version", 1))
+    version: int | str | None = dataclasses.field(default=None, metadata=fields.rule("version", 1))
     """The table version to read from start to end (lancedb time travel): a version
     number or a tag. None: the version current when the job first starts, which the
     sidecar then fixes here (as a number) so that every reader opens the same one."""
-    transform: str | None = dataclasses.field(default=None, metadata=_rule("importPath"))
+    transform: str | None = dataclasses.field(default=None, metadata=fields.rule("importPath"))
     """"package.module:function", applied by the sidecar to each read batch exactly as
     lancedb's StreamingDataset(transform=...) does (docs/preprocessing.md)."""
-    transform_args: str | None = dataclasses.field(default=None, metadata=_rule("jsonObject"))
+    transform_args: str | None = dataclasses.field(default=None, metadata=fields.rule("jsonObject"))
     """A JSON object: keyword arguments bound to the transform (see transform_kwargs)."""
-    on_transform_error: str = dataclasses.field(default="raise", metadata=_rule("onTransformError"))
+    on_transform_error: str = dataclasses.field(default="raise", metadata=fields.rule("onTransformError"))
     """One of ON_TRANSFORM_ERROR: what a row whose transform fails becomes."""
     pack_sequences: PackSpec | None = dataclasses.field(
-        default=None, metadata=_rule("packSequences", model=PackSpec))
+        default=None, metadata=fields.rule("packSequences", model=PackSpec))
     """Sequence packing (lancedb's pack_sequences) of one token-list column."""
     transform_parallelism: int | None = dataclasses.field(
-        default=None, metadata=_rule("int", 1, MAX_TRANSFORM_PARALLELISM))
+        default=None, metadata=fields.rule("int", 1, MAX_TRANSFORM_PARALLELISM))
     """Transform threads per loader process (lancedb's transform_parallelism). None: the
     CPUs the sidecar may use (affinity and cgroup quota), shared among numWorkers
     processes (reading.transform_parallelism, docs/preprocessing.md)."""
     transform_queue_depth: int = dataclasses.field(
-        default=DEFAULT_TRANSFORM_QUEUE_DEPTH, metadata=_rule("int", 1, MAX_TRANSFORM_QUEUE_DEPTH))
+        default=DEFAULT_TRANSFORM_QUEUE_DEPTH, metadata=fields.rule("int", 1, MAX_TRANSFORM_QUEUE_DEPTH))
     """Transformed read batches a split may hold ahead of the step being assembled
     (lancedb's transform_queue_depth): bounds decoded rows in memory while the ring is full."""
 
@@ -170,35 +140,35 @@ touch the order."""
 class ResumeFrom:
     """Another job's checkpoints to start from (same namespace and checkpoint.uri)."""
 
-    uid: str = dataclasses.field(metadata=_rule("str"))
+    uid: str = dataclasses.field(metadata=fields.rule("str"))
     """metadata.uid of the job that wrote them; checkpoints are kept per job UID."""
-    name: str | None = dataclasses.field(default=None, metadata=_rule("str"))
+    name: str | None = dataclasses.field(default=None, metadata=fields.rule("str"))
     """That job's name; None: this job's own name (a deleted and re-created job)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSpec:
-    uri: str | None = dataclasses.field(default=None, metadata=_rule("str"))
+    uri: str | None = dataclasses.field(default=None, metadata=fields.rule("str"))
     """Where data checkpoints go (local path or s3://); None disables them."""
-    timeout_seconds: int = dataclasses.field(default=300, metadata=_rule("int", 1))
+    timeout_seconds: int = dataclasses.field(default=300, metadata=fields.rule("int", 1))
     """How long a rescale waits for a complete checkpoint before giving up on it."""
-    resume_from: ResumeFrom | None = dataclasses.field(default=None, metadata=_rule("resumeFrom", model=ResumeFrom))
+    resume_from: ResumeFrom | None = dataclasses.field(default=None, metadata=fields.rule("resumeFrom", model=ResumeFrom))
     """Start from another job's checkpoints when this one has none of its own; a job
     otherwise never sees checkpoints it did not write (they are keyed by its UID)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SidecarSpec:
-    image: str = dataclasses.field(default="splitfeed:0.1.0", metadata=_rule("str"))
-    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata=_rule("map"))
-    shm_size: str = dataclasses.field(default="2Gi", metadata=_rule("quantity"))
-    prefetch_batches: int = dataclasses.field(default=4, metadata=_rule("int", 1, 64))
+    image: str = dataclasses.field(default="splitfeed:0.1.0", metadata=fields.rule("str"))
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata=fields.rule("map"))
+    shm_size: str = dataclasses.field(default="2Gi", metadata=fields.rule("quantity"))
+    prefetch_batches: int = dataclasses.field(default=4, metadata=fields.rule("int", 1, 64))
     """Ring slots per rank: how far the loader may run ahead of the trainer."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSpec:
-    template: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata=_rule("map"))
+    template: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata=fields.rule("map"))
     """A PodTemplateSpec; its container named "trainer" is the user's."""
 
 
@@ -206,20 +176,20 @@ class TrainerSpec:
 class JobSpec:
     name: str
     """metadata.name (not a spec field: no rule)."""
-    data: DataSpec = dataclasses.field(metadata=_rule("section", model=DataSpec))
+    data: DataSpec = dataclasses.field(metadata=fields.rule("section", model=DataSpec))
     namespace: str = "default"
     """metadata.namespace (not a spec field: no rule)."""
-    replicas: int = dataclasses.field(default=1, metadata=_rule("int", 1))
-    gpus_per_replica: int = dataclasses.field(default=1, metadata=_rule("int", 1, 64))
-    suspend: bool = dataclasses.field(default=False, metadata=_rule("bool"))
-    max_restarts: int = dataclasses.field(default=3, metadata=_rule("int", 0))
+    replicas: int = dataclasses.field(default=1, metadata=fields.rule("int", 1))
+    gpus_per_replica: int = dataclasses.field(default=1, metadata=fields.rule("int", 1, 64))
+    suspend: bool = dataclasses.field(default=False, metadata=fields.rule("bool"))
+    max_restarts: int = dataclasses.field(default=3, metadata=fields.rule("int", 0))
     """World restarts after pod failures before the job is marked Failed."""
-    status_interval_seconds: int = dataclasses.field(default=15, metadata=_rule("int", 5))
+    status_interval_seconds: int = dataclasses.field(default=15, metadata=fields.rule("int", 5))
     """How often the operator asks a running world for its progress (status.progress)."""
     checkpoint: CheckpointSpec = dataclasses.field(
-        default_factory=CheckpointSpec, metadata=_rule("section", model=CheckpointSpec))
-    sidecar: SidecarSpec = dataclasses.field(default_factory=SidecarSpec, metadata=_rule("section", model=SidecarSpec))
-    trainer: TrainerSpec = dataclasses.field(default_factory=TrainerSpec, metadata=_rule("section", model=TrainerSpec))
+        default_factory=CheckpointSpec, metadata=fields.rule("section", model=CheckpointSpec))
+    sidecar: SidecarSpec = dataclasses.field(default_factory=SidecarSpec, metadata=fields.rule("section", model=SidecarSpec))
+    trainer: TrainerSpec = dataclasses.field(default_factory=TrainerSpec, metadata=fields.rule("section", model=TrainerSpec))
 
     @property
     def world_size(self) -> int:
@@ -263,139 +233,31 @@ def data_config_checksum(config: Mapping[str, Any]) -> str:
 
 # --- parsing -----------------------------------------------------------------
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
+_DATA_FIELDS = fields.wire_fields(DataSpec)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    name: str
-    """The Python name; the wire name is its camelCase twin."""
-    rule: Rule
-    required: bool
-
-
-def wire_fields(model: type) -> dict[str, _Field]:
-    """wire key -> field, for every field of `model` that a manifest spells (has a Rule)."""
-    return {
-        _camel(f.name): _Field(f.name, f.metadata["rule"],
-                               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-        for f in dataclasses.fields(model) if "rule" in f.metadata
-    }
-
-
-_DATA_FIELDS = wire_fields(DataSpec)
-
-
-def _reject_unknown(path: str, raw: Mapping[str, Any], known: set[str]) -> None:
-    for key in raw:
-        if key not in known:
-            hint = difflib.get_close_matches(str(key), sorted(known), n=1)
-            suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-            allowed = ", ".join(sorted(known))
-            raise SpecError(
-                f"{path}.{key}", f"unknown field{suggestion} (known fields: {allowed})"
-            )
-
-
-def _maxima(path: str, model: type) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for key, field in wire_fields(model).items():
-        if field.rule.model is not None and field.rule.kind == "section":
-            out.update(_maxima(f"{path}.{key}", field.rule.model))
-        elif field.rule.maximum is not None:
-            out[f"{path}.{key}"] = field.rule.maximum
-    return out
-
-
-MAXIMA: dict[str, int] = _maxima("spec", JobSpec)
+MAXIMA: dict[str, int] = fields.maxima("spec", JobSpec)
 """Upper bounds, the CRD's `maximum`s (tests keep them equal). They keep every piece of
 work an operator or a sidecar does per job small: status.allowedReplicas is at most a few
 hundred divisors, a rank reads at most numSplits/worldSize splits in numWorkers processes,
 a read is at most 10^6 rows, a ring at most 64 slots."""
 
 
-def _convert(path: str, rule: Rule, value: Any) -> Any:
-    kind, minimum, maximum = rule.kind, rule.minimum, rule.maximum
-    if kind == "str":
-        if not isinstance(value, str) or not value:
-            raise SpecError(path, f"must be a non-empty string, got {value!r}")
-        return value
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(path, f"must be an integer, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise SpecError(path, f"must be at least {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise SpecError(path, f"must be at most {maximum}, got {value}")
-        return value
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise SpecError(path, f"must be true or false, got {value!r}")
-        return value
-    if kind == "strlist":
-        if not isinstance(value, list) or not value or not all(
-            isinstance(v, str) and v for v in value
-        ):
-            raise SpecError(path, f"must be a non-empty list of column names, got {value!r}")
-        if len(set(value)) != len(value):
-            raise SpecError(path, f"lists a column twice: {value!r}")
-        return tuple(value)
-    if kind == "strmap":
-        if not isinstance(value, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
-            raise SpecError(path, f"must map strings to strings, got {value!r}")
-        return dict(value)
-    if kind == "map":
-        if not isinstance(value, Mapping):
-            raise SpecError(path, f"must be a mapping, got {value!r}")
-        return dict(value)
-    if kind == "version":
-        if isinstance(value, str):
-            return _convert(path, Rule("str"), value)
-        return _convert(path, Rule("int", minimum, maximum), value)
-    if kind == "resumeFrom":
-        source = ResumeFrom(**_section(path, value, ResumeFrom))
-        for key, part in (("uid", source.uid), ("name", source.name)):
-            if part is not None and ("/" in part or part in (".", "..")):
-                raise SpecError(f"{path}.{key}", f"names a checkpoint directory and cannot be {part!r}")
-        return source
-    if kind == "importPath":
-        return _import_path(path, value)
-    if kind == "jsonObject":
-        text: str = _convert(path, Rule("str"), value)
-        try:
-            decoded = json.loads(text)
-        except ValueError as exc:
-            raise SpecError(path, f"must be a JSON object such as '{{\"size\": 224}}': {exc}") from None
-        if not isinstance(decoded, dict):
-            raise SpecError(path, f"must be a JSON object of keyword arguments, got {text!r}")
-        return text
-    if kind == "onTransformError":
-        if value not in ON_TRANSFORM_ERROR:
-            raise SpecError(path, f"must be one of {', '.join(ON_TRANSFORM_ERROR)}, got {value!r}")
-        return value
-    if kind == "blocksPerEpoch":
-        if value == "auto":
-            return value
-        if isinstance(value, str):
-            raise SpecError(path, f"must be a positive integer or 'auto', got {value!r}")
-        return _convert(path, Rule("int", minimum, maximum), value)
-    if kind == "packSequences":
-        return PackSpec(**_section(path, value, PackSpec))
-    if kind == "quantity":
-        if not isinstance(value, (str, int)) or isinstance(value, bool):
-            raise SpecError(path, f"must be a Kubernetes quantity such as 2Gi, got {value!r}")
-        parse_quantity_bytes(str(value), path)
-        return str(value)
-    raise AssertionError(f"unknown kind {kind}")  # a bug in the tables above
+def _resume_from(path: str, rule: fields.Rule, value: Any) -> ResumeFrom:
+    source = ResumeFrom(**_READER.section(path, value, ResumeFrom))
+    for key, part in (("uid", source.uid), ("name", source.name)):
+        if part is not None and ("/" in part or part in (".", "..")):
+            raise SpecError(f"{path}.{key}", f"names a checkpoint directory and cannot be {part!r}")
+    return source
 
 
-def _import_path(path: str, value: Any) -> str:
+def _pack_sequences(path: str, value: Any) -> PackSpec:
+    return PackSpec(**_READER.section(path, value, PackSpec))
+
+
+def _import_path(path: str, rule: fields.Rule, value: Any) -> str:
     """Check "package.module:function" syntax; importing happens in the sidecar."""
-    text: str = _convert(path, Rule("str"), value)
+    text = fields.to_str(path, value)
     module, sep, attr = text.partition(":")
     if not sep or not all(part.isidentifier() for part in module.split(".")) or not all(
         part.isidentifier() for part in attr.split(".")
@@ -404,6 +266,38 @@ def _import_path(path: str, value: Any) -> str:
             path, f"must be an import path 'package.module:function', got {text!r}"
         )
     return text
+
+
+def _json_object(path: str, rule: fields.Rule, value: Any) -> str:
+    text = fields.to_str(path, value)
+    try:
+        decoded = json.loads(text)
+    except ValueError as exc:
+        raise SpecError(path, f"must be a JSON object such as '{{\"size\": 224}}': {exc}") from None
+    if not isinstance(decoded, dict):
+        raise SpecError(path, f"must be a JSON object of keyword arguments, got {text!r}")
+    return text
+
+
+def _on_transform_error(path: str, rule: fields.Rule, value: Any) -> str:
+    if value not in ON_TRANSFORM_ERROR:
+        raise SpecError(path, f"must be one of {', '.join(ON_TRANSFORM_ERROR)}, got {value!r}")
+    return str(value)
+
+
+def _blocks_per_epoch(path: str, rule: fields.Rule, value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str):
+        raise SpecError(path, f"must be a positive integer or 'auto', got {value!r}")
+    return fields.to_int(path, value, rule.minimum, rule.maximum)
+
+
+def _quantity(path: str, rule: fields.Rule, value: Any) -> str:
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise SpecError(path, f"must be a Kubernetes quantity such as 2Gi, got {value!r}")
+    parse_quantity_bytes(str(value), path)
+    return str(value)
 
 
 def _check_preprocessing(data: DataSpec) -> None:
@@ -437,37 +331,19 @@ def _check_preprocessing(data: DataSpec) -> None:
         )
 
 
-def _section(path: str, raw: Any, model: type) -> dict[str, Any]:
-    """The keyword arguments of `model` from its manifest section `raw` at `path`.
-
-    Leaf fields first, then nested sections, so that an error names the first field
-    a reader of the section would find wrong."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise SpecError(path, f"must be a mapping, got {raw!r}")
-    fields = wire_fields(model)
-    _reject_unknown(path, raw, set(fields))
-    out: dict[str, Any] = {}
-    ordered = sorted(fields.items(), key=lambda item: item[1].rule.kind == "section")
-    for key, field in ordered:
-        rule = field.rule
-        if rule.kind == "section" and rule.model is not None:
-            if key not in raw:
-                if field.required:
-                    raise SpecError(f"{path}.{key}", "is required")
-                continue
-            section = rule.model(**_section(f"{path}.{key}", raw[key], rule.model))
-            if isinstance(section, DataSpec):
-                _check_preprocessing(section)  # rules between its fields, before later sections
-            out[field.name] = section
-            continue
-        if key not in raw or raw[key] is None:
-            if field.required:
-                raise SpecError(f"{path}.{key}", "is required")
-            continue
-        out[field.name] = _convert(f"{path}.{key}", rule, raw[key])
-    return out
+_READER = fields.Reader(
+    kinds={
+        "quantity": _quantity,
+        "resumeFrom": _resume_from,
+        "importPath": _import_path,
+        "jsonObject": _json_object,
+        "onTransformError": _on_transform_error,
+        "blocksPerEpoch": _blocks_per_epoch,
+        "packSequences": lambda path, rule, value: _pack_sequences(path, value),
+    },
+    checks={DataSpec: _check_preprocessing},
+)
+"""The StreamingJob's own kinds beside fields.SHARED_KINDS, and its one cross-field check."""
 
 
 _QUANTITY_SUFFIXES = {
@@ -500,7 +376,7 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
         raise SpecError("apiVersion", f"must be {API_VERSION!r}, got {manifest.get('apiVersion')!r}")
     if manifest.get("kind") != KIND:
         raise SpecError("kind", f"must be {KIND!r}, got {manifest.get('kind')!r}")
-    _reject_unknown("", manifest, {"apiVersion", "kind", "metadata", "spec", "status"})
+    fields.reject_unknown("", manifest, {"apiVersion", "kind", "metadata", "spec", "status"})
     metadata = manifest.get("metadata") or {}
     if not isinstance(metadata, Mapping):
         raise SpecError("metadata", "must be a mapping")
@@ -511,7 +387,7 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
     if not isinstance(raw_spec, Mapping):
         raise SpecError("spec", "is required and must be a mapping")
     job = JobSpec(name=name, namespace=str(metadata.get("namespace") or "default"),
-                  **_section("spec", raw_spec, JobSpec))
+                  **_READER.section("spec", raw_spec, JobSpec))
     if check_replicas:
         job.check_topology()
     return job
@@ -540,7 +416,7 @@ def _wire_value(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     if isinstance(value, PackSpec):
-        return {key: getattr(value, field.name) for key, field in wire_fields(PackSpec).items()}
+        return {key: getattr(value, field.name) for key, field in fields.wire_fields(PackSpec).items()}
     if isinstance(value, Mapping):
         return dict(value)
     return value

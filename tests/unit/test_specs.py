@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from splitfeed.trainer_client import specs, topology
+from splitfeed.trainer_client import fields, specs, topology
 
 GOOD = {
     "apiVersion": "splitfeed.io/v1alpha1",
@@ -145,10 +145,10 @@ def test_every_spec_field_is_declared_once_with_its_rule():
 
     for model in (specs.DataSpec, specs.CheckpointSpec, specs.SidecarSpec, specs.TrainerSpec, specs.ResumeFrom,
                   specs.PackSpec):
-        assert {f.name for f in dataclasses.fields(model)} == {f.name for f in specs.wire_fields(model).values()}
+        assert {f.name for f in dataclasses.fields(model)} == {f.name for f in fields.wire_fields(model).values()}
     assert {f.name for f in dataclasses.fields(specs.JobSpec)} - {
-        f.name for f in specs.wire_fields(specs.JobSpec).values()} == {"name", "namespace"}
-    assert specs.wire_fields(specs.DataSpec)["numSplits"].rule == specs.Rule("int", 1, 1_000_000)
+        f.name for f in fields.wire_fields(specs.JobSpec).values()} == {"name", "namespace"}
+    assert fields.wire_fields(specs.DataSpec)["numSplits"].rule == fields.Rule("int", 1, 1_000_000)
     assert specs.MAXIMA["spec.data.numSplits"] == 1_000_000
 
 
