@@ -23,30 +23,28 @@ Why each part:
   write under its own world epoch, and the world epoch is part of every file
   name, so it cannot overwrite or outrank a newer world's files either.
 
-Files are written whole (temp file + rename locally; S3 puts are atomic) and
-carry a sha256, so a torn or corrupted file makes its step incomplete and an
-older complete step is used instead. Reads retry transient storage errors with
-back-off and then fail: a flaky read must never make one rank fall back to an
+Files are written whole and carry a sha256 (sidecar/blobs.py), so a torn or
+corrupted file makes its step incomplete and an older complete step is used
+instead. Reads retry transient storage errors with back-off and then fail
+(blobs.StoreUnavailable): a flaky read must never make one rank fall back to an
 older step than its peers. Storage goes through pyarrow.fs (local paths, s3://).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import re
-import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
 from splitfeed.trainer_client import errors, specs
+
+from . import blobs
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +54,6 @@ _RANK_FILE = re.compile(r"^w(\d{6,})-rank-(\d{5})-of-(\d{5})\.(json|commit)$")
 _WORLD_FILE = re.compile(r"^world-(\d{6,})\.json$")
 
 Merge = Callable[[list[dict[str, Any]]], dict[str, Any]]
-T = TypeVar("T")
 
 # Provenance key -> the spec field a user would change, for messages. These must
 # match for a checkpoint to resume; `epochs` and `worldEpoch` are recorded only.
@@ -94,10 +91,6 @@ class ProvenanceMismatch(errors.DataError):
 
 class StaleWorld(errors.UserError):
     """This pod belongs to a world that a newer world has replaced; it must not serve."""
-
-
-class StoreUnavailable(errors.UserError):
-    """The checkpoint store kept failing after retries; a restart may succeed."""
 
 
 def provenance(
@@ -164,26 +157,6 @@ def filesystem(uri: str, storage_options: Mapping[str, str] | None = None) -> tu
     raise ValueError(f"checkpoint uri {uri!r}: only local paths and s3:// are supported")
 
 
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def _sealed(record: dict[str, Any]) -> bytes:
-    return json.dumps({**record, "sha256": _digest(record)}).encode()
-
-
-def _unsealed(blob: bytes) -> dict[str, Any] | None:
-    """The record if its checksum holds, else None (torn, corrupt, or not ours)."""
-    try:
-        record = json.loads(blob)
-        if not isinstance(record, dict) or record.get("version") != FORMAT_VERSION:
-            return None
-        digest = record.pop("sha256", None)
-        return record if digest == _digest(record) else None
-    except (ValueError, TypeError):
-        return None
-
-
 def _rank_name(world_epoch: int, rank: int, world_size: int, ext: str) -> str:
     return f"w{world_epoch:06d}-rank-{rank:05d}-of-{world_size:05d}.{ext}"
 
@@ -206,17 +179,15 @@ class Store:
     only for callers not yet passing SPLITFEED_JOB_UID and will go.
     """
 
-    retries = 5
-    """Attempts per storage read before StoreUnavailable; the waits double from backoff_s."""
-    backoff_s = 0.2
-
     def __init__(self, uri: str, namespace: str, job: str,
                  storage_options: Mapping[str, str] | None = None, *,
                  uid: str | None = None, provenance: Mapping[str, Any] | None = None) -> None:
-        self.fs, root = filesystem(uri, storage_options)
+        fs, root = filesystem(uri, storage_options)
         self.root = f"{root}/{namespace}/{job}" + (f"/{uid}" if uid else "")
         self.uri = uri
         self.where = f"{uri.rstrip('/')}/{namespace}/{job}" + (f"/{uid}" if uid else "")
+        self.blobs = blobs.Blobs(fs, self.where, FORMAT_VERSION)
+        """The store's files: written whole with a checksum, read with retries."""
         self.uid = uid
         self.provenance = dict(provenance) if provenance is not None else None
         self.world_epoch = int(self.provenance["worldEpoch"]) if self.provenance else 0
@@ -239,14 +210,14 @@ class Store:
         record = {"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
                   "worldSize": world_size, "worldEpoch": self.world_epoch,
                   "provenance": self.provenance, "state": dict(state)}
-        self._put(path, _sealed(record))
+        self.blobs.put(path, record)
         return path
 
     def commit(self, *, global_step: int, rank: int, world_size: int) -> None:
         """Phase two: the rank's trainer saved its model for `global_step` (docs/agreement.md)."""
         path = self.record_path(global_step, rank, world_size, commit=True)
-        self._put(path, _sealed({"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
-                                 "worldSize": world_size, "worldEpoch": self.world_epoch}))
+        self.blobs.put(path, {"version": FORMAT_VERSION, "globalStep": global_step, "rank": rank,
+                              "worldSize": world_size, "worldEpoch": self.world_epoch})
 
     def start_world(self, *, resume_step: int) -> None:
         """Record that this store's world starts from `resume_step`; once per world, by its
@@ -262,86 +233,26 @@ class Store:
             log.info("world %d already started at step %d", self.world_epoch,
                      worlds[self.world_epoch]["resumeStep"])
             return
-        self._put(f"{self.root}/worlds/world-{self.world_epoch:06d}.json", _sealed(
-            {"version": FORMAT_VERSION, "worldEpoch": self.world_epoch, "resumeStep": resume_step,
-             "provenance": self.provenance}))
-
-    def _put(self, path: str, blob: bytes) -> None:
-        """Write `path` whole, retrying a store's transient errors as reads do (a put of the
-        same bytes again is harmless): a drain's checkpoint must not fail on one 503."""
-        self._retry(f"writing {path}", lambda: self._put_once(path, blob))
-
-    def _put_once(self, path: str, blob: bytes) -> None:
-        """Write `path` whole: temp file + rename locally, a single put on object storage."""
-        if isinstance(self.fs, pafs.LocalFileSystem):  # object stores have no directories to make
-            self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        else:
-            with self.fs.open_output_stream(path) as f:
-                f.write(blob)
+        self.blobs.put(f"{self.root}/worlds/world-{self.world_epoch:06d}.json",
+                       {"version": FORMAT_VERSION, "worldEpoch": self.world_epoch, "resumeStep": resume_step,
+                        "provenance": self.provenance})
 
     # --- reading ---------------------------------------------------------------
 
-    def _retry(self, what: str, read: Callable[[], T]) -> T:
-        """`read()` (or a write), retried with doubling waits on transient errors (not on absence)."""
-        delay = self.backoff_s
-        for attempt in range(1, self.retries + 1):
-            try:
-                return read()
-            except FileNotFoundError:
-                raise
-            except OSError as exc:
-                if attempt == self.retries:
-                    raise StoreUnavailable(
-                        f"checkpoint store {self.where}: {what} failed {attempt} times ({exc}); "
-                        "check spec.checkpoint.uri and its credentials") from exc
-                log.warning("checkpoint store %s: %s failed (%s); retry %d of %d in %.1f s",
-                            self.where, what, exc, attempt, self.retries - 1, delay)
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
-
-    def _list(self, directory: str) -> list[pafs.FileInfo]:
-        def read() -> list[pafs.FileInfo]:
-            infos = self.fs.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
-            return list(infos)
-        try:
-            return self._retry(f"listing {directory}", read)
-        except FileNotFoundError:
-            return []
-
-    def _read(self, path: str) -> dict[str, Any] | None:
-        def read() -> bytes:
-            with self.fs.open_input_stream(path) as f:
-                return bytes(f.read())
-        try:
-            blob = self._retry(f"reading {path}", read)
-        except FileNotFoundError:
-            return None
-        record = _unsealed(blob)
-        if record is None:
-            log.warning("checkpoint file %s is corrupt, torn or of another format; ignoring it", path)
-        return record
-
     def steps(self) -> list[int]:
         """Steps with a directory, newest first (complete or not)."""
-        found = [_STEP_DIR.match(i.base_name) for i in self._list(self.root)
+        found = [_STEP_DIR.match(i.base_name) for i in self.blobs.list(self.root)
                  if i.type == pafs.FileType.Directory]
         return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
     def worlds(self) -> dict[int, dict[str, Any]]:
         """The world markers: world epoch -> {resumeStep, provenance, ...}."""
         out: dict[int, dict[str, Any]] = {}
-        for info in self._list(f"{self.root}/worlds"):
+        for info in self.blobs.list(f"{self.root}/worlds"):
             m = _WORLD_FILE.match(info.base_name)
             if m is None:
                 continue
-            marker = self._read(info.path)
+            marker = self.blobs.get(info.path)
             if marker is not None and marker.get("worldEpoch") == int(m.group(1)):
                 out[int(m.group(1))] = marker
         return out
@@ -364,7 +275,7 @@ class Store:
         """(world epoch, its records by rank) for each world that completed the step and is
         not fenced off by a newer world's resume step; newest world first."""
         files: dict[tuple[int, int, int], dict[str, str]] = {}
-        for info in self._list(self._step_dir(global_step)):
+        for info in self.blobs.list(self._step_dir(global_step)):
             m = _RANK_FILE.match(info.base_name)
             if m:
                 key = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
@@ -375,7 +286,7 @@ class Store:
                 continue  # fenced: a newer world started before this step
             if set(paths) != {"json", "commit"}:
                 continue  # prepared, never committed: the trainer's model may not exist
-            record, marker = self._read(paths["json"]), self._read(paths["commit"])
+            record, marker = self.blobs.get(paths["json"]), self.blobs.get(paths["commit"])
             fields = {"globalStep": global_step, "rank": rank, "worldSize": world, "worldEpoch": epoch}
             if record is None or marker is None or any(
                 record.get(k) != v or marker.get(k) != v for k, v in fields.items()
@@ -445,15 +356,6 @@ class Store:
                 continue
             return found
         return None
-
-    def latest_complete(
-        self, merge: Merge, accept: Callable[[dict[str, Any]], Any] | None = None, *,
-        expect: Mapping[str, Any] | None = None,
-    ) -> tuple[int, dict[str, Any], int] | None:
-        """(global_step, merged state, world size) of the newest complete step (see `newest`)."""
-        found = self.newest(merge, expect=expect, accept=accept)
-        return None if found is None else (found.step, found.state, found.world_size)
-
 
 def store_options(job: specs.JobSpec, secret: Mapping[str, str] | None) -> dict[str, str]:
     """The storage options of spec.checkpoint.uri: the Secret's, and spec.data.storageOptions

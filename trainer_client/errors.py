@@ -7,7 +7,7 @@
     │   │   ├── sidecar.checkpoints.ProvenanceMismatch   checkpoints of other data or another order
     │   │   └── sidecar.plans.PlanError    a plan that cannot be built, or is damaged or foreign
     │   ├── sidecar.checkpoints.StaleWorld         a newer world replaced this pod's
-    │   └── sidecar.checkpoints.StoreUnavailable   the checkpoint store kept failing; a restart may help
+    │   └── sidecar.blobs.StoreUnavailable         the checkpoint store kept failing; a restart may help
     ├── ProtocolError                      a malformed, oversized or out-of-order message
     ├── SidecarUnavailable                 the sidecar does not answer; reconnect or retry
     ├── SidecarFailed                      the sidecar reported a fatal error (e.g. missing table)

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from splitfeed.sidecar import checkpoints, identity, positions, reading
+from splitfeed.sidecar import blobs, checkpoints, identity, positions, reading
 from splitfeed.trainer_client import errors, specs, topology
 from tests.reading.tables import (
     CREDENTIALS,
@@ -46,7 +46,7 @@ class Target:
         data = data or pinned_data()
         store = Store(self.uri, "ns", job, self.options, uid=uid, provenance=checkpoints.provenance(
             data, table_version=table_version, job_uid=uid, world_epoch=world_epoch))
-        store.backoff_s = 0.001
+        store.blobs.backoff_s = 0.001
         return store
 
 
@@ -125,7 +125,7 @@ def test_a_corrupt_record_makes_its_step_incomplete(target: Target, caplog: pyte
     store = target.store()
     save(store, 3, 2)
     save(store, 7, 2)
-    with store.fs.open_output_stream(store.record_path(7, 1, 2)) as f:
+    with store.blobs.fs.open_output_stream(store.record_path(7, 1, 2)) as f:
         f.write(b'{"version": 2, "globalStep": 7, "sta')
     with caplog.at_level(logging.WARNING):
         assert newest_step(store) == 3
@@ -211,7 +211,7 @@ def test_a_re_created_job_starts_at_0_unless_it_names_the_old_ones(target: Targe
 
     # Once the new job has a checkpoint of its own, that one is resumed.
     for store in named:
-        store.backoff_s = 0.001
+        store.blobs.backoff_s = 0.001
     save(named[0], 4, 3)
     found = checkpoints.newest(named, reading.merge_states, expect=expect(uid=OTHER_UID))
     assert found is not None and (found.step, found.world_size) == (4, 3)
@@ -260,7 +260,7 @@ def test_a_stale_world_can_neither_outrank_nor_overwrite_the_new_one(target: Tar
     save(world2, 16, 2)
     found = world2.newest(reading.merge_states, expect=expect())
     assert found is not None and (found.step, found.world_epoch) == (16, 2)
-    names = sorted(i.base_name for i in world2.fs.get_file_info(
+    names = sorted(i.base_name for i in world2.blobs.fs.get_file_info(
         pafs.FileSelector(world2.record_path(16, 0, 2).rsplit("/", 1)[0])))
     assert names == sorted(f"w{e:06d}-rank-{r:05d}-of-00002.{x}" for e in (1, 2) for r in (0, 1)
                            for x in ("json", "commit"))
@@ -309,11 +309,11 @@ def test_transient_read_errors_are_retried_not_skipped(
     save(writer, 3, 2)
     save(writer, 7, 2)
     reader = target.store(world_epoch=1)
-    reader.fs = Flaky(reader.fs, failures=3, only=only)  # type: ignore[assignment]
+    reader.blobs.fs = Flaky(reader.blobs.fs, failures=3, only=only)  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING):
         assert newest_step(reader) == 7  # never the older step 3
-    assert reader.fs.failures == 0 and "retry 1 of 4" in caplog.text
-    reader.fs.failures = 3
+    assert reader.blobs.fs.failures == 0 and "retry 1 of 4" in caplog.text
+    reader.blobs.fs.failures = 3
     assert reader.load(7, reading.merge_states, expect=expect())["epoch"] == 0
 
 
@@ -322,10 +322,10 @@ def test_a_store_that_keeps_failing_is_an_error_not_an_older_step(target: Target
     save(writer, 3, 2)
     save(writer, 7, 2)
     reader = target.store()
-    reader.fs = Flaky(reader.fs, failures=100, only="step-000000000007")  # type: ignore[assignment]
-    with pytest.raises(checkpoints.StoreUnavailable, match="failed 5 times"):
+    reader.blobs.fs = Flaky(reader.blobs.fs, failures=100, only="step-000000000007")  # type: ignore[assignment]
+    with pytest.raises(blobs.StoreUnavailable, match="failed 5 times"):
         newest_step(reader)
-    with pytest.raises(checkpoints.StoreUnavailable):
+    with pytest.raises(blobs.StoreUnavailable):
         reader.load(7, reading.merge_states, expect=expect())
 
 

@@ -106,7 +106,7 @@ def test_a_checkpoint_write_retries_a_failing_store_and_loses_nothing(store: tup
     mine = checkpoints.provenance(data, table_version=1, job_uid="u1", world_epoch=0)
     store_ = checkpoints.Store(f"s3://{BUCKET}/ckpt", "test", "job", endpoint.storage_options(), uid="u1",
                                provenance=mine)
-    store_.backoff_s = 0.01
+    store_.blobs.backoff_s = 0.01
     state = positions.state_dict(data, positions.Position(0, 3))
     endpoint.reset_counters()
     endpoint.fail_next(6, 503)  # more than pyarrow's own attempts
