@@ -1,20 +1,24 @@
 """The pod contract: trainer_client/contract.py and docs/pod-contract.md say the same,
-and the operator and `splitfeed local` build one environment from it."""
+and the operator and `splitfeed local` build one environment from it; and every
+file, module and function docs/*.md and README.md cite exists."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from splitfeed.operator import planning
 from splitfeed.sidecar import local
 from splitfeed.trainer_client import client, contract, specs
 from tests.support.builders import manifest
 
-DOC = (Path(__file__).resolve().parents[2] / "docs" / "pod-contract.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "pod-contract.md").read_text()
 
 
 def section(title: str) -> str:
@@ -120,3 +124,110 @@ def test_the_sidecar_gets_a_resume_step_instead_of_a_resume_mode():
     assert contract.sidecar_env(**base, resume_step=7, table_version=3, config_checksum="abc") == {
         "SPLITFEED_RESUME_STEP": "7", "SPLITFEED_COORDINATOR": "tcp://c:1", "SPLITFEED_JOB_UID": "u",
         "SPLITFEED_TABLE_VERSION": "3", "SPLITFEED_CONFIG_CHECKSUM": "abc"}
+
+
+# --- every file, module and function the docs cite exists -------------------------------
+
+PAGES = sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]
+PACKAGES = ("trainer_client", "sidecar", "operator")
+
+CITED_PATH = re.compile(r"(?<![\w./-])\.?(?:sidecar|trainer_client|operator|tests|docs|examples|charts|crds|pkg|\.ci)"
+                        r"/[\w./-]*")
+"""A path into one of the repository's folders: `sidecar/foo.py`, tests/support, charts/splitfeed/..."""
+
+CITED_NAME = re.compile(r"(?<![\w./-])([a-z_]\w*)\.([A-Za-z_]\w*)")
+"""`module.name` inside backticks, as in `ring.futex_wait` or `client.checkpoint()`."""
+
+CITED_IN_FILE = re.compile(r"\b([\w/]+\.py): `?([A-Za-z_]\w*)")
+"""`path.py: name`, as in `sidecar/reading.py: reference_dataset`."""
+
+ALIASES = {"client": ("trainer_client/client.py", "StreamClient")}
+"""Names the docs use for an object rather than a module: the README's `client = StreamClient(...)`."""
+
+
+def cited_paths(text: str) -> set[str]:
+    return {m.group(0).rstrip("./") for m in CITED_PATH.finditer(text)}
+
+
+def defined_names(tree: ast.AST) -> set[str]:
+    """Names a module or class body binds: functions, classes, assignments, imports (and a
+    class's `self.x` attributes)."""
+    names: set[str] = set()
+    body = tree.body if isinstance(tree, (ast.Module, ast.ClassDef)) else []
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    if isinstance(tree, ast.ClassDef):
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                  and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def names_in(path: Path, cls: str | None = None) -> set[str]:
+    tree: ast.AST = ast.parse(path.read_text())
+    if cls is not None:
+        tree = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return defined_names(tree)
+
+
+def chart_values(dotted: str) -> bool:
+    """Whether `dotted` (metrics.serviceMonitor.enabled) is a key path of the chart's values."""
+    node = yaml.safe_load((ROOT / "charts" / "splitfeed" / "values.yaml").read_text())
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def unresolved_names(text: str) -> list[str]:
+    """`module.name` citations (in backticks) of a module of the three packages whose module
+    has no such name, and `path.py: name` citations whose file does not define it."""
+    modules = {p.stem: [q for q in (ROOT / pkg / f"{p.stem}.py" for pkg in PACKAGES) if q.exists()]
+               for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")}
+    missing = []
+    for quoted in re.findall(r"`([^`\n]+)`", text):
+        for m in CITED_NAME.finditer(quoted):
+            module, name = m.groups()
+            if name in ("py", "md", "yaml", "json", "sh"):
+                continue  # a file name such as `reading.py`: CITED_PATH's and the folder's business
+            if module in ALIASES:
+                where, cls = ALIASES[module]
+                found = name in names_in(ROOT / where, cls)
+            elif module in modules:
+                found = any(name in names_in(path) for path in modules[module])
+                found = found or chart_values(quoted[m.start():].split()[0].strip("(),"))
+            else:
+                continue
+            if not found:
+                missing.append(m.group(0))
+    for path, name in CITED_IN_FILE.findall(text):
+        file = ROOT / path if (ROOT / path).exists() else ROOT / "tests" / path
+        if file.exists() and name not in names_in(file):
+            missing.append(f"{path}: {name}")
+    return missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_path_a_page_cites_exists(page):
+    assert sorted(p for p in cited_paths(page.read_text()) if not (ROOT / p).exists()) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_module_function_a_page_cites_exists(page):
+    assert unresolved_names(page.read_text()) == []
+
+
+def test_the_doc_checks_catch_what_drifts():
+    text = ("`operator/worlds.py` beside sidecar/serving.py; `ring.futex_wait`, `ring.no_such_thing`, "
+            "`client.checkpoint()`, `client.no_such_method()`, `metrics.serviceMonitor.enabled`, "
+            "`metrics.noSuchValue`; `sidecar/reading.py: reference_dataset`, `sidecar/reading.py: gone`")
+    assert cited_paths(text) == {"operator/worlds.py", "sidecar/serving.py", "sidecar/reading.py"}
+    assert [p for p in cited_paths(text) if not (ROOT / p).exists()] == ["operator/worlds.py"]
+    assert unresolved_names(text) == ["ring.no_such_thing", "client.no_such_method", "metrics.noSuchValue",
+                                      "sidecar/reading.py: gone"]
