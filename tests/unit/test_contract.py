@@ -94,10 +94,12 @@ def test_the_documented_stats_record_is_what_the_client_writes(tmp_path):
     assert list(json.loads((tmp_path / "stats.json").read_text())) == list(contract.STATS_FIELDS)
 
 
-def test_the_crd_coordinates_are_one_set():
-    assert specs.API_VERSION == f"{planning.GROUP}/{planning.VERSION}" == contract.API_VERSION
+def test_the_crd_coordinates_are_the_crds():
+    crd = yaml.safe_load((ROOT / "crds" / "streamingjob.yaml").read_text())["spec"]
+    assert (crd["group"], [v["name"] for v in crd["versions"]]) == (contract.GROUP, [contract.VERSION])
+    assert (crd["names"]["kind"], crd["names"]["plural"]) == (contract.KIND, contract.PLURAL)
+    assert contract.API_VERSION == f"{crd['group']}/{crd['versions'][0]['name']}"
     assert planning.Owner("j", "u").reference()["apiVersion"] == contract.API_VERSION
-    assert specs.KIND == contract.KIND
 
 
 @pytest.mark.parametrize("gpus, replicas", [(1, 4), (2, 2), (4, 2)])
