@@ -13,6 +13,9 @@ import itertools
 import json
 import os
 import struct
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lancedb
@@ -331,29 +334,84 @@ def test_the_epoch_seed_step_is_lancedbs() -> None:
 
 def test_takes_in_flight_fit_the_budget_with_what_a_take_holds_while_it_decodes() -> None:
     mib = 1 << 20
-    # 26,400 rows of 12 B shuffled one by one: ~13.8 MB a take -> 19 fit 256 MiB, 2 CPUs allow 4
+    # 26,400 rows of 12 B shuffled one by one: ~14.3 MB a take -> 18 fit 256 MiB, 2 CPUs allow 4
     assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=2) == 4
-    assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=16) == 19
+    assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=16) == 18
     assert takes.depth_for(256 * mib, 26_400, 12.0, clump=64, cpus=64) == takes.MAX_IN_FLIGHT
-    assert takes.depth_for(256 * mib, 1_920, 65_536.0, cpus=16) == 2  # 125 MB takes
+    # 64 KiB rows: a take holds 2.5 x its rows while it decodes, beside the one consumed
+    assert takes.depth_for(256 * mib, 1_920, 65_536.0, cpus=16) == 1  # 120 MiB takes
+    assert takes.depth_for(256 * mib, 480, 65_536.0, cpus=16) == 3  # 30 MiB takes: take_bytes'
     assert takes.depth_for(1, 10, 1.0, cpus=8) == 1
-    assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=None) == 19  # an object store: no CPU cap
+    assert takes.depth_for(256 * mib, 26_400, 12.0, cpus=None) == 18  # an object store: no CPU cap
     assert reading.remote("s3://b/db") and reading.remote("gs://b/db") and not reading.remote("/data/db")
     assert not reading.remote("file:///data/db")
+    # a take's size leaves room for MIN_DEPTH of them and the one consumed within the budget
+    assert takes.rows_per_take(1 << 40, 65_536.0) == takes.TAKE_BYTES // 65_536
+    assert takes.rows_per_take(256 * mib, 12.0) == int(256 * mib / (2 * (30 + 512) + 12))
+    for budget in (16 * mib, 256 * mib, 1 << 30):
+        for row_bytes in (12.0, 4096.0, 65_536.0):
+            for clump in (0, 64):
+                rows = takes.rows_per_take(budget, row_bytes, clump)
+                assert takes.depth_for(budget, rows, row_bytes, clump=clump, cpus=None) >= takes.MIN_DEPTH
 
 
 def test_a_take_of_large_rows_stays_under_take_bytes(db_uri: str) -> None:
     """Until the first take sizes a row, takes are one step; then as many steps as fit."""
     table, data = pinned(db_uri)
-    requests = iter([((0, 1), np.arange(10, dtype=np.uint64))])
-    taken = takes.Takes(table, ["id"], requests, 1 << 20)
-    assert taken.steps_per_take(50, 1000) == 1
-    next(taken)
-    row = taken._row_bytes
-    assert row is not None and row > 0
-    assert taken.steps_per_take(10**9, 1000) == int(takes.TAKE_BYTES // (1000 * row))
-    assert taken.steps_per_take(3, 1000) == 3
-    taken.close()
+    for budget in (1 << 30, 1 << 20):
+        requests = iter([((0, 1), np.arange(10, dtype=np.uint64))])
+        taken = takes.Takes(table, ["id"], requests, budget)
+        assert taken.steps_per_take(50, 1000) == 1
+        next(taken)
+        row = taken._row_bytes
+        assert row is not None and row > 0
+        most = takes.rows_per_take(budget, row) // 1000
+        assert most == int(min(takes.TAKE_BYTES / row, budget / (2 * (2.5 * row + 512) + row)) // 1000)
+        assert taken.steps_per_take(10**9, 1000) == max(1, most)  # a step, even over the budget
+        assert taken.steps_per_take(3, 1000) == max(1, min(3, most))
+        taken.close()
+
+
+def test_takes_hold_what_they_decode_to_the_budget_take_by_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Takes running at once hold at most readAheadBytes with the result being consumed:
+    the first take (one step) must not size the depth of the larger takes after it."""
+    row, per_step, budget, steps = 65_544, 10, 16 << 20, 200
+    lock = threading.Lock()
+    running: dict[int, int] = {}
+    consumed = [0]
+    worst = {"held": 0.0, "takes": 0}
+
+    def fake_take(table: object, ids: np.ndarray, columns: object) -> pa.RecordBatch:
+        with lock:
+            running[id(ids)] = len(ids)
+            held = sum(takes.held_bytes(n, row) for n in running.values()) + consumed[0]
+            worst["held"] = max(worst["held"], held)
+            worst["takes"] = max(worst["takes"], len(running))
+        time.sleep(0.01)
+        with lock:
+            del running[id(ids)]
+        return pa.record_batch([pa.array(ids.astype(np.int64)), pa.array([bytes(row - 8)] * len(ids),
+                                                                         pa.binary(row - 8))],
+                               names=["id", "payload"])
+
+    monkeypatch.setattr(takes, "take_rows", fake_take)
+
+    def requests() -> Iterator[tuple[int, np.ndarray] | None]:
+        first = 0
+        while first < steps:
+            count = min(taken.steps_per_take(50, per_step), steps - first)
+            yield first, np.arange(first * per_step, (first + count) * per_step, dtype=np.uint64)
+            first += count
+
+    taken: takes.Takes[int] = takes.Takes(None, None, requests(), budget, cpus=None)
+    got: list[int] = []
+    for _, batch in taken:
+        with lock:
+            consumed[0] = batch.nbytes
+        got += batch.column("id").to_pylist()
+    assert got == list(range(steps * per_step))
+    assert worst["takes"] >= 2  # it reads ahead
+    assert worst["held"] <= budget, worst
 
 
 def test_the_pool_is_set_once_for_the_process_and_a_users_own_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
