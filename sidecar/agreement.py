@@ -187,6 +187,8 @@ class Coordinator:
         self.complete_step: int | None = None
         self.progress: dict[int, dict[str, Any]] = {}
         """Each member's last `progress` (live status; docs/observability.md)."""
+        self.next_replicas = 0
+        """Replicas of the world that follows this one in place (0: it is replaced, or none)."""
 
     def recipients(self, peer: bytes) -> list[bytes]:
         """Whom an Out goes to, in order: EVERY is each joined member, the coordinator's own
@@ -207,10 +209,14 @@ class Coordinator:
         return [p for r, p in self.members.items() if r != OWN] + ([] if own is None else [own])
 
     def on_join(self, peer: bytes, replica: int) -> list[Out]:
-        if not 0 <= replica < self.replicas:
+        if replica < 0:
             raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
+        joined = Joined(resume_step=self.resume_step, table_version=self.table_version, replicas=self.replicas)
+        if replica >= self.replicas:
+            # A pod of the world before an in-place scale-down: told the size, it ends; not a member.
+            return [Out(peer, joined)]
         self.members[replica] = peer
-        out = [Out(peer, Joined(resume_step=self.resume_step, table_version=self.table_version))]
+        out = [Out(peer, joined)]
         if self.phase == WAITING_FOR_MEMBERS and len(self.members) == self.replicas:
             return out + self._freeze()
         if self.phase == FREEZING and replica not in self.answers:
@@ -224,15 +230,22 @@ class Coordinator:
             out.append(Out(peer, self._agreed(need=-1 if self.candidate is None else self.candidate - 1)))
         return out
 
-    def on_request(self, peer: bytes, token: str, reason: str, not_before: int = 0) -> list[Out]:
+    def on_request(self, peer: bytes, token: str, reason: str, not_before: int = 0,
+                   replicas: int = 0) -> list[Out]:
         """A drain request from the operator, a member or a member's trainer.
 
         `not_before` is kept for ordinary jobs only: a skip job's drain step must be
         known to exist, which the look-ahead learns only as far as it has read, and
         reading far ahead while frozen would stall the world and hold its batches.
+        `replicas` > 0 asks for an in-place rescale; the newest count wins, repeated
+        tokens included (a second `kubectl scale` during the drain), until the next
+        world's coordinator starts with it (`next_replicas`).
         """
         fresh = token not in self.tokens
         self.tokens.add(token)
+        if replicas > 0 and replicas != self.next_replicas:
+            self.next_replicas = replicas
+            log.info("the next world changes in place to %d replicas", replicas)
         out: list[Out] = []
         if fresh and self.phase == IDLE:
             self.reason = reason
@@ -293,7 +306,8 @@ class Coordinator:
 
     def _commit_at(self) -> CommitAt:
         assert self.step is not None
-        return CommitAt(round=self.round, step=self.step, drain=True, reason=self.reason or "drain")
+        return CommitAt(round=self.round, step=self.step, drain=True, reason=self.reason or "drain",
+                        next_replicas=self.next_replicas)
 
     def on_committed(self, replica: int, step: int) -> list[Out]:
         """Every local rank of `replica` committed `step`; a step every member committed is complete."""
@@ -377,7 +391,7 @@ class CoordinatorThread:
             case Join():
                 return c.on_join(peer, message.replica)
             case DrainRequest():
-                return c.on_request(peer, message.token, message.reason, message.not_before)
+                return c.on_request(peer, message.token, message.reason, message.not_before, message.replicas)
             case Frozen():
                 return c.on_frozen(message.replica, message.round, message.published)
             case Reach():

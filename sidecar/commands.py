@@ -184,6 +184,9 @@ def local(add_parser: AddParser, name: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--scale-at", action="append", default=[], metavar="STEP:REPLICAS",
                    help="rescale live once global step STEP is reached (repeatable)")
+    p.add_argument("--rescale", choices=["recreate", "inPlace"], default="recreate",
+                   help="how a rescale changes the world: new processes for every replica (recreate), "
+                        "or the ones that stay keep running (inPlace; trainers run under `splitfeed run`)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- CMD ARGS... (default: the trainer container's command)")
     p.set_defaults(func=_local)
@@ -199,4 +202,4 @@ def _local(args: argparse.Namespace) -> int:
     scale_at = [launching.parse_scale_at(text) for text in args.scale_at]
     return launching.run(job, command=command or None, resume=args.resume,
                          storage_options_dir=args.storage_options_dir, progress=not args.quiet,
-                         scale_at=scale_at)
+                         scale_at=scale_at, in_place=args.rescale == "inPlace")

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from splitfeed.trainer_client import contract, errors, specs, stalls, worlds
+from splitfeed.trainer_client import contract, errors, membership, specs, stalls, worlds
 
 from . import forkserver, metrics
 
@@ -45,6 +45,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A free port P whose partner P + WORLD_PORT_STRIDE is free too: the even and odd worlds
+    of an in-place run (trainer_client.membership.world_port)."""
+    for _ in range(100):
+        port = free_port()
+        if port + membership.WORLD_PORT_STRIDE > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + membership.WORLD_PORT_STRIDE))
+            except OSError:
+                continue
+        return port
+    raise errors.UserError("no free pair of local ports for an in-place run")
 
 
 def trainer_command(job: specs.JobSpec) -> list[str]:
@@ -173,6 +189,9 @@ class World:
     master_port: int = 0
     drain_to: tuple[int, int] | None = None
     """(STEP, REPLICAS) of the --scale-at entry this world was asked ahead to drain for."""
+    ports: tuple[int, int] | None = None
+    """In place: the even worlds' (rendezvous, coordinator) ports; odd worlds use them + stride."""
+    socket_dirs: list[Path] = dataclasses.field(default_factory=list)
 
     def stop(self) -> None:
         for p in self.trainers + self.sidecars:
@@ -211,42 +230,60 @@ class World:
 
 def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path, *,
                 resume: str, resume_step: int | None, storage_options_dir: Path | None,
-                forks: forkserver.Server | None = None) -> World:
+                forks: forkserver.Server | None = None, in_place: bool = False) -> World:
     """One sidecar per replica, one trainer per rank, with the environment pods get."""
-    world = start_trainers(job, epoch, argv, work, logs)
+    ports = (free_port_pair(), free_port_pair()) if in_place else None
+    world = start_trainers(job, epoch, argv, work, logs, ports=ports)
     start_sidecars(world, work, logs, resume=resume, resume_step=resume_step,
                    storage_options_dir=storage_options_dir, forks=forks)
     return world
 
 
-def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path) -> World:
+AGENT = [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--"]
+"""`splitfeed run --`: what an in-place job's trainer container runs (trainer_client.agent)."""
+
+
+def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path, *,
+                   ports: tuple[int, int] | None = None, replicas: range | None = None,
+                   into: World | None = None) -> World:
     """A world's trainers alone. They import and then say hello until their sidecar answers
     (the client waits for a sidecar that is still starting), so a rescale starts them while
-    the old world drains, before the step the sidecars resume at is known."""
-    master_port = free_port()
-    coordinator = f"tcp://127.0.0.1:{free_port()}"
-    world = World(epoch, job, coordinator, [], [], [], [], time.monotonic(), None, master_port)
-    for replica in range(job.replicas):
+    the old world drains, before the step the sidecars resume at is known.
+
+    `ports`: an in-place run, its trainers under the agent; `replicas` (into `into`): only
+    those, the new pods of an in-place scale-up."""
+    if ports is not None:
+        master_port = membership.world_port(ports[0], epoch)
+        coordinator = f"tcp://127.0.0.1:{membership.world_port(ports[1], epoch)}"
+    else:
+        master_port, coordinator = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    world = into or World(epoch, job, coordinator, [], [], [], [], time.monotonic(), None, master_port,
+                          ports=ports)
+    for replica in replicas if replicas is not None else range(job.replicas):
         socket_dir = work / f"w{epoch}-replica-{replica}"
         socket_dir.mkdir()
+        world.socket_dirs.append(socket_dir)
         for local_rank in range(job.gpus_per_replica):
             env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)
             stats = work / f"w{epoch}-stats-{env[contract.RANK]}.json"
-            env[contract.STATS_FILE_ENV] = str(stats)
+            env[contract.STATS_FILE_ENV] = str(work / f"w{{world}}-stats-{env[contract.RANK]}.json"
+                                               if ports is not None else stats)
             world.stats.append(stats)
-            world.trainers.append(Process(f"w{epoch}-trainer-{env[contract.RANK]}", argv, env, logs))
+            command = AGENT + argv if ports is not None else argv
+            world.trainers.append(Process(f"w{epoch}-trainer-{env[contract.RANK]}", command, env, logs))
     return world
 
 
 def start_sidecars(world: World, work: Path, logs: Path, *, resume: str, resume_step: int | None,
-                   storage_options_dir: Path | None, forks: forkserver.Server | None = None) -> None:
-    """One sidecar per replica of `world`, resuming at `resume_step`."""
+                   storage_options_dir: Path | None, forks: forkserver.Server | None = None,
+                   replicas: range | None = None) -> None:
+    """One sidecar per replica of `world` (or of `replicas`), resuming at `resume_step`."""
     job, epoch = world.job, world.epoch
     config = work / "config.json"
     if not config.exists():
         config.write_text(json.dumps(job.data_config()))
     world.resume_step = resume_step
-    for replica in range(job.replicas):
+    for replica in replicas if replicas is not None else range(job.replicas):
         socket_dir = work / f"w{epoch}-replica-{replica}"
         env = rank_env(job, replica, 0, socket_dir, world.master_port, epoch)
         env.update(contract.sidecar_env(coordinator=world.coordinator, job_uid=LOCAL_JOB_UID,
@@ -290,7 +327,8 @@ def parse_scale_at(text: str) -> tuple[int, int]:
 
 def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
         storage_options_dir: Path | None = None, progress: bool = True,
-        out: IO[str] = sys.stderr, scale_at: Sequence[tuple[int, int]] = ()) -> int:
+        out: IO[str] = sys.stderr, scale_at: Sequence[tuple[int, int]] = (),
+        in_place: bool = False) -> int:
     """Run the job's worlds until it ends; rescale live at `scale_at` steps or on request."""
     argv = command or trainer_command(job)
     work = Path(tempfile.mkdtemp(prefix=f"splitfeed-{job.name}-", dir=shm_root()))
@@ -315,7 +353,7 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     try:
         world = start_world(job, first_world_epoch(job, storage_options_dir), argv, work, logs,
                             resume=resume, resume_step=None, storage_options_dir=storage_options_dir,
-                            forks=forks)
+                            forks=forks, in_place=in_place)
         history.append(world)
         while True:
             failure = world.failure()
@@ -330,13 +368,14 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
             steps = world.steps()
             if rescales and rescales[-1].first_batch_s is None and max(steps) > (world.resume_step or 0):
                 rescales[-1].first_batch_s = time.monotonic() - rescales[-1].requested_at
-            if world.drain_to is not None and (finished or min(steps) >= world.drain_to[0]):
+            if world.drain_to is not None and (in_place or finished or min(steps) >= world.drain_to[0]):
                 target: int | None = world.drain_to[1]
             else:
                 target = _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
             if target is not None:
-                world, rescale = _rescale(world, target, argv, work, logs, resume,
-                                          storage_options_dir, display, forks)
+                change = _rescale_in_place if in_place else _rescale
+                world, rescale = change(world, target, argv, work, logs, resume,
+                                        storage_options_dir, display, forks)
                 history.append(world)
                 rescales.append(rescale)
                 continue
@@ -428,7 +467,7 @@ def _ask_ahead(world: World, plan: list[tuple[int, int]], display: Progress) -> 
     if replicas == world.job.replicas:
         return  # nothing to change: _wanted_replicas drops the entry when it is reached
     if worlds.request_drain(world.coordinator, _rescale_token(world), "rescale", timeout_s=0.25,
-                            not_before=step) is None:
+                            not_before=step, replicas=replicas if world.ports else 0) is None:
         return  # the coordinator is still starting: ask again on the next turn
     world.drain_to = plan.pop(0)
     display.note(f"world {world.epoch} asked to drain at global step {step} for {replicas} replicas")
@@ -494,6 +533,80 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
     except BaseException:
         nxt.stop()
         raise
+    return nxt, rescale
+
+
+IN_PLACE_TIMEOUT_S = 300.0
+"""How long an in-place rescale may take from the request to the next world serving."""
+
+
+def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, logs: Path,
+                      resume: str, storage_options_dir: Path | None, display: Progress,
+                      forks: forkserver.Server | None = None) -> tuple[World, Rescale]:
+    """Change `world` in place, as the operator's `spec.rescale: inPlace` does: the processes
+    of replicas 0..min(N, M) - 1 stay; new replicas start now, while the world still trains,
+    and wait for the agreed step; replicas >= M end after the drain."""
+    job = dataclasses.replace(world.job, replicas=replicas)
+    try:
+        job.check_topology()
+    except ValueError as exc:
+        raise errors.UserError(f"cannot rescale to {replicas} replicas: {exc}") from exc
+    assert world.ports is not None
+    old = world.job.replicas
+    display.note(f"rescaling {old} -> {replicas} replicas in place: "
+                 + (f"world {world.epoch} drains at global step {world.drain_to[0]}" if world.drain_to
+                    else f"asking world {world.epoch} to drain"))
+    asked = time.monotonic()
+    nxt = World(world.epoch + 1, job, f"tcp://127.0.0.1:{membership.world_port(world.ports[1], world.epoch + 1)}",
+                [], [], [], [], asked, None, membership.world_port(world.ports[0], world.epoch + 1),
+                ports=world.ports)
+    kept = min(old, replicas)
+    per = job.gpus_per_replica
+    nxt.sidecars, nxt.trainers = world.sidecars[:kept], world.trainers[:kept * per]
+    nxt.socket_dirs, nxt.reports = world.socket_dirs[:kept], world.reports[:kept]
+    nxt.stats = [work / f"w{nxt.epoch}-stats-{r}.json" for r in range(kept * per)]
+    added = range(kept, replicas)
+    if added:  # the new pods start now and wait for the world they join
+        start_trainers(job, nxt.epoch, argv, work, logs, ports=world.ports, replicas=added, into=nxt)
+        start_sidecars(nxt, work, logs, resume=resume, resume_step=None,
+                       storage_options_dir=storage_options_dir, forks=forks, replicas=added)
+    leaving = world.sidecars[kept:] + world.trainers[kept * per:]
+    token = _rescale_token(world)
+    deadline = asked + IN_PLACE_TIMEOUT_S
+    acked = world.drain_to is not None
+    try:
+        while True:
+            failure = world.failure() or nxt.failure()
+            if failure:
+                raise errors.UserError(f"world {world.epoch} failed while changing in place: {failure}")
+            if not acked:
+                acked = worlds.request_drain(world.coordinator, token, "rescale", timeout_s=1.0,
+                                             replicas=replicas) is not None
+                if not acked:
+                    time.sleep(0.2)  # the coordinator is still starting: ask again
+                    continue
+            now = membership.read(world.socket_dirs[0])
+            if (now is not None and now.epoch == nxt.epoch and now.state == membership.SERVING
+                    and all(p.popen.poll() == 0 for p in leaving)):
+                break
+            if now is not None and now.state == membership.ENDED:
+                raise errors.UserError(f"world {world.epoch} ended instead of changing in place: "
+                                       f"{world.sidecars[0].tail()}")
+            if time.monotonic() > deadline:
+                raise errors.UserError(f"world {world.epoch} did not change in place within "
+                                       f"{IN_PLACE_TIMEOUT_S:g} s")
+            time.sleep(0.02)
+            display.update(world, [])
+    except BaseException:
+        for p in nxt.sidecars[kept:] + nxt.trainers[kept * per:]:
+            p.stop()
+        raise
+    step = now.resume_step
+    nxt.resume_step = step
+    rescale = Rescale(old, replicas, step, asked, time.monotonic() - asked,
+                      redone=max(world.steps()) - step)
+    display.note(f"world {world.epoch} drained at global step {step}; world {nxt.epoch} goes on there "
+                 f"in place with {replicas} replicas")
     return nxt, rescale
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client import contract, errors, specs
+from splitfeed.trainer_client import contract, errors, membership, specs
 
 from . import agreement, cgroups, checkpoints, identity, metrics, planner, plans, positions, reading, serving, workers
 from .storage_options import read_storage_options as read_storage_options
@@ -59,6 +59,9 @@ class SidecarSettings:
     termination_log: Path | None = None
     metrics_port: int | None = None
     """Where /metrics is served (SPLITFEED_METRICS_PORT; 0: any free port); None: not at all."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = contract.MASTER_PORT
+    """The trainers' rendezvous (MASTER_ADDR, MASTER_PORT): told to them again in a world changed in place."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SidecarSettings:
@@ -76,6 +79,8 @@ class SidecarSettings:
             "coordinator": env.get(contract.COORDINATOR_ENV) or None,
             "checksum": env.get(contract.CONFIG_CHECKSUM_ENV) or None,
             "metrics_port": metrics.metrics_port(env) or None,
+            "master_addr": env.get(contract.MASTER_ADDR) or None,
+            "master_port": int(env[contract.MASTER_PORT_ENV]) if env.get(contract.MASTER_PORT_ENV) else None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -364,6 +369,31 @@ class Sidecar:
     metrics: metrics.SidecarMetrics | None = None
     builder: planner.Planner | None = None
     """Builds this job's epoch plans (replica 0's, or every sidecar's without a store)."""
+    plan: plans.Source | None = None
+    data: specs.DataSpec | None = None
+    """The job's data at the pinned table version (None when it could not be opened)."""
+    rows: int = 0
+    """The rows the job reads per epoch (its filter applied)."""
+
+
+@dataclasses.dataclass
+class Carried:
+    """What a sidecar keeps from one world to the next when its world changes in place: the
+    plans (built once per epoch, never again), the metrics endpoint, the table's pinned
+    version, and the old world's coordinator until the new one is bound."""
+
+    builder: planner.Planner | None
+    plan: plans.Source | None
+    metrics: metrics.SidecarMetrics | None
+    coordinator: agreement.CoordinatorThread | None
+    data: specs.DataSpec | None
+    rows: int
+    steps_per_epoch: int
+    report: contract.Report
+
+
+class NotInWorld(Exception):
+    """This pod is not in the world its coordinator now runs (an in-place scale-down)."""
 
 
 def provenance(data: specs.DataSpec, settings: SidecarSettings) -> dict[str, Any]:
@@ -373,8 +403,12 @@ def provenance(data: specs.DataSpec, settings: SidecarSettings) -> dict[str, Any
                                   world_epoch=settings.world_epoch)
 
 
-def prepare(settings: SidecarSettings) -> Sidecar:
-    """Load, open, agree on the resume step and bind. Bad input becomes `failure`, reported to trainers."""
+def prepare(settings: SidecarSettings, carried: Carried | None = None) -> Sidecar:
+    """Load, open, agree on the resume step and bind. Bad input becomes `failure`, reported to trainers.
+
+    `carried`: this sidecar served the world before, which changed in place; its plans and
+    metrics go on. NotInWorld: a member whose replica the world no longer has.
+    """
     ranks = [settings.rank + i for i in range(settings.local_world_size)]
     instance = uuid.uuid4().hex[:12]
     failure: str | None = None
@@ -390,6 +424,7 @@ def prepare(settings: SidecarSettings) -> Sidecar:
     resume_state: dict[str, Any] | None = None
     builder: planner.Planner | None = None
     plan: plans.Source | None = None
+    rows = 0
     try:
         job = load_job(settings)
         bind, address = coordinator_addresses(settings)
@@ -397,12 +432,10 @@ def prepare(settings: SidecarSettings) -> Sidecar:
         if replica == 0:
             # The coordinator fixes, once for the world: the table version, and the resume step.
             stores = job_stores(job, settings, storage_options)
-            table, data = reading.pin(job.data, storage_options, pinned=choose_version(settings, stores))
+            data, rows, steps_per_epoch = _open(job, storage_options, choose_version(settings, stores), carried)
             assert data.version is not None  # pin() sets the number
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
-            sized = reading.job_layout(table, data)
-            steps_per_epoch = sized.steps_per_epoch
             resume_step = choose_resume_step(job, data, settings, stores, expect)
             if stores:
                 stores[0].start_world(resume_step=resume_step)  # fences every older world
@@ -414,27 +447,41 @@ def prepare(settings: SidecarSettings) -> Sidecar:
                                       watermark=watermark),
                 bind)
             address = address or coordinator.address
+            if carried is not None and carried.coordinator is not None:
+                carried.coordinator.close()  # the world before: every member committed its drain step
+                carried.coordinator = None
         member = agreement.Member(address, replica, instance)
         joined = member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)
         start_step = joined.resume_step
+        if joined.replicas and joined.replicas * settings.local_world_size != settings.world_size:
+            if replica >= joined.replicas:
+                member.close()
+                raise NotInWorld(f"replica {replica} is not in world {settings.world_epoch} "
+                                 f"of {joined.replicas} replicas")
+            # Created for another count than the world's coordinator now runs: its count wins.
+            settings = dataclasses.replace(settings, world_size=joined.replicas * settings.local_world_size)
+            job = load_job(settings)
         if replica != 0:
-            table, data = reading.pin(job.data, storage_options, pinned=joined.table_version)
+            data, rows, steps_per_epoch = _open(job, storage_options, joined.table_version, carried)
             expect = provenance(data, settings)
             stores = job_stores(job, settings, storage_options, expect)
-            sized = reading.job_layout(table, data)
-            steps_per_epoch = sized.steps_per_epoch
         assert data is not None
         total_steps = steps_per_epoch * data.epochs
-        del table
         resume_state = check_resume_step(data, stores, start_step, steps_per_epoch, expect)
         if reading.reads_plans(data):
             where = planner.location(data, stores[0].where if stores else None,
                                      checkpoints.store_options(job, storage_options))
-            plan = plans.Source(where)
+            kept = carried.plan if carried is not None else None
+            plan = kept if kept is not None and kept.location.uri == where.uri else plans.Source(where)
             if replica == 0 or not stores:  # the world's builder, or a sidecar on its own
-                builder = planner.Planner(data, storage_options, where, rows=sized.rows,
-                                          private=not stores)
-                builder.start(min(start_step // steps_per_epoch, data.epochs - 1))
+                epoch = min(start_step // steps_per_epoch, data.epochs - 1)
+                if carried is not None and carried.builder is not None and carried.builder.data == data:
+                    builder, carried.builder = carried.builder, None
+                    builder.ensure(epoch)
+                    builder.reached(epoch)
+                else:
+                    builder = planner.Planner(data, storage_options, where, rows=rows, private=not stores)
+                    builder.start(epoch)
     except errors.UserError as exc:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
@@ -470,33 +517,60 @@ def prepare(settings: SidecarSettings) -> Sidecar:
 
         checkpoint = observed.timed_checkpoint(write_checkpoint)
 
+    def on_drain(step: int, next_replicas: int) -> None:
+        if next_replicas > 0:  # trainers that stop at this drain get a next world (membership)
+            write_world(settings, membership.CHANGING, start_step)
+
     server = serving.Server(
         directory=settings.socket_dir, ranks=ranks, world_size=settings.world_size,
         factory=factory, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         start_step=start_step, resume_step=start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
         member=member if failure is None else None, instance=instance,
-        skipping=data is not None and data.drops_rows, on_published=on_published)
+        skipping=data is not None and data.drops_rows, on_published=on_published, on_drain=on_drain)
     if failure is not None and member is not None:
         member.close()
     observed.feeds = lambda: server.feeds
-    if settings.metrics_port is not None:
+    if carried is not None and carried.metrics is not None:
+        observed.take_over(carried.metrics)  # the endpoint goes on, now with this world's series
+    elif settings.metrics_port is not None:
         observed.port = observed.serve(settings.metrics_port)
     return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator,
                    int(data.version) if data is not None and data.version is not None else None,
-                   observed, builder)
+                   observed, builder, plan, data, rows)
+
+
+def _open(job: specs.JobSpec, storage_options: Mapping[str, str], pinned: int | None,
+          carried: Carried | None) -> tuple[specs.DataSpec, int, int]:
+    """The job's data at its pinned version, the rows it reads and its steps per epoch:
+    counted once (a filter's count reads the table), kept when the world changes in place."""
+    if carried is not None and carried.data is not None and carried.data.version == pinned:
+        return carried.data, carried.rows, carried.steps_per_epoch
+    table, data = reading.pin(job.data, storage_options, pinned=pinned)
+    sized = reading.job_layout(table, data)
+    return data, sized.rows, sized.steps_per_epoch
 
 
 def serve(sidecar: Sidecar) -> int:
     """Serve until done, drained or stopped; write the exit report. Exit code."""
+    code, report = serve_world(sidecar)
+    finish(sidecar, report)
+    return code
+
+
+def serve_world(sidecar: Sidecar) -> tuple[int, contract.Report]:
+    """Serve one world until it is done, drained or stopped, and close its server; (exit
+    code, the report of this world). The plans, coordinator and metrics stay up: `finish`
+    ends them, or the next world in place takes them over."""
     server, settings, failure = sidecar.server, sidecar.settings, sidecar.failure
     try:
         if failure is not None:
             server.fail_all(failure, grace_s=FAILURE_GRACE_S)
         else:
-            log.info("serving ranks %s of %d at %s from global step %d of %d",
+            log.info("serving ranks %s of %d at %s from global step %d of %d (world %d)",
                      [f.rank for f in server.feeds], settings.world_size, settings.socket_dir,
-                     server.resume_step, server.total_steps)
+                     server.resume_step, server.total_steps, settings.world_epoch)
+            tell_world(sidecar, membership.SERVING)
             watcher = RequestWatcher(server, settings.podinfo_dir)
             reporter = metrics.ProgressReporter(
                 server, sidecar.steps_per_epoch,
@@ -533,13 +607,82 @@ def serve(sidecar: Sidecar) -> int:
             "skippedRows": reading.SKIPPED_ROWS[0],
         }
         server.close()
-        log.info("peak RSS %.0f MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        if sidecar.builder is not None:
-            sidecar.builder.close()
-        if sidecar.coordinator is not None:
-            sidecar.coordinator.close()
-        write_report(settings.termination_log, report)
-    return 2 if failure else 0
+    return (2 if failure else 0), report
+
+
+def finish(sidecar: Sidecar, report: contract.Report, state: str = membership.ENDED) -> None:
+    """The sidecar ends: its plans, coordinator and world file say so; the report is written."""
+    log.info("peak RSS %.0f MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if sidecar.builder is not None:
+        sidecar.builder.close()
+    if sidecar.coordinator is not None:
+        sidecar.coordinator.close()
+    tell_world(sidecar, state)
+    write_report(sidecar.settings.termination_log, report)
+
+
+def tell_world(sidecar: Sidecar, state: str) -> None:
+    """Write the world file the trainer's side reads (trainer_client.membership)."""
+    write_world(sidecar.settings, state, sidecar.server.resume_step)
+
+
+def write_world(settings: SidecarSettings, state: str, resume_step: int = 0) -> None:
+    try:
+        membership.write(settings.socket_dir, membership.World(
+            epoch=settings.world_epoch, state=state, rank=settings.rank, world_size=settings.world_size,
+            replicas=replicas_of(settings), master_addr=settings.master_addr,
+            master_port=settings.master_port, resume_step=resume_step))
+    except OSError as exc:
+        log.warning("cannot write the world file in %s: %s", settings.socket_dir, exc)
+
+
+IN_PLACE_WAIT_S = 60.0
+"""How long replica 0's sidecar waits, after its own ranks drained, for every member to
+commit the drain step before the next world starts in place (then it ends instead)."""
+
+
+def next_world(sidecar: Sidecar, report: contract.Report, stopping: bool) -> SidecarSettings | None:
+    """The settings of the world this sidecar serves next when its world changes in place
+    (docs/agreement.md, "Changing the world in place"); None when it ends here.
+
+    Replica 0 decides the next world's size: the newest count its coordinator was asked
+    for, once every member committed the drain step (the next world loads that step). A
+    member learns the size when the next world's coordinator answers its `join`.
+    """
+    server, settings = sidecar.server, sidecar.settings
+    step = report["agreedStep"]
+    if stopping or not report["drained"] or step is None or server.next_replicas <= 0 or step >= server.total_steps:
+        return None
+    replicas = 0
+    if sidecar.coordinator is not None:
+        coordinator = sidecar.coordinator.coordinator
+        deadline = time.monotonic() + IN_PLACE_WAIT_S
+        while (coordinator.complete_step or -1) < step:
+            if time.monotonic() > deadline:
+                log.error("not every member committed global step %d within %.0f s: the world ends "
+                          "here and is replaced", step, IN_PLACE_WAIT_S)
+                return None
+            time.sleep(0.01)
+        replicas = coordinator.next_replicas
+    epoch = settings.world_epoch
+    assert settings.coordinator is not None or replicas_of(settings) == 1
+    address = settings.coordinator
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        address = f"{host}:{membership.next_port(int(port), epoch)}"
+    log.info("world %d drained at global step %d; world %d follows in place%s", epoch, step, epoch + 1,
+             f" with {replicas} replicas" if replicas else "")
+    return dataclasses.replace(
+        settings, world_epoch=epoch + 1, resume_step=step, coordinator=address,
+        world_size=(replicas or replicas_of(settings)) * settings.local_world_size,
+        table_version=sidecar.table_version, master_port=membership.next_port(settings.master_port, epoch))
+
+
+def carry(sidecar: Sidecar, report: contract.Report) -> Carried:
+    """What the next world in place takes over from this one."""
+    return Carried(builder=sidecar.builder, plan=sidecar.plan, metrics=sidecar.metrics,
+                   coordinator=sidecar.coordinator, data=sidecar.data, rows=sidecar.rows,
+                   steps_per_epoch=sidecar.steps_per_epoch, report=report)
 
 
 def write_report(path: Path | None, report: contract.Report) -> None:
@@ -553,37 +696,86 @@ def write_report(path: Path | None, report: contract.Report) -> None:
 
 
 def run(settings: SidecarSettings) -> int:
-    """The `splitfeed sidecar` process.
+    """The `splitfeed sidecar` process: one world, or several when its world changes in place.
 
     SIGTERM (pod deletion, eviction, preemption) asks the world to drain at one
     agreed step and keeps serving until this pod's ranks have checkpointed; a
-    second SIGTERM, or SIGINT, stops at once.
+    second SIGTERM, or SIGINT, stops at once. A sidecar that got SIGTERM ends after
+    the drain, even where the world goes on in place without it.
     """
     serving.tune_interpreter()
     # lancedb's permutation builder, sized once before any thread reads the environment
     # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
     plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
-    try:
-        sidecar = prepare(settings)
-    except Exception as exc:  # not bad input (prepare reports that): a bug or a broken host
-        log.exception("the sidecar cannot start")
-        write_report(settings.termination_log, {
-            "globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
-            "error": f"the sidecar cannot start: {type(exc).__name__}: {exc}", "permanent": False})
-        return 2
-    server = sidecar.server
-    terms = []
+    (settings.socket_dir / membership.FILE).unlink(missing_ok=True)  # a predecessor's word is not ours
+    carried: Carried | None = None
+    terms: list[float] = []
+    current: list[Sidecar] = []
 
     def on_term(*_: object) -> None:
         terms.append(time.monotonic())
-        if len(terms) > 1 or sidecar.failure is not None or server.member is None:
-            server.stopping.set()
+        if not current:
+            return
+        sidecar = current[0]
+        if len(terms) > 1 or sidecar.failure is not None or sidecar.server.member is None:
+            sidecar.server.stopping.set()
         else:
-            server.preempt_requested = True
+            sidecar.server.preempt_requested = True
+
+    def on_int(*_: object) -> None:
+        terms.extend([time.monotonic()] * 2)
+        if current:
+            current[0].server.stopping.set()
 
     signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
-    return serve_to_exit(sidecar)
+    signal.signal(signal.SIGINT, on_int)
+    while True:
+        try:
+            sidecar = prepare(settings, carried)
+        except NotInWorld as exc:
+            log.info("%s: this pod ends here", exc)
+            _leave(settings, carried)
+            return 0
+        except Exception as exc:  # not bad input (prepare reports that): a bug or a broken host
+            log.exception("the sidecar cannot start")
+            write_report(settings.termination_log, {
+                "globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
+                "error": f"the sidecar cannot start: {type(exc).__name__}: {exc}", "permanent": False})
+            return 2
+        current[:] = [sidecar]
+        if terms:  # a SIGTERM while it prepared: ask the world to drain as soon as it serves
+            on_term()
+        try:
+            code, report = serve_world(sidecar)
+            following = next_world(sidecar, report, stopping=bool(terms)) if code == 0 else None
+        except BaseException:
+            serving.flush(sidecar.server.context)
+            raise
+        if following is None:
+            try:
+                finish(sidecar, report)
+            finally:
+                serving.flush(sidecar.server.context)  # the last replies go out: the process exits next
+            return code
+        tell_world(sidecar, membership.CHANGING)
+        carried, settings = carry(sidecar, report), following
+
+
+def _leave(settings: SidecarSettings, carried: Carried | None) -> None:
+    """A pod that is not in its world any more ends cleanly: its last world's report (it
+    drained there), its plans closed, and the world file tells its trainer to stop."""
+    if carried is not None:
+        if carried.builder is not None:
+            carried.builder.close()
+        if carried.coordinator is not None:
+            carried.coordinator.close()
+    membership.write(settings.socket_dir, membership.World(
+        epoch=settings.world_epoch, state=membership.LEFT, rank=settings.rank, world_size=0,
+        replicas=0, master_addr=settings.master_addr, master_port=settings.master_port))
+    report: contract.Report = carried.report if carried is not None else {
+        "globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
+        "error": None, "permanent": False}
+    write_report(settings.termination_log, report)
 
 
 def serve_to_exit(sidecar: Sidecar) -> int:

@@ -140,6 +140,18 @@ class RingCollector(Collector):
         yield from (rows, batches, nbytes, waited, wall, ready, filled, slots, step)
 
 
+class _Current(Collector):
+    """What the /metrics endpoint serves: the current world's registry. By hand because
+    prometheus_client binds an HTTP server to one registry for its life, and a sidecar
+    whose world changes in place keeps its port while its series change."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.registry.collect())
+
+
 class SidecarMetrics:
     """One sidecar's registry: the ring collector plus what the sidecar times itself."""
 
@@ -151,6 +163,7 @@ class SidecarMetrics:
         """The port /metrics is served on, once `serve` bound one."""
         self.registry = CollectorRegistry()
         self.registry.register(RingCollector(lambda: self.feeds(), labels))
+        self._current = _Current(self.registry)
         self.read_seconds = Histogram(
             "splitfeed_read_seconds", "Time the reader took to produce one batch (table reads and ordering).",
             LABELS, buckets=READ_BUCKETS_S, registry=self.registry).labels(*labels.values())
@@ -164,16 +177,25 @@ class SidecarMetrics:
     def serve(self, port: int, addr: str = "") -> int | None:
         """Serve /metrics on `port` (0: pick one); the port bound, or None if it cannot bind.
 
-        A taken port is a warning, never a failure: metrics must not stop a world.
+        A taken port is a warning, never a failure: metrics must not stop a world. The
+        endpoint serves whichever world's registry is current (`take_over`).
         """
+        served = CollectorRegistry()
+        served.register(self._current)
         try:
-            server, _thread = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
+            server, _thread = start_http_server(port, addr=addr or "0.0.0.0", registry=served)
         except OSError as exc:
             log.warning("cannot serve /metrics on port %s: %s (metrics are off for this sidecar)", port, exc)
             return None
         bound = int(server.server_address[1])
         log.info("serving /metrics on port %d", bound)
         return bound
+
+    def take_over(self, previous: SidecarMetrics) -> None:
+        """Serve this world's series on the endpoint `previous` (the world before, changed in
+        place) opened: one port per process, and the new `world` label from now on."""
+        self._current, self.port = previous._current, previous.port
+        self._current.registry = self.registry
 
     def timed_batches(self, batches: Iterator[T]) -> Iterator[T]:
         """`batches`, observing the time each one took to produce into splitfeed_read_seconds."""

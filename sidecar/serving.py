@@ -626,8 +626,10 @@ class Server:
                  instance: str | None = None,
                  context: zmq.Context[Any] | None = None,
                  skipping: bool = False,
-                 on_published: Callable[[int, int], None] | None = None) -> None:
+                 on_published: Callable[[int, int], None] | None = None,
+                 on_drain: Callable[[int, int], None] | None = None) -> None:
         self.directory = Path(directory)
+        self._on_drain = on_drain
         self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
         self.steps_per_epoch = steps_per_epoch
@@ -685,6 +687,8 @@ class Server:
         self.drain_step: int | None = None
         """The step the world agreed to drain at (docs/agreement.md), once committed."""
         self.drain_reason: str | None = None
+        self.next_replicas = 0
+        """The replicas of the world that follows this one in place (0: none follows)."""
         self.world_complete: int | None = None
         """The newest step every rank of the world has committed."""
         self.preempt_requested = False
@@ -716,6 +720,10 @@ class Server:
                     if self.drain_step != step:
                         log.info("the world drains at global step %d (%s)", step, message.reason)
                     self.drain_step, self.drain_reason = step, message.reason
+                    if message.drain:
+                        self.next_replicas = message.next_replicas
+                        if self._on_drain is not None:  # before any rank can see the request
+                            self._on_drain(step, message.next_replicas)
                     for feed in self.feeds:
                         feed.publisher.commit_at(step, drain=message.drain)
                 case Complete():

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq
 
-from . import contract, messages, ring, slots, stalls
+from . import contract, membership, messages, ring, slots, stalls
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -206,6 +206,12 @@ def _release(holds: dict[int, weakref.ref[np.ndarray]], control: ring.Control, s
 
 
 
+def _stats_path(world_epoch: int) -> str | None:
+    """SPLITFEED_STATS_FILE, its `{world}` (if any) the world epoch: one file per world."""
+    path = os.environ.get(contract.STATS_FILE_ENV)
+    return path.replace("{world}", str(world_epoch)) if path else None
+
+
 class StreamClient:
     """Connects to this rank's sidecar and yields its batches in order.
 
@@ -261,7 +267,9 @@ class StreamClient:
         self._previous_sigterm: Any = None
         self.drained = False
         """The world is draining and this rank's checkpoint was of the drain step: stop after saving."""
-        self.stats = _Stats(os.environ.get(contract.STATS_FILE_ENV))
+        self.world_epoch = int(os.environ.get(contract.WORLD_EPOCH_ENV, "0") or 0)
+        """The world this process trains in (SPLITFEED_WORLD_EPOCH; `rejoin` moves it on)."""
+        self.stats = _Stats(_stats_path(self.world_epoch))
         try:
             self._welcome(self._hello())
         except BaseException:
@@ -430,6 +438,32 @@ class StreamClient:
             raise CheckpointError(f"commit of step {step}, but the last checkpoint() was of step {self._prepared}")
         self._request(messages.Commit(step), messages.Committed)
         self._prepared = None
+
+    def rejoin(self, timeout_s: float = 300.0) -> membership.World | None:
+        """After this rank drained: the world it trains in next, or None to stop.
+
+        The in-place way to follow an in-place rescale (docs/agreement.md, "Changing the
+        world in place"): the pod stays, the world around it changes. Waits for the
+        sidecar to start the next world, sets this process's `RANK`, `WORLD_SIZE`,
+        `MASTER_PORT` and `SPLITFEED_WORLD_EPOCH` as a new pod would have them, and
+        connects to it; iterating goes on from the drain step. The trainer then makes its
+        process group again for the returned world and wraps its model anew (README,
+        "Rescaling in place"). None when no world follows for this rank: the job ended, a
+        scale-down left this pod out, or the world is replaced by new pods.
+        """
+        if not self.drained:
+            return None
+        world = membership.next_world(self._dir, after=self.world_epoch, timeout_s=timeout_s)
+        if world is None:
+            return None
+        os.environ.update(membership.world_env(dict(os.environ), world))
+        self.world_epoch = world.epoch
+        self.stats.write(final=True)
+        self.stats = _Stats(_stats_path(world.epoch))
+        self.drained = self._ended = self._drain_asked = False
+        self._prepared = self._next_step = None
+        self._welcome(self._hello())
+        return world
 
     def _commit_implicitly(self) -> None:
         if self._prepared is not None:

@@ -221,8 +221,12 @@ class Join(Message):
 @_wire("joined")
 @dataclasses.dataclass(frozen=True)
 class Joined(Message):
+    """`replicas`: the world's size; a member of a higher replica is not in it (it left
+    in an in-place rescale, docs/agreement.md) and ends. 0 from an older coordinator."""
+
     resume_step: int
     table_version: int | None
+    replicas: int = 0
 
 
 @_wire("freeze")
@@ -242,10 +246,14 @@ class Frozen(Message):
 @_wire("commit_at")
 @dataclasses.dataclass(frozen=True)
 class CommitAt(Message):
+    """`next_replicas` > 0: the world changes in place after the drain, to that many replicas
+    as far as the coordinator knows now (the next world's coordinator decides; docs/agreement.md)."""
+
     round: int
     step: int
     drain: bool
     reason: str
+    next_replicas: int = 0
 
 
 @_wire("committed_world")
@@ -267,11 +275,14 @@ class DrainRequest(Message):
     """From the operator, `splitfeed local`, a member or a member's trainer; deduplicated by `token`.
 
     `not_before`: drain at this global step at the earliest (`splitfeed local --scale-at`
-    asks ahead so the world drains exactly there); 0 drains as soon as the world can."""
+    asks ahead so the world drains exactly there); 0 drains as soon as the world can.
+    `replicas` > 0: rescale in place to that many replicas (the pods that stay keep running);
+    0: the world ends at the drain and is replaced."""
 
     token: str
     reason: str
     not_before: int = 0
+    replicas: int = 0
 
 
 @_wire("drain_ack")

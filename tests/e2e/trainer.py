@@ -92,18 +92,12 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="StreamClient and collective timeout")
     parser.add_argument("--log-column", action="append", default=[], help="also log this column's values")
+    parser.add_argument("--in-place", action="store_true",
+                        help="follow an in-place rescale in this process (client.rejoin), as the README shows")
     args = parser.parse_args()
-    world, rank = int(os.environ["SPLITFEED_WORLD_EPOCH"]), int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
     models = args.log_dir / "models"
     models.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    log = open(args.log_dir / f"w{world}-r{rank}.jsonl", "a")
-
-    def record(**fields: Any) -> None:
-        log.write(json.dumps({**fields, "t": time.time()}) + "\n")
-        log.flush()
-
     imported = time.time()
     client = StreamClient(timeout_s=args.timeout_s)
     connected = time.time()
@@ -111,14 +105,45 @@ def main() -> int:
     startup = {"imports": imported - STARTED, "client": connected - imported, "rendezvous": time.time() - connected}
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES))
+    while True:
+        code = train_world(client, module, args, models, startup)
+        if code != 0 or not args.in_place:
+            break
+        began = time.time()
+        world = client.rejoin(timeout_s=args.timeout_s)  # the README's in-place loop
+        if world is None:
+            break
+        dist.destroy_process_group()
+        joined = time.time()
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+        startup = {"rejoin": joined - began, "rendezvous": time.time() - joined}
+    client.close()
+    dist.destroy_process_group()
+    return code
+
+
+def train_world(client: StreamClient, module: torch.nn.Module, args: argparse.Namespace, models: Path,
+                startup: dict[str, float]) -> int:
+    """Train one world; its log is LOG_DIR/w<worldEpoch>-r<rank>.jsonl."""
+    world, rank = int(os.environ["SPLITFEED_WORLD_EPOCH"]), int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    log = open(args.log_dir / f"w{world}-r{rank}.jsonl", "a")
+
+    def record(**fields: Any) -> None:
+        log.write(json.dumps({**fields, "t": time.time()}) + "\n")
+        log.flush()
+
     path = model_path(models, client.resume_step) if client.resume_step else None
+    in_memory = digest(module) if args.in_place and path is not None else None
     if path is not None and path.exists():
         module.load_state_dict(torch.load(path))
     loaded = digest(module) if path is not None and path.exists() else None
     record(event="start", pid=os.getpid(), world=world, worldSize=world_size, rank=rank,
-           resumeStep=client.resume_step, model=loaded, startup={k: round(v, 2) for k, v in startup.items()})
+           resumeStep=client.resume_step, model=loaded, startup={k: round(v, 2) for k, v in startup.items()},
+           **({"kept": in_memory} if in_memory is not None else {}))
     if path is not None and loaded is None:
         record(event="model-missing", step=client.resume_step, path=str(path))
+        log.close()
         return 3
     model = DistributedDataParallel(module)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -152,8 +177,6 @@ def main() -> int:
                 reason = "drained"
                 break
     record(event="exit", reason=reason)
-    client.close()
-    dist.destroy_process_group()
     log.close()
     return 0
 

@@ -246,6 +246,48 @@ def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_ste
     assert summary.replayed == 0, summary
 
 
+@pytest.mark.parametrize("how", ["agent", "in-process"])
+def test_an_in_place_rescale_2_to_4_to_3_keeps_the_processes_that_stay_and_is_exact(table_uri, tmp_path, how):
+    """`--rescale inPlace`: the sidecars and trainer containers of the replicas that stay keep
+    running; real DDP trainers follow each world either restarted by `splitfeed run` (the
+    README's loop unchanged) or in their own process (`client.rejoin()`)."""
+    from tests.support import exactness
+
+    logs = tmp_path / "logs"
+    store = tmp_path / "ckpt"
+    job = manifest(table_uri, str(store))
+    extra = ["--in-place"] if how == "in-process" else []
+    done = splitfeed("local", "-f", job_file(tmp_path, job), "--replicas", "2", "--resume", "none",
+                     "--rescale", "inPlace", "--scale-at", "8:4", "--scale-at", "14:3",
+                     "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.25", *extra,
+                     timeout=400)
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "rescale 2 -> 4 replicas at global step" in err and "rescale 4 -> 3 replicas" in err, err
+    assert err.count("; 0 steps redone") == 2, err
+    summary = exactness.check(
+        logs, exactness.complete_checkpoints(store / "test" / "job"),
+        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
+        lambda world, rank: reference_batches(table_uri, {}, world, rank))
+    assert [w.size for w in summary.worlds] == [2, 4, 3], summary
+    assert [w.resume_step for w in summary.worlds[1:]] == [8, 14], summary
+    assert summary.replayed == 0, summary
+    starts = {}
+    for path in sorted(logs.glob("w*-r*.jsonl")):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event["event"] == "start":
+                starts[(event["world"], event["rank"])] = event["pid"]
+    # The sidecars of ranks 0 and 1 served all three worlds in one process each: their
+    # trainer containers (the agent, or the trainer itself) were never started again.
+    if how == "in-process":
+        assert starts[(0, 0)] == starts[(1, 0)] == starts[(2, 0)], starts
+        assert starts[(1, 3)] != starts[(0, 1)] and starts[(1, 2)] == starts[(2, 2)], starts
+    else:
+        assert len({starts[(w, 0)] for w in range(3)}) == 3, starts  # the agent started it again
+    assert "world 0 drained at global step 8; world 1 goes on there in place" in err, err
+
+
 def test_the_demo_check_fails_on_a_single_wrong_batch(capsys):
     import importlib.util
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitfeed.sidecar.agreement import (COMMITTED, EVERY, FREEZING, IDLE, WAITING_FOR_MEMBERS, Coordinator, Watermark,
+from splitfeed.sidecar.agreement import (COMMITTED, EVERY, FREEZING, IDLE, WAITING_FOR_MEMBERS, Coordinator, Out, Watermark,
                                          cut_step, flat_reports)
 from splitfeed.trainer_client import errors
 from splitfeed.trainer_client.messages import CommitAt, Complete, DrainAck, Freeze, Joined
@@ -29,7 +29,7 @@ def test_members_learn_the_worlds_resume_step_when_they_join():
     c = Coordinator(replicas=2, total_steps=10, resume_step=4, table_version=9)
     out = c.on_join(b"m1", 1)
     assert kinds(out) == [(b"m1", Joined)]
-    assert out[0].message == Joined(resume_step=4, table_version=9)
+    assert out[0].message == Joined(resume_step=4, table_version=9, replicas=2)
 
 
 def test_a_request_freezes_everyone_and_commits_two_past_the_highest_published_step():
@@ -126,8 +126,21 @@ def test_a_step_is_complete_once_every_member_committed_it():
     assert kinds(c.on_join(b"late", 0))[-1] == (b"late", Complete)
 
 
-def test_a_replica_outside_the_world_is_a_protocol_error():
-    c = Coordinator(replicas=2, total_steps=10, resume_step=0)
-    with pytest.raises(errors.ProtocolError, match="replica 2 is not in this world"):
-        c.on_join(b"x", 2)
-    assert c.phase == IDLE
+def test_a_replica_outside_the_world_is_told_its_size_and_not_counted():
+    """A pod of the world before an in-place scale-down learns it is not in this one."""
+    c = Coordinator(replicas=2, total_steps=10, resume_step=4)
+    out = c.on_join(b"x", 2)
+    assert out == [Out(b"x", Joined(resume_step=4, table_version=None, replicas=2))]
+    assert c.members == {} and c.phase == IDLE
+    with pytest.raises(errors.ProtocolError, match="replica -1 is not in this world"):
+        c.on_join(b"y", -1)
+
+
+def test_an_in_place_request_names_the_next_world_and_the_newest_count_wins():
+    c = joined_world(replicas=2)
+    c.on_request(b"op", "rescale-w0", "rescale", replicas=4)
+    c.on_request(b"op", "rescale-w0", "rescale", replicas=3)  # a second kubectl scale, same drain
+    out = c.on_frozen(0, c.round, 5) + c.on_frozen(1, c.round, 6)
+    assert [o.message for o in out] == [CommitAt(round=c.round, step=8, drain=True, reason="rescale",
+                                                 next_replicas=3)]
+    assert c.next_replicas == 3

@@ -1,0 +1,129 @@
+"""Which world a pod's ranks are in now: the file its sidecar writes for its trainer.
+
+An in-place rescale (docs/agreement.md, "Changing the world in place") keeps a pod
+running while its world changes size: its ranks' `WORLD_SIZE`, the rendezvous port and
+the world epoch change, and a pod's environment cannot. So the sidecar writes the world
+it serves into the socket directory both containers share, and the trainer's side reads
+it: `splitfeed run` (the agent, which starts the user's process again with the new
+environment) and `StreamClient.rejoin` (the in-process way). A file rather than a
+message: between two worlds the sidecar closes and binds its socket again, and a trainer
+process that starts in that gap must still learn where to go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from . import contract
+
+FILE = "world.json"
+
+SERVING = "serving"
+"""The sidecar serves `epoch`: a trainer of this world may start."""
+CHANGING = "changing"
+"""The world drains and then changes in place: a trainer that stops now gets a next world."""
+LEFT = "left"
+"""This pod is not in the next world (an in-place scale-down): its trainer is done."""
+ENDED = "ended"
+"""The sidecar ended (the job's end, a replaced world, a failure): no next world from it."""
+
+WORLD_PORT_STRIDE = 10
+"""Consecutive worlds of an in-place job rendezvous on ports this far apart (MASTER_PORT,
+the coordinator's): a rank of world e+1 can never reach a store or coordinator that world
+e still holds open, and world e+2 reuses e's ports, long closed by then."""
+
+
+def world_port(base: int, epoch: int) -> int:
+    """The port of world `epoch` for a job whose even worlds use `base`."""
+    return base + WORLD_PORT_STRIDE * (epoch % 2)
+
+
+def next_port(port: int, epoch: int) -> int:
+    """World `epoch + 1`'s port, from world `epoch`'s (the inverse step of world_port)."""
+    return port + WORLD_PORT_STRIDE if epoch % 2 == 0 else port - WORLD_PORT_STRIDE
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """One world as this pod sees it (docs/pod-contract.md, "world.json")."""
+
+    epoch: int
+    state: str
+    rank: int
+    """The pod's first global rank (NODE_RANK x gpusPerReplica): the same in every world."""
+    world_size: int
+    replicas: int
+    master_addr: str
+    master_port: int
+    resume_step: int = 0
+    """The global step the world starts at (the drain step of the world before it)."""
+
+    def env(self, local_rank: int = 0, local_world_size: int = 1) -> dict[str, str]:
+        """What changes in a trainer's environment for this world (what a new pod would get);
+        torchrun's PET_NNODES and PET_MASTER_PORT too, for a pod of several GPUs."""
+        env = contract.rank_env(
+            world_size=self.world_size, gpus_per_replica=local_world_size,
+            replica=self.rank // max(1, local_world_size), local_rank=local_rank,
+            master_addr=self.master_addr, master_port=self.master_port, socket_dir="",
+            world_epoch=self.epoch)
+        del env[contract.SOCKET_DIR_ENV]
+        env["PET_NNODES"], env["PET_MASTER_PORT"] = str(self.replicas), str(self.master_port)
+        return env
+
+
+_TORCHRUN = ("PET_NNODES", "PET_MASTER_PORT")
+
+
+def world_env(base: dict[str, str], world: World) -> dict[str, str]:
+    """`base` (a trainer's environment) with what `world` changes in it."""
+    local_world_size = int(base.get(contract.LOCAL_WORLD_SIZE, "1") or 1)
+    local_rank = int(base.get(contract.LOCAL_RANK, "0") or 0)
+    changes = world.env(local_rank=local_rank, local_world_size=local_world_size)
+    for name in _TORCHRUN:
+        if name not in base:  # torchrun's variables only where the pod uses torchrun (gpusPerReplica > 1)
+            del changes[name]
+    return {**base, **changes}
+
+
+def write(directory: Path, world: World) -> None:
+    """Replace the file in one step: a reader sees the old world or the new, never half."""
+    path = Path(directory) / FILE
+    tmp = path.with_name(f".{FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps(dataclasses.asdict(world)))
+    os.replace(tmp, path)
+
+
+def read(directory: Path) -> World | None:
+    """The world the sidecar last wrote; None before it wrote one (or if it is unreadable)."""
+    try:
+        found = json.loads((Path(directory) / FILE).read_text())
+        return World(**{f.name: found[f.name] for f in dataclasses.fields(World) if f.name in found})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def next_world(directory: Path, after: int, timeout_s: float, poll_s: float = 0.01) -> World | None:
+    """After a trainer of world `after` stopped: the world to start next, or None.
+
+    None when the sidecar says none comes (LEFT, ENDED, or still SERVING `after`: the
+    trainer stopped on its own, the job's end or an early stop). While it says CHANGING
+    `after` (or has not written yet) it waits, up to `timeout_s`, for a newer epoch.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        world = read(directory)
+        if world is not None:
+            if world.state in (LEFT, ENDED):
+                return None
+            if world.epoch > after and world.state in (SERVING, CHANGING):
+                return world  # CHANGING: the newer world already drains for the one after it
+            if world.state == SERVING and world.epoch <= after:
+                return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the sidecar at {directory} did not start the next world within {timeout_s:g} s")
+        time.sleep(poll_s)
