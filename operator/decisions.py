@@ -178,8 +178,9 @@ def start_world(c: Ctx, epoch: int, replicas: int, reason: str) -> Decision:
 
 
 def fail(c: Ctx, reason: str, msg: str) -> Decision:
-    """The job has failed: say why, and stop what still runs of its world."""
-    live = [p.name for p in c.world if p.live]
+    """The job has failed: say why, and stop what still runs of its world (a failed pod's
+    sidecar too: as a plain container it would wait for its dead trainer for ever)."""
+    live = [p.name for p in c.world if not p.stopped and not p.deleting]
     c.patch["phase"] = FAILED
     c.cond(conditions.FAILED, True, reason, msg)
     c.cond(conditions.READY, False, "Failed", msg)

@@ -12,6 +12,7 @@ token derived from the world epoch).
 Phases: Pending -> Running -> (Rescaling -> Running)* -> Succeeded | Failed, and
 Suspended. This module starts the first world, keeps a running one whole, notices
 success, a stall and an invalid spec, and hands over to a policy:
+`endings` (trainers that returned before the job's last step),
 `rescaling` (drains: rescale, suspend, a world that drains itself; where the next
 world starts) and `restarting` (failures, restarts and their budget, refused
 creations). Pods and status are parsed once into `views`. Only objects whose
@@ -27,7 +28,7 @@ from typing import Any
 
 from splitfeed.trainer_client import specs
 
-from . import admission, conditions, planning, rescaling, restarting, views
+from . import admission, conditions, endings, planning, rescaling, restarting, views
 from .decisions import (
     FAILED,
     PENDING,
@@ -63,7 +64,7 @@ def decide(
     owned = [p for p in views.parse_pods(pods) if p.controller == owner.uid]
     c = Ctx(job, status, owned, owner, settings, now, generation)
     if is_terminal(status):
-        return c.decision("Finished", delete=[p.name for p in c.world if p.live])
+        return c.decision("Finished", delete=[p.name for p in c.world if not p.stopped and not p.deleting])
     problem = _validate(c)
     drain = rescaling.drain_of(c)
     if drain:
@@ -121,9 +122,12 @@ def _running_step(c: Ctx, problem: admission.Rejected | None) -> Decision:
     # A world that drains itself loses pods on purpose: an evicted pod is removed once it stops.
     lost = sorted(expected - present) if started and not drained else []
     if failed or lost:
-        return restarting.world_failed(c, failed, lost)
+        return endings.returned_then_failed(c, failed, lost) or restarting.world_failed(c, failed, lost)
     if drained:
         return rescaling.world_drained(c, drained, sorted(expected))
+    ended = endings.world_ended(c)  # trainers that returned: an early stop, or a rank without its peers
+    if ended is not None:
+        return ended
     if c.world and len(c.world) >= replicas and all(p.phase == SUCCEEDED for p in c.world):
         c.patch["phase"] = SUCCEEDED
         c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", f"every pod of world {epoch} succeeded")

@@ -25,7 +25,7 @@ from typing import Any
 
 from splitfeed.trainer_client import progress, worlds
 
-from . import decisions, kube, planning
+from . import decisions, endings, kube, planning
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,8 @@ class Poller:
         status = body.get("status") or {}
         if status.get("phase") not in LIVE_PHASES:
             return False
-        if status.get("drain") or key in self.rescales:
-            return True
+        if status.get("drain") or key in self.rescales or endings.condition_waiting(status):
+            return True  # a rescale's timeline; the step trainers that returned reached
         return time.monotonic() - self.last.get(key, -1e9) >= interval_s(body)
 
     async def poll(self, k: kube.Kube, namespace: str, name: str

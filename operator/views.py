@@ -125,6 +125,12 @@ class Pod:
         return self.phase in (SUCCEEDED, FAILED) or self.failed
 
     @property
+    def stopped(self) -> bool:
+        """Every container has stopped (phase Succeeded or Failed). A pod that counts as failed
+        may still run its sidecar (a plain container waiting for its dead trainer)."""
+        return self.phase in (SUCCEEDED, FAILED)
+
+    @property
     def live(self) -> bool:
         """Neither finished nor being deleted: the pods a drain or a failure still has to stop."""
         return not self.terminated and not self.deleting
