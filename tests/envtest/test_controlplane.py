@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
 from tests.support.controlplane import MISSING_ASSETS_HINT, ControlPlane, find_assets
+from tests.support.waiting import wait_for
 
 CONTROLLERS = ["garbagecollector", "serviceaccount", "serviceaccount-token", "namespace"]
 
@@ -67,16 +67,16 @@ def test_control_plane_serves_api_and_runs_garbage_collector(tmp_path):
 
         # Background deletion: the garbage collector must remove the dependent.
         cp.kubectl("-n", ns, "delete", "configmap", "owner", "--wait=false")
-        deadline = time.monotonic() + 30
-        while True:
+        def child_gone() -> bool:
             res = cp.kubectl("-n", ns, "get", "configmap", "child", "-o", "name", check=False)
-            if res.returncode != 0 and "NotFound" in res.stderr:
-                break
-            assert time.monotonic() < deadline, (
-                "garbage collector did not delete the child within 30 s; "
-                f"kube-controller-manager log tail:\n{cp.logs['kube-controller-manager'].read_text()[-3000:]}"
-            )
-            time.sleep(0.5)
+            return res.returncode != 0 and "NotFound" in res.stderr
+
+        try:
+            wait_for(child_gone, 30, "the garbage collector to delete the child", interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}; kube-controller-manager log tail:\n{cp.logs['kube-controller-manager'].read_text()[-3000:]}"
+            ) from None
 
         pids = dict(cp.pids)
 

@@ -30,6 +30,7 @@ import pytest
 
 from splitfeed.operator import configs, handlers, kube, leader, planning, reconciling, rescaling
 from tests.support.builders import manifest
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -280,21 +281,16 @@ async def test_the_webhook_serves_renewed_certificate_files_without_a_restart(tm
 
     task = asyncio.create_task(serve())
     try:
-        deadline = time.monotonic() + 20
-        cn = None
-        while cn != "old-cert":
-            with contextlib.suppress(OSError):
-                cn = await asyncio.to_thread(served_cn, port)
-            assert time.monotonic() < deadline, "the server never served the first certificate"
-            await asyncio.sleep(0.1)
+        async def serves(cn: str, *passing: type[Exception]) -> bool:
+            with contextlib.suppress(*passing):
+                return await asyncio.to_thread(served_cn, port) == cn
+            return False
+
+        await until(lambda: serves("old-cert", OSError), 20, "the server to serve the first certificate")
         # A Secret volume swaps both files (cert-manager renewed the certificate).
         for name in ("tls.crt", "tls.key"):
             (live / name).write_bytes((new / name).read_bytes())
-        while cn != "new-cert":
-            with contextlib.suppress(OSError, ssl.SSLError):
-                cn = await asyncio.to_thread(served_cn, port)
-            assert time.monotonic() < deadline, "the renewed certificate was never served"
-            await asyncio.sleep(0.1)
+        await until(lambda: serves("new-cert", OSError, ssl.SSLError), 20, "the renewed certificate to be served")
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
@@ -534,7 +530,7 @@ async def test_the_operator_stops_with_exit_1_when_its_lease_is_taken_and_hands_
     config = configs.OperatorConfig(leader=configs.LeaderElection(namespace="ops", renew_s=0.05,
                                                                   renew_deadline_s=1))
     task = asyncio.create_task(commands._main(config))
-    await until_true(lambda: "splitfeed-operator" in store.leases)
+    await until(lambda: "splitfeed-operator" in store.leases, 10, "the Lease taken", interval=0.02)
     lease = store.leases["splitfeed-operator"]
     lease["spec"]["holderIdentity"] = "someone-else"  # taken over (this one was presumed dead)
     store.version += 1
@@ -548,10 +544,3 @@ async def test_the_operator_stops_with_exit_1_when_its_lease_is_taken_and_hands_
     store.leases.clear()
     assert await asyncio.wait_for(commands._main(config), 10) == 0
     assert store.holder() == ""  # handed back
-
-
-async def until_true(check: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)

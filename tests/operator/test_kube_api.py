@@ -32,7 +32,7 @@ import yaml
 
 from tests.support import processes
 from tests.support.controlplane import MISSING_ASSETS_HINT, ControlPlane, strip_cel, KubectlError, find_assets
-from tests.support import waiting
+from tests.support.waiting import wait_for_api
 from tests.support.ports import free_port
 from tests.support.builders import manifest
 
@@ -68,10 +68,6 @@ def make_certs(d: Path) -> None:
     ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=127.0.0.1")
     ssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
         "-out", "tls.crt", "-days", "2", "-extfile", "ext.cnf")
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    return waiting.wait_for(check, timeout, what, ignore=(Exception,))
 
 
 class Env:
@@ -143,8 +139,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                 with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=2) as r:
                     return r.status == 200
             try:
-                wait_for(lambda: live(), 60, "the operator's liveness endpoint")
-                wait_for(lambda: "/scale" in cp.kubectl("get", "validatingwebhookconfiguration", "splitfeed.io",
+                wait_for_api(lambda: live(), 60, "the operator's liveness endpoint")
+                wait_for_api(lambda: "/scale" in cp.kubectl("get", "validatingwebhookconfiguration", "splitfeed.io",
                                                         "-o", "json").stdout, 60, "Kopf's webhook configuration")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\noperator log:\n{e.operator_log()}") from None
@@ -162,7 +158,7 @@ def job_manifest(name: str, **spec: Any) -> dict[str, Any]:
 
 def test_a_valid_job_gets_its_service_config_map_and_pods(env: Env) -> None:
     env.apply(job_manifest("alpha", replicas=2))
-    pods = wait_for(lambda: len(env.pods("alpha")) == 2 and env.pods("alpha"), 30, "2 pods")
+    pods = wait_for_api(lambda: len(env.pods("alpha")) == 2 and env.pods("alpha"), 30, "2 pods")
     assert sorted(pods) == ["alpha-w0-0", "alpha-w0-1"]
     pod = env.api.sanitize_for_serialization(pods["alpha-w0-1"])
     assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer", "splitfeed-sidecar"]
@@ -177,7 +173,7 @@ def test_a_valid_job_gets_its_service_config_map_and_pods(env: Env) -> None:
     assert svc.spec.cluster_ip == "None"
     cm = env.core.read_namespaced_config_map("alpha-data", NS)
     assert json.loads(cm.data["config.json"])["data"]["numSplits"] == 48
-    status = wait_for(lambda: env.status("alpha").get("phase") == "Running" and env.status("alpha"), 20, "Running")
+    status = wait_for_api(lambda: env.status("alpha").get("phase") == "Running" and env.status("alpha"), 20, "Running")
     assert status["worldEpoch"] == 0 and status["selector"] == "splitfeed.io/job=alpha"
     assert status["allowedReplicas"] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
 
@@ -190,7 +186,7 @@ def test_a_job_without_a_storage_secret_keeps_its_service_account_and_gets_an_fs
     del m["spec"]["data"]["storageOptionsSecret"]
     m["spec"]["trainer"]["template"]["spec"].update(serviceAccountName="s3-reader", automountServiceAccountToken=False)
     env.apply(m)
-    pods = wait_for(lambda: len(env.pods("sigma")) == 1 and env.pods("sigma"), 30, "1 pod")
+    pods = wait_for_api(lambda: len(env.pods("sigma")) == 1 and env.pods("sigma"), 30, "1 pod")
     pod = env.api.sanitize_for_serialization(pods["sigma-w0-0"])
     assert pod["spec"]["serviceAccountName"] == "s3-reader"
     assert pod["spec"]["automountServiceAccountToken"] is False
@@ -215,7 +211,7 @@ def test_a_field_that_changes_nothing_is_admitted_with_a_kubectl_warning(env: En
 
 def test_an_invalid_scale_is_rejected_with_the_valid_counts(env: Env) -> None:
     env.apply(job_manifest("beta", replicas=2))
-    wait_for(lambda: len(env.pods("beta")) == 2, 30, "2 pods")
+    wait_for_api(lambda: len(env.pods("beta")) == 2, 30, "2 pods")
     with pytest.raises(KubectlError) as info:
         env.cp.kubectl("scale", "streamingjob/beta", "--replicas=5")
     assert "Valid replica counts for this job: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]" in info.value.stderr
@@ -224,7 +220,7 @@ def test_an_invalid_scale_is_rejected_with_the_valid_counts(env: Env) -> None:
 
 def test_a_scale_walks_the_rescale_phases_to_a_new_world(env: Env) -> None:
     env.apply(job_manifest("gamma", replicas=2))
-    wait_for(lambda: env.status("gamma").get("phase") == "Running", 30, "Running")
+    wait_for_api(lambda: env.status("gamma").get("phase") == "Running", 30, "Running")
     env.cp.kubectl("scale", "streamingjob/gamma", "--replicas=4")
     seen: list[str] = []
 
@@ -235,7 +231,7 @@ def test_a_scale_walks_the_rescale_phases_to_a_new_world(env: Env) -> None:
         pods = env.pods("gamma")
         return len(pods) == 2 and all(
             (p.metadata.annotations or {}).get("splitfeed.io/drain") == "rescale-w0" for p in pods.values())
-    wait_for(drained, 30, "drain annotations on world 0")
+    wait_for_api(drained, 30, "drain annotations on world 0")
     assert env.status("gamma")["phase"] == "Rescaling"
     for pod in env.pods("gamma"):
         env.set_phase(pod, "Succeeded")  # what the trainers do after checkpointing
@@ -245,11 +241,11 @@ def test_a_scale_walks_the_rescale_phases_to_a_new_world(env: Env) -> None:
             if c["type"] == "Rescaling" and (not seen or seen[-1] != c["reason"]):
                 seen.append(c["reason"])
         return st.get("worldEpoch") == 1 and st.get("phase") == "Running"
-    wait_for(new_world, 40, "world 1 running")
+    wait_for_api(new_world, 40, "world 1 running")
     assert sorted(env.pods("gamma")) == [f"gamma-w1-{i}" for i in range(4)]
     assert env.status("gamma")["replicas"] == 4
     assert seen[0] in ("CheckpointRequested", "WaitingForCheckpoint") and seen[-1] == "RescaleComplete"
-    events = wait_for(lambda: {"CheckpointRequested", "Drained", "RescaleComplete"} <= set(env.events("gamma"))
+    events = wait_for_api(lambda: {"CheckpointRequested", "Drained", "RescaleComplete"} <= set(env.events("gamma"))
                       and env.events("gamma"), 20, "events")
     assert "StartingNewWorld" in events
 
@@ -258,24 +254,24 @@ def test_a_world_that_ignores_the_drain_is_removed_after_the_timeout(env: Env) -
     m = job_manifest("delta", replicas=2)
     m["spec"]["checkpoint"]["timeoutSeconds"] = 2
     env.apply(m)
-    wait_for(lambda: env.status("delta").get("phase") == "Running", 30, "Running")
+    wait_for_api(lambda: env.status("delta").get("phase") == "Running", 30, "Running")
     env.cp.kubectl("scale", "streamingjob/delta", "--replicas=1")
-    wait_for(lambda: env.status("delta").get("worldEpoch") == 1 and env.status("delta").get("phase") == "Running",
+    wait_for_api(lambda: env.status("delta").get("worldEpoch") == 1 and env.status("delta").get("phase") == "Running",
              40, "world 1 after the checkpoint timeout")
     assert sorted(env.pods("delta")) == ["delta-w1-0"]
-    wait_for(lambda: "CheckpointTimeout" in env.events("delta"), 20, "a CheckpointTimeout event")
+    wait_for_api(lambda: "CheckpointTimeout" in env.events("delta"), 20, "a CheckpointTimeout event")
 
 
 def test_deleting_a_job_lets_the_garbage_collector_remove_its_world(env: Env) -> None:
     env.apply(job_manifest("omega", replicas=2))
-    wait_for(lambda: len(env.pods("omega")) == 2, 30, "2 pods")
+    wait_for_api(lambda: len(env.pods("omega")) == 2, 30, "2 pods")
     env.cp.kubectl("delete", "streamingjob", "omega", "--wait=true", "--timeout=60s")
 
     def gone() -> bool:
         cms = env.core.list_namespaced_config_map(NS, label_selector="splitfeed.io/job=omega").items
         svcs = env.core.list_namespaced_service(NS, label_selector="splitfeed.io/job=omega").items
         return not env.pods("omega") and not cms and not svcs
-    wait_for(gone, 60, "pods, Service and ConfigMap removed by the garbage collector")
+    wait_for_api(gone, 60, "pods, Service and ConfigMap removed by the garbage collector")
 
 
 # --- hardening (issue #9) ---------------------------------------------------------------------
@@ -292,7 +288,7 @@ def test_a_status_patch_onto_a_stale_resource_version_is_a_conflict(env: Env) ->
     from splitfeed.operator import kube
 
     env.apply(job_manifest("kappa", replicas=1))
-    wait_for(lambda: env.status("kappa").get("phase") == "Running", 30, "Running")
+    wait_for_api(lambda: env.status("kappa").get("phase") == "Running", 30, "Running")
     client = kube_client(env)
     try:
         job = env.job("kappa")
@@ -330,7 +326,7 @@ def test_the_webhook_refuses_a_requester_who_may_not_create_pods(env: Env) -> No
     assert out.returncode != 0 and "alice may not create pods in namespace default" in out.stderr
     role["rules"].append({"apiGroups": [""], "resources": ["pods"], "verbs": ["create"]})
     env.apply(role)
-    wait_for(lambda: env.cp.kubectl("--as=alice", "apply", "-f", "-", input=m, check=False).returncode == 0,
+    wait_for_api(lambda: env.cp.kubectl("--as=alice", "apply", "-f", "-", input=m, check=False).returncode == 0,
              20, "alice's job admitted once she may create pods")
 
 
@@ -342,15 +338,15 @@ def test_a_same_named_object_of_another_owner_is_reported_and_left_alone(env: En
         conds = {c["type"]: c for c in env.status("nu").get("conditions", [])}
         c = conds.get("PodCreationFailed")
         return c if c and c["status"] == "True" and c["reason"] == "NotOwned" else None
-    cond = wait_for(refused, 30, "condition PodCreationFailed/NotOwned")
+    cond = wait_for_api(refused, 30, "condition PodCreationFailed/NotOwned")
     assert "ConfigMap default/nu-data exists and is not controlled by this StreamingJob" in cond["message"]
     assert env.core.read_namespaced_config_map("nu-data", NS).data == {"mine": "yes"}
     assert not env.pods("nu")
     env.core.delete_namespaced_config_map("nu-data", NS)
-    wait_for(lambda: len(env.pods("nu")) == 1, 40, "the world once the name is free")
+    wait_for_api(lambda: len(env.pods("nu")) == 1, 40, "the world once the name is free")
     cm = env.core.read_namespaced_config_map("nu-data", NS)
     assert cm.metadata.owner_references[0].kind == "StreamingJob"
-    wait_for(lambda: {c["type"]: c for c in env.status("nu")["conditions"]}["PodCreationFailed"]["status"] == "False",
+    wait_for_api(lambda: {c["type"]: c for c in env.status("nu")["conditions"]}["PodCreationFailed"]["status"] == "False",
              20, "PodCreationFailed cleared")
 
 
@@ -404,10 +400,10 @@ def test_a_standby_operator_is_live_and_does_not_act_while_another_holds_the_lea
             with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=2) as r:
                 assert r.status == 200
                 return dict(json.loads(r.read()))
-        first = wait_for(probe, 60, "the standby's liveness endpoint")
+        first = wait_for_api(probe, 60, "the standby's liveness endpoint")
         assert first["standby"] is True, first
         # Live from the start; the holder is known once its first election attempt has read the Lease.
-        seen = wait_for(lambda: (body := probe())["holder"] and body, 30, "the standby's first election attempt")
+        seen = wait_for_api(lambda: (body := probe())["holder"] and body, 30, "the standby's first election attempt")
         assert seen["holder"] == holder, seen
         for _ in range(8):  # several election rounds (renew_s = 2 s): still live, still waiting
             time.sleep(1)

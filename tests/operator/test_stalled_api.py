@@ -33,7 +33,7 @@ from tests.support import processes
 from tests.support.controlplane import MISSING_ASSETS_HINT, ControlPlane, find_assets, strip_cel
 from tests.support.ports import free_port
 from tests.support.builders import manifest
-from tests.operator.test_kube_api import wait_for
+from tests.support.waiting import wait_for_api
 
 pytestmark = [pytest.mark.kube, pytest.mark.timeout(300)]
 
@@ -171,9 +171,9 @@ def test_a_stalled_api_connection_times_out_and_the_operator_recovers(cp: Contro
                 raise AssertionError(f"operator exited {proc.returncode}:\n{log.read_text()[-4000:]}")
             with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=2) as r:
                 return r.status == 200
-        wait_for(alive, 60, "the operator's liveness endpoint")
+        wait_for_api(alive, 60, "the operator's liveness endpoint")
         cp.kubectl("apply", "-f", "-", input=json.dumps(job("before")))
-        wait_for(lambda: pods("before"), 30, "the first job's pod")
+        wait_for_api(lambda: pods("before"), 30, "the first job's pod")
 
         proxy.stall()
         cp.kubectl("apply", "-f", "-", input=json.dumps(job("during")))  # straight to the apiserver
@@ -185,9 +185,9 @@ def test_a_stalled_api_connection_times_out_and_the_operator_recovers(cp: Contro
         proxy.resume()
         # The watch that was open when the proxy fell silent delivers nothing, ever: the
         # job created meanwhile is seen only through a new watch (the inactivity timeout).
-        wait_for(lambda: pods("during"), 2 * WATCH_TIMEOUT_S + 3 * (5 + API_TIMEOUT_S),
+        wait_for_api(lambda: pods("during"), 2 * WATCH_TIMEOUT_S + 3 * (5 + API_TIMEOUT_S),
                  "the pod of the job created while the API was unreachable")
-        wait_for(lambda: running("before") and running("during"), 30, "both jobs Running")
+        wait_for_api(lambda: running("before") and running("during"), 30, "both jobs Running")
         assert alive()
         # Each unanswered call is one line and a prompt retry, not Kopf's traceback and 60 s back-off.
         text = log.read_text(errors="replace")

@@ -22,7 +22,7 @@ import pytest
 
 from splitfeed.sidecar import main as sidecar_main, reading
 from splitfeed.trainer_client import specs
-from tests.support import guards, manifests, ports, tables, waiting
+from tests.support import guards, manifests, ports, tables
 
 ROWS = 1000
 JOB_UID = "0b5e55ed-0000-4000-8000-000000000001"
@@ -165,7 +165,3 @@ def pods(socket_root: Path):
 
 
 coordinator_address = ports.tcp_address
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    waiting.wait_for(predicate, timeout, what, interval=0.05)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from splitfeed.sidecar import ending
-from tests.streaming.harness import manifest, wait_for
+from tests.streaming.harness import manifest
+from tests.support.waiting import wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 
@@ -50,17 +51,17 @@ def test_trainers_gone_follows_the_trainer_process(pods, table_uri, tmp_path):
     paused = trainer(pod, tmp_path / "ids.jsonl", "--pause-after", "2")
     try:
         assert paused.stdout.readline().startswith("resume")
-        wait_for(lambda: server.feeds[0].session.peer is not None, 30, "the trainer's hello")
+        wait_for(lambda: server.feeds[0].session.peer is not None, 30, "the trainer's hello", interval=0.05)
         time.sleep(0.5)
         assert not ending.trainers_gone(server), "a connected trainer (in a long step, say) is not gone"
     finally:
         paused.kill()
         paused.communicate()
-    wait_for(lambda: ending.trainers_gone(server), 10, "the killed trainer's connection to close")
+    wait_for(lambda: ending.trainers_gone(server), 10, "the killed trainer's connection to close", interval=0.05)
     returned = trainer(pod, tmp_path / "ids.jsonl", "--stop-after", "3", "--no-close")
     out, err = returned.communicate(timeout=60)
     assert returned.returncode == 0, err
-    wait_for(lambda: ending.trainers_gone(server), 10, "the returned trainer's connection to close")
+    wait_for(lambda: ending.trainers_gone(server), 10, "the returned trainer's connection to close", interval=0.05)
 
 
 @pytest.mark.xfail(strict=True, reason="needs the hook in sidecar/main.py run(): on_term stops at once "

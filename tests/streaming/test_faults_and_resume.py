@@ -14,7 +14,8 @@ from splitfeed.sidecar import checkpoints
 from splitfeed.trainer_client import SidecarFailed
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.streaming.harness import JOB_UID, coordinator_address, manifest, reference_batches, reference_global_steps, wait_for
+from tests.streaming.harness import JOB_UID, coordinator_address, manifest, reference_batches, reference_global_steps
+from tests.support.waiting import wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 
@@ -187,7 +188,7 @@ def test_a_drain_request_is_cut_at_an_unpublished_step_and_ends_iteration_after_
         assert not client.checkpoint_requested
         pod.request("splitfeed.io/drain", "rescale-w0")
         control = client._control
-        wait_for(lambda: control.checkpoint_at >= 0, what="the agreed drain step")
+        wait_for(lambda: control.checkpoint_at >= 0, what="the agreed drain step", interval=0.05)
         agreed = control.checkpoint_at
         # Batch agreed - 1 was published nowhere when the step was fixed, and at most
         # prefetchBatches (2) batches were waiting beyond the 3 taken.

@@ -30,8 +30,9 @@ from splitfeed.sidecar import serving
 from splitfeed.trainer_client import SidecarFailed, UserError, messages, ring, slots
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.streaming.harness import manifest, reference_batches, wait_for
+from tests.streaming.harness import manifest, reference_batches
 from tests.streaming.ring_sidecar import pattern, size_of
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,17 +81,21 @@ def test_hostile_frames_get_error_replies_and_the_trainer_still_gets_its_referen
     # the sidecar never waits for it (a blocking send would stall every trainer).
     deaf = dealer(pod.socket_dir, RCVHWM=1, SNDHWM=100_000)
     try:
-        deadline = time.monotonic() + 60
         sent = 0
-        while sent < 20_000 and time.monotonic() < deadline:
-            try:
-                deaf.send(b'{"v":1,"type":"wake"}', zmq.NOBLOCK)  # "say hello first": an error reply each
-                sent += 1
-            except zmq.Again:
-                time.sleep(0.01)
+
+        def send_all() -> bool:
+            """Sends until the peer's queue is full (then wait_for waits) or 20,000 are sent."""
+            nonlocal sent
+            with contextlib.suppress(zmq.Again):
+                while sent < 20_000:
+                    deaf.send(b'{"v":1,"type":"wake"}', zmq.NOBLOCK)  # "say hello first": an error reply each
+                    sent += 1
+            return sent == 20_000
+
+        wait_for(send_all, 60, "20,000 sends: the sidecar stopped reading, blocked on a peer that does not read",
+                 interval=0.01)
         with StreamClient(pod.socket_dir, 0, timeout_s=30) as client:
             assert [ids(b) for b in client] == reference_batches(table_uri, {}, 1, 0)
-        assert sent == 20_000, "the sidecar stopped reading: it blocked on a peer that does not read"
     finally:
         deaf.close()
     assert pod.wait() == 0

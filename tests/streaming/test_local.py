@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.streaming.harness import manifest, reference_batches
+from tests.support.waiting import running, wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 
@@ -123,10 +124,9 @@ def test_ctrl_c_stops_every_process(table_uri, tmp_path):
          "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ids.jsonl").exists() or len((tmp_path / "ids.jsonl").read_text().splitlines()) < 4:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
-            time.sleep(0.2)
+        ids = tmp_path / "ids.jsonl"
+        wait_for(lambda: running(proc) and ids.exists() and len(ids.read_text().splitlines()) >= 4, 120,
+                 "4 batches taken")
         children = descendants(proc.pid)
         assert len(children) == 5, children  # 2 trainers; the sidecar fork server and its 2 sidecars
         os.kill(proc.pid, signal.SIGINT)
@@ -152,18 +152,13 @@ def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "SPLITFEED_SHM_ROOT": shm})
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ids.jsonl").exists():
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
+        wait_for(lambda: running(proc) and (tmp_path / "ids.jsonl").exists(), 120, "a batch taken")
         children = descendants(proc.pid)
         assert len(children) == 3, children  # the trainer; the sidecar fork server and its sidecar
         proc.kill()  # SIGKILL: the launcher cannot clean up
         proc.wait()
-        deadline = time.monotonic() + 30
-        while any(Path(f"/proc/{pid}").exists() for pid in children):
-            assert time.monotonic() < deadline, "children outlived their launcher"
-            time.sleep(0.2)
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 30,
+                 "the children to die with their launcher")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -316,10 +311,9 @@ def test_sigterm_to_one_trainer_drains_the_world_at_one_step_and_the_next_run_re
          "--resume", "none", "--quiet", "--", sys.executable, str(E2E_TRAINER), str(first), "--sleep-s", "0.3"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (first / "w0-r1.jsonl").exists() or '"step": 3' not in (first / "w0-r1.jsonl").read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, "the trainers never reached step 3"
-            time.sleep(0.1)
+        log = first / "w0-r1.jsonl"
+        wait_for(lambda: running(proc) and log.exists() and '"step": 3' in log.read_text(), 120,
+                 "the trainers to reach step 3", interval=0.1)
         start = json.loads((first / "w0-r1.jsonl").read_text().splitlines()[0])
         os.kill(start["pid"], signal.SIGTERM)  # rank 1's trainer, as the kubelet would
         _, err = proc.communicate(timeout=120)

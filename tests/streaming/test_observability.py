@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitfeed.sidecar import workers
 from splitfeed.trainer_client import worlds
 
-from tests.streaming.harness import coordinator_address, manifest, wait_for
+from tests.streaming.harness import coordinator_address, manifest
+from tests.support.waiting import wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
 EXPECTED_LE = ["0.0001", "0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1",
@@ -118,13 +119,13 @@ def test_sidecar_metrics_and_the_coordinators_status_move_while_a_trainer_runs(
     try:
         rank = {"job": "job", "namespace": "test", "world": "0", "replica": "0", "rank": "0"}
         wait_for(lambda: value(scrape(port), "splitfeed_batches_delivered_total", **rank) >= 5,
-                 timeout=60, what="five batches counted")
+                 timeout=60, what="five batches counted", interval=0.05)
         first = scrape(port)
         address = pod.settings.coordinator
         status = worlds.request_status(address, timeout_s=5)
         wait_for(lambda: value(scrape(port), "splitfeed_batches_delivered_total", **rank)
                  >= value(first, "splitfeed_batches_delivered_total", **rank) + 5, timeout=60,
-                 what="five more batches counted")
+                 what="five more batches counted", interval=0.05)
         second = scrape(port)
         time.sleep(2.5)  # a member reports every 2 s
         later = worlds.request_status(address, timeout_s=5)

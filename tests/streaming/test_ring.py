@@ -18,7 +18,7 @@ from splitfeed.sidecar import serving
 from splitfeed.trainer_client import messages, ring
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.streaming.harness import wait_for
+from tests.support.waiting import wait_for
 
 ROWS = 8
 
@@ -67,7 +67,7 @@ def test_every_slot_held_makes_the_sidecar_wait_for_a_slot_and_a_release_wakes_i
         held = [next(it) for _ in range(3)]  # every slot the ring may have
         control = client._control
         wait_for(lambda: control.sidecar_waiting & ring.Waiting.KIND == ring.Waiting.SLOT,
-                 what="the sidecar to wait for a slot")
+                 what="the sidecar to wait for a slot", interval=0.05)
         assert control.num_slots == 3 and control.filled() == 0
         first = ids(held.pop(0))
         assert first == list(range(0, ROWS))
@@ -100,7 +100,7 @@ def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(se
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
         control = client._control
         wait_for(lambda: control.sidecar_waiting & ring.Waiting.KIND == ring.Waiting.ROOM,
-                 what="the sidecar to fill the ring")
+                 what="the sidecar to fill the ring", interval=0.05)
         assert control.filled() == 4
         time.sleep(0.05)
         assert control.filled() == 4  # never more than prefetch ahead

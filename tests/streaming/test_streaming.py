@@ -13,7 +13,8 @@ import zmq
 from splitfeed.trainer_client import messages, ring
 from splitfeed.trainer_client.client import StreamClient
 
-from tests.streaming.harness import coordinator_address, DIM, manifest, reference_batches, wait_for
+from tests.streaming.harness import coordinator_address, DIM, manifest, reference_batches
+from tests.support.waiting import wait_for
 
 
 def ids(batch) -> list[int]:
@@ -85,7 +86,7 @@ def test_the_sidecar_never_runs_more_than_prefetch_batches_ahead(pods, table_uri
     with StreamClient(pod.socket_dir, 0) as client:
         control = client._control
         wait_for(lambda: control.filled() == 2,
-                 what="two prefetched batches")
+                 what="two prefetched batches", interval=0.05)
         import time
         time.sleep(0.5)
         assert control.filled() == 2

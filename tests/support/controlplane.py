@@ -33,7 +33,7 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tests.support import processes
+from tests.support import processes, waiting
 from tests.support.ports import free_port
 
 __all__ = ["ControlPlane", "ControlPlaneError", "KubectlError", "find_assets", "cache_bin_dir",
@@ -201,17 +201,25 @@ class ControlPlane:
         """Until each CRD is Established. Not `kubectl wait --for=condition=established`: on a
         CRD so new that it has no status yet, that exits 1 ("status.conditions accessor error")
         instead of waiting."""
-        deadline = time.monotonic() + timeout
-        for name in crds:
-            while True:
-                got = self.kubectl("get", "crd", name, "-o", "json", check=False)
+        pending, stderr = list(crds), [""]
+
+        def established() -> bool:
+            """Drops each CRD from `pending`, in order, once Established; True when none is left."""
+            while pending:
+                got = self.kubectl("get", "crd", pending[0], "-o", "json", check=False)
+                stderr[0] = got.stderr
                 status = json.loads(got.stdout).get("status") or {} if got.returncode == 0 else {}
                 conditions = status.get("conditions") or []
-                if any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
-                    break
-                if time.monotonic() > deadline:
-                    raise ControlPlaneError(f"CRD {name} not Established after {timeout:.0f} s: {got.stderr}")
-                time.sleep(0.2)
+                if not any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
+                    return False
+                pending.pop(0)
+            return True
+
+        try:
+            waiting.wait_for(established, timeout, f"CRDs {', '.join(crds)} Established")
+        except AssertionError:
+            raise ControlPlaneError(
+                f"CRD {pending[0]} not Established after {timeout:.0f} s: {stderr[0]}") from None
 
     def api_get(self, path: str, timeout: float = 10.0) -> dict:
         """GET a JSON API path with the admin token; ControlPlaneError unless 200."""
@@ -321,26 +329,28 @@ class ControlPlane:
         """Poll `probe()` until true; fail fast if the process exits; fail on timeout."""
         proc = self.processes[name]
         t0 = time.monotonic()
-        deadline = t0 + self.start_timeout
-        last_error: object = None
-        while True:
+        last_error: list[object] = [None]
+
+        def ready() -> bool:
             if proc.poll() is not None:
                 raise ControlPlaneError(
                     f"{name} exited with code {proc.returncode} before {what}; "
                     f"last lines of {self.logs[name]}:\n{_tail(self.logs[name])}"
                 )
             try:
-                if probe():
-                    self.startup_seconds[name] = time.monotonic() - t0
-                    return
+                return bool(probe())
             except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
-                last_error = exc
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"{name} not {what} after {self.start_timeout:.0f} s (last error: {last_error}); "
-                    f"last lines of {self.logs[name]}:\n{_tail(self.logs[name])}"
-                )
-            time.sleep(0.2)
+                last_error[0] = exc
+                return False
+
+        try:
+            waiting.wait_for(ready, self.start_timeout, f"{name} {what}")
+        except AssertionError:
+            raise ControlPlaneError(
+                f"{name} not {what} after {self.start_timeout:.0f} s (last error: {last_error[0]}); "
+                f"last lines of {self.logs[name]}:\n{_tail(self.logs[name])}"
+            ) from None
+        self.startup_seconds[name] = time.monotonic() - t0
 
     def _start_etcd(self) -> None:
         client, peer = free_port(), free_port()

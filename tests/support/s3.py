@@ -10,12 +10,12 @@ import pathlib
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import boto3
 import pytest
 
+from tests.support import waiting
 from tests.support.ports import free_port
 
 BUCKET = "splitfeed-test"
@@ -41,15 +41,14 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             stdout=log, stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        def listening() -> bool:
             if server.poll() is not None:
                 pytest.fail(f"moto_server exited with {server.returncode}: {log_path.read_text()}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"moto_server did not listen on port {port} within 30 s")
-            time.sleep(0.1)
+                return True
+            return False
+
+        waiting.wait_for(listening, 30, f"moto_server to listen on port {port}", interval=0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
