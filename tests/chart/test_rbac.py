@@ -30,15 +30,16 @@ import pytest
 from kopf._cogs.structs.credentials import Vault  # not exported; operator(vault=...) is public
 
 from splitfeed.operator import configs, handlers, kube, planning  # noqa: F401 (handlers registers)
-from splitfeed.trainer_client import specs
-from tests.chart.test_chart import SCENARIOS, grants, objects
+from splitfeed.trainer_client import contract, specs
 from tests.support.builders import OWNER, manifest
-from tests.operator.test_kopf_emulated import PODS, add_job, cluster, job_of, phase, pods_of, until  # noqa: F401
+from tests.support.chart import SCENARIOS, grants, objects
+from tests.support.emulated import PODS, add_job, cluster, job_of, phase, pods_of  # noqa: F401 (cluster: the fixture)
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 Grant = tuple[str, str, str]
 API_GROUPS = {"core": "", "policy": "policy", "authorization": "authorization.k8s.io",
-              "coordination": "coordination.k8s.io", "custom": planning.GROUP}
+              "coordination": "coordination.k8s.io", "custom": contract.GROUP}
 VERBS = {"read": "get", "get": "get", "list": "list", "create": "create", "patch": "patch", "delete": "delete",
          "replace": "update"}
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings", "subjectaccessreviews"}
@@ -54,7 +55,7 @@ def client_calls(path: Path) -> set[Grant]:
             m = re.fullmatch(r"(read|get|list|create|patch|delete|replace)_(?:namespaced_)?(\w+?)(_status)?", node.attr)
             assert m, f"{path.name}: cannot tell the verb of {node.value.attr}.{node.attr}"
             kind = m[2]
-            resource = planning.PLURAL if kind == "custom_object" else kind.replace("_", "") + "s"
+            resource = contract.PLURAL if kind == "custom_object" else kind.replace("_", "") + "s"
             found.add((API_GROUPS[node.value.attr], resource + ("/status" if m[3] else ""), VERBS[m[1]]))
     return found
 
@@ -141,7 +142,7 @@ def needed(recorded: set[Grant]) -> set[Grant]:
     owner_ref = next(o for o in planning.world(specs.parse_job(manifest()), 0, OWNER, planning.Settings())
                      if o["kind"] == "Pod")["metadata"]["ownerReferences"][0]
     if owner_ref.get("blockOwnerDeletion"):
-        found.add((planning.GROUP, f"{planning.PLURAL}/finalizers", "update"))
+        found.add((contract.GROUP, f"{contract.PLURAL}/finalizers", "update"))
     return found
 
 
@@ -190,6 +191,6 @@ def test_namespace_mode_grants_the_namespaced_part_in_each_namespace(recorded, p
 
 def test_the_static_reading_of_kube_py_sees_every_call():
     calls = client_calls(ROOT / "operator" / "kube.py")
-    assert ("", "pods", "create") in calls and (planning.GROUP, "streamingjobs/status", "patch") in calls
+    assert ("", "pods", "create") in calls and (contract.GROUP, "streamingjobs/status", "patch") in calls
     assert ("coordination.k8s.io", "leases", "update") in calls
     assert ("authorization.k8s.io", "subjectaccessreviews", "create") in calls

@@ -243,20 +243,13 @@ def test_an_old_object_that_no_longer_parses_is_judged_as_new():
 
 # --- the same through Kopf's webhook server (AdmissionReviews, as the apiserver posts them) ---
 
-from tests.operator.test_kopf_emulated import (  # noqa: E402  (fixtures and helpers)
-    add_job,
-    cluster,  # noqa: F401
-    free_port,
-    review,
-    running_operator,
-)
+from tests.support.emulated import add_job, cluster, post_review, review, running_operator  # noqa: E402, F401
+from tests.support.ports import free_port  # noqa: E402
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_the_webhooks_refuse_order_changes_and_stops_without_a_store(cluster):  # noqa: F811
-    import asyncio
-    import time
     from typing import Any
 
     import aiohttp
@@ -273,18 +266,7 @@ async def test_the_webhooks_refuse_order_changes_and_stops_without_a_store(clust
 
     async with running_operator(cluster, settings, registry), aiohttp.ClientSession() as http:
         async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    async with http.post(f"http://127.0.0.1:{port}/{path}", json=body) as resp:
-                        if resp.status != 404 or time.monotonic() > deadline:  # 404 until the CRD is found
-                            assert resp.status == 200, await resp.text()
-                            answer: dict[str, Any] = (await resp.json())["response"]
-                            return answer
-                except aiohttp.ClientConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                await asyncio.sleep(0.2)
+            return await post_review(http, f"http://127.0.0.1:{port}/{path}", body)
 
         def update(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
             return review(new, operation="UPDATE", old=old)

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from splitfeed.operator import endings, live
-from tests.operator.test_rescaling import Cluster, ts
+from tests.support.memory_cluster import Cluster, ts
 
 RUNNING = {"running": {"startedAt": "2026-01-01T11:00:00Z"}}
 
@@ -88,6 +88,34 @@ def test_sidecars_that_reported_end_the_job_at_once_with_their_step() -> None:
     assert c.status["phase"] == "Succeeded" and not d.delete
     assert condition(c, "Complete")["message"].startswith(
         "trainers stopped at global step 5 of 20 (the sidecars' reports)")
+
+
+def test_native_sidecars_stopped_by_the_kubelet_end_the_job_with_their_reports() -> None:
+    """Native sidecars (the default): the kubelet stops them once the trainer exited; each writes
+    its report (sidecar/ending.py) into initContainerStatuses, and the pods succeed."""
+    c = two()
+    for pod in list(c.pods):
+        c.pods[pod]["status"] = {"phase": "Succeeded", "containerStatuses": [
+            {"name": "trainer", "state": exited(c), "restartCount": 0}], "initContainerStatuses": [
+            {"name": "splitfeed-sidecar", "state": sidecar_done(c, 5), "restartCount": 0}]}
+    c.step()
+    assert c.status["phase"] == "Succeeded"
+    assert condition(c, "Complete")["message"].startswith("trainers stopped at global step 5 of 20")
+
+
+def test_native_sidecars_still_stopping_do_not_keep_the_job_running() -> None:
+    """Native sidecars that wait out their grace period after the trainer exited (no report yet):
+    the world's live status gives the step."""
+    c = two()
+    for pod in list(c.pods):
+        c.pods[pod]["status"] = {"phase": "Running", "containerStatuses": [
+            {"name": "trainer", "state": exited(c), "restartCount": 0}], "initContainerStatuses": [
+            {"name": "splitfeed-sidecar", "state": RUNNING, "restartCount": 0}]}
+    assert c.step().step == endings.TRAINERS_STOPPED
+    later(c, endings.STOP_GRACE_S + 1)
+    c.status["progress"] = {"globalStep": 5, "stepsPerEpoch": 20, "updatedAt": ts(c.now)}
+    d = c.step()
+    assert c.status["phase"] == "Succeeded" and len(d.delete) == 2
 
 
 def test_a_normal_end_still_says_every_pod_succeeded() -> None:

@@ -2,32 +2,35 @@
 
 Fast tier: no apiserver. kmock cannot call webhooks, so the admission test posts
 AdmissionReviews to Kopf's own webhook server itself. Pod phases are set
-by the test, as a kubelet would. kmock notes (docs/testing.md): Kopf only starts
-watching once CRDs, namespaces, events and kopfpeerings are listable; objects
-need a resourceVersion; kmock replays every object as ADDED on each watch, so
+by the test, as a kubelet would. The emulated cluster and its helpers are
+tests/support/emulated.py's; kmock replays every object as ADDED on each watch, so
 the create handler may run twice (a free idempotency check).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import kopf
-from kopf._cogs.structs.credentials import Vault  # not exported; operator(vault=...) is public
-import kubernetes
 import pytest
-import pytest_asyncio
 
-from splitfeed.operator import configs, handlers, kube, planning, reconciling, webhooks  # noqa: F401 (handlers registers)
+from splitfeed.operator import handlers, webhooks  # noqa: F401 (handlers registers)
 from tests.support.builders import manifest
+from tests.support.emulated import (  # noqa: F401 (cluster: the fixture)
+    JOBS,
+    PODS,
+    add_job,
+    cluster,
+    job_of,
+    phase,
+    pods_of,
+    post_review,
+    review,
+    running_operator,
+)
 from tests.support.ports import free_port
-
-JOBS = "splitfeed.io/v1alpha1/streamingjobs"
-PODS = "v1/pods"
+from tests.support.waiting import until
 
 
 @pytest.fixture()
@@ -42,76 +45,6 @@ def posted_events(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     monkeypatch.setattr(kopf, "event", recording_event)
     return posted
-
-
-@pytest_asyncio.fixture()
-async def cluster(kmock: Any) -> AsyncIterator[Any]:
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = {
-        "namespaced": False, "kind": "CustomResourceDefinition"}
-    kmock.resources["v1/namespaces"] = {"namespaced": False, "kind": "Namespace"}
-    kmock.resources["v1/events"] = {"namespaced": True, "kind": "Event"}
-    kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = {"namespaced": False, "kind": "ClusterKopfPeering"}
-    kmock.resources["kopf.dev/v1/kopfpeerings"] = {"namespaced": True, "kind": "KopfPeering"}
-    for plural, kind in [("pods", "Pod"), ("services", "Service"), ("configmaps", "ConfigMap")]:
-        kmock.resources[f"v1/{plural}"] = {"namespaced": True, "kind": kind}
-    kmock.resources["policy/v1/poddisruptionbudgets"] = {"namespaced": True, "kind": "PodDisruptionBudget"}
-    kmock.resources[JOBS] = {"namespaced": True, "kind": "StreamingJob", "singular": "streamingjob",
-                             "subresources": ["status", "scale"], "verbs": [
-                                 "get", "list", "watch", "create", "update", "patch", "delete"]}
-    yield kmock
-
-
-@contextlib.asynccontextmanager
-async def running_operator(kmock: Any, settings: kopf.OperatorSettings | None = None,
-                           registry: kopf.OperatorRegistry | None = None) -> AsyncIterator[kopf.Memo]:
-    config = kubernetes.client.Configuration(host=str(kmock.url).rstrip("/"))
-    client = kube.Kube(kubernetes.client.ApiClient(config))
-    stop = asyncio.Event()
-    vault = Vault({"kmock": kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"))})
-    memo = kopf.Memo(config=configs.OperatorConfig(peering=None, planning=planning.Settings(restart_backoff_s=0.2)),
-                     kube=client)
-    if registry is not None:  # no startup handler there to build the context
-        memo["ctx"] = reconciling.Context(kube=client, settings=memo["config"].planning)
-    task = asyncio.create_task(kopf.operator(
-        clusterwide=True, standalone=True, vault=vault, stop_flag=stop, settings=settings,
-        registry=registry, memo=memo))
-    try:
-        yield memo
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, timeout=10)
-        finally:
-            client.close()
-
-
-def add_job(kmock: Any, m: dict[str, Any]) -> None:
-    m = {**m, "metadata": {**m["metadata"], "resourceVersion": "1", "generation": 1}}
-    kmock.objects[JOBS, m["metadata"]["namespace"], m["metadata"]["name"]] = m
-
-
-def job_of(kmock: Any, name: str = "resnet") -> dict[str, Any]:
-    return kmock.objects[JOBS, "ns", name].raw
-
-
-def pods_of(kmock: Any) -> dict[str, dict[str, Any]]:
-    out = {}
-    for (res, ns, name), obj in list(kmock.objects.items()):
-        if res.plural == "pods" and not obj.deleted:
-            out[name] = obj.raw
-    return out
-
-
-async def until(predicate: Any, timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        await asyncio.sleep(0.1)
-
-
-def phase(kmock: Any) -> str | None:
-    return (job_of(kmock).get("status") or {}).get("phase")
 
 
 def reason(kmock: Any, type_: str = "Rescaling") -> str | None:
@@ -229,18 +162,6 @@ async def test_a_rescale_the_status_timer_never_saw_is_still_timed(cluster, monk
         assert patch["lastRescale"]["fromReplicas"] == 2 and [e.reason for e in events] == [live.RESCALE_REPORT]
 
 
-def review(obj: dict[str, Any], *, operation: str, old: dict[str, Any] | None = None,
-           sub_resource: str | None = None) -> dict[str, Any]:
-    """An AdmissionReview as the kube-apiserver sends it (admission.k8s.io/v1)."""
-    meta = obj["metadata"]
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": "review-1", "operation": operation, "name": meta["name"], "namespace": meta["namespace"],
-        "kind": {"group": "splitfeed.io", "version": "v1alpha1", "kind": "StreamingJob"},
-        "resource": {"group": "splitfeed.io", "version": "v1alpha1", "resource": "streamingjobs"},
-        "subResource": sub_resource, "object": obj, "oldObject": old, "dryRun": False,
-        "userInfo": {"username": "alice", "groups": ["system:authenticated"]}}}
-
-
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_the_webhooks_answer_admission_reviews_with_the_rule_and_the_valid_counts(cluster):
@@ -256,20 +177,9 @@ async def test_the_webhooks_answer_admission_reviews_with_the_rule_and_the_valid
 
     async with running_operator(cluster, settings, registry), aiohttp.ClientSession() as http:
         async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    async with http.post(f"http://127.0.0.1:{port}/{path}", json=body) as resp:
-                        # 404 until Kopf has discovered the CRD it serves
-                        if resp.status != 404 or time.monotonic() > deadline:
-                            assert resp.status == 200, await resp.text()
-                            answer: dict[str, Any] = (await resp.json())["response"]
-                            assert answer["uid"] == "review-1"
-                            return answer
-                except aiohttp.ClientConnectionError:  # not listening yet
-                    if time.monotonic() > deadline:
-                        raise
-                await asyncio.sleep(0.2)
+            answer = await post_review(http, f"http://127.0.0.1:{port}/{path}", body)
+            assert answer["uid"] == "review-1"
+            return answer
 
         assert (await post("streamingjob", review(manifest(replicas=6), operation="CREATE")))["allowed"]
 

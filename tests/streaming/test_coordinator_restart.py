@@ -5,7 +5,7 @@ trainer says `hello` with the next step it expects, its peers' sidecars keep ser
 world must go on exactly (docs/agreement.md, "Failure cases"). Replica 0's sidecar runs as a
 process (killed by PID), the others as threads of this process; the trainers are threads held
 in step by a barrier (the all-reduce of a synchronous trainer). References: lancedb's
-StreamingDataset in-process (`reference_batches`, test_skipping's `expected_steps`).
+StreamingDataset in-process (`reference_batches`, tests/support/skipping.py's `expected_steps`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from splitfeed.trainer_client.client import StreamClient
 from splitfeed.trainer_client.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
-from tests.streaming.test_skipping import G, expected_steps, job, lancedb_ids, lockstep, plan  # noqa: F401 - the fixture
+from tests.support.skipping import G, expected_steps, job, lancedb_ids, lockstep
 from tests.support.waiting import wait_for
 
 KILL_AT = 5

@@ -9,7 +9,6 @@ makes the trainer take k + 1 and pass over k, which exists.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
@@ -17,10 +16,11 @@ from splitfeed.trainer_client import ring
 from splitfeed.trainer_client.client import StreamClient
 
 from tests.streaming.harness import coordinator_address
-from tests.streaming.test_skipping import expected_steps, job, plan  # noqa: F401 - the fixture
+from tests.support.skipping import expected_steps, job
+from tests.support.waiting import wait_for
 
 
-def test_a_step_posted_between_the_trainers_two_looks_is_not_passed_over(pods, table_uri, plan,  # noqa: F811
+def test_a_step_posted_between_the_trainers_two_looks_is_not_passed_over(pods, table_uri, plan,
                                                                         monkeypatch):
     real = ring.Control.find_after
     delayed = []
@@ -30,10 +30,8 @@ def test_a_step_posted_between_the_trainers_two_looks_is_not_passed_over(pods, t
         sidecar posts `step` and `step + 1` (it posts in rising order)."""
         if not delayed:
             delayed.append(step)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not np.any(
-                    (self.state == ring.SlotState.FILLED) & (self.step == step + 1)):
-                time.sleep(0.001)
+            wait_for(lambda: np.any((self.state == ring.SlotState.FILLED) & (self.step == step + 1)), 10,
+                     f"the sidecar to post step {step + 1}", interval=0.001)
         return real(self, step)
 
     monkeypatch.setattr(ring.Control, "find_after", descheduled)

@@ -1,5 +1,7 @@
-"""The layering of docs/architecture.md, kept by import-linter, and the stdlib's `operator`."""
+"""The layering of docs/architecture.md, kept by import-linter, the stdlib's `operator`, and
+the tests' own rule (docs/testing.md): no test module imports another."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -39,3 +41,31 @@ def test_the_trainer_client_exports_what_it_documents():
     for name in trainer_client.__all__:
         assert getattr(trainer_client, name).__module__.startswith("splitfeed.trainer_client")
     assert "StreamClient" in trainer_client.__all__
+
+
+def test_the_import_check_names_test_modules_only():
+    assert imported_test_modules("from tests.support.waiting import wait_for\nimport tests.reading.tables\n") == []
+    assert imported_test_modules("from tests.operator.test_kube_api import wait_for\n"
+                                 "import tests.chart.test_chart as c\nfrom tests.chart import test_rbac\n") == [
+        "tests.operator.test_kube_api", "tests.chart.test_chart", "tests.chart.test_rbac"]
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """The `tests.*.test_*` modules that `source` imports, in order."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n.startswith("tests.") and n.rsplit(".", 1)[-1].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What two test modules share lives in tests/support (or a tier's helper module)."""
+    offenders = {str(path.relative_to(ROOT)): imported_test_modules(path.read_text())
+                 for path in sorted((ROOT / "tests").rglob("*.py"))}
+    assert {path: names for path, names in offenders.items() if names} == {}
