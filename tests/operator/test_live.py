@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import datetime
 
-from splitfeed.operator import live, planning
-from splitfeed.trainer_client import stalls
+from splitfeed.operator import live
+from splitfeed.trainer_client import contract, stalls
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
 KEY = ("ml", "job")
@@ -66,7 +66,7 @@ def test_steps_taken_past_the_new_worlds_resume_step_are_counted_as_redone():
 
 def test_the_coordinator_is_replica_0_of_the_running_world_by_pod_ip():
     def pod(epoch: int, replica: int, ip: str, phase: str = "Running") -> dict:
-        return {"metadata": {"labels": {planning.LABEL_EPOCH: str(epoch), planning.LABEL_REPLICA: str(replica)}},
+        return {"metadata": {"labels": {contract.LABEL_EPOCH: str(epoch), contract.LABEL_REPLICA: str(replica)}},
                 "status": {"podIP": ip, "phase": phase}}
 
     pods = [pod(0, 0, "10.0.0.1"), pod(1, 1, "10.0.0.3"), pod(1, 0, "10.0.0.2")]
