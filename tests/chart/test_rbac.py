@@ -17,23 +17,17 @@ webhook.checkPodPermission, kopf.dev only with peering) and nothing else.
 from __future__ import annotations
 
 import ast
-import asyncio
-import contextlib
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kopf
-import kubernetes
 import pytest
-from kopf._cogs.structs.credentials import Vault  # not exported; operator(vault=...) is public
 
-from splitfeed.operator import configs, handlers, kube, planning  # noqa: F401 (handlers registers)
+from splitfeed.operator import handlers, planning  # noqa: F401 (handlers registers)
 from splitfeed.trainer_client import contract, specs
 from tests.support.builders import OWNER, manifest
 from tests.support.chart import SCENARIOS, grants, objects
-from tests.support.emulated import PODS, add_job, cluster, job_of, phase, pods_of  # noqa: F401 (cluster: the fixture)
+from tests.support.emulated import PODS, add_job, cluster, job_of, phase, pods_of, running_operator  # noqa: F401 (cluster: the fixture)
 from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,25 +77,6 @@ def request_grant(method: str, path: str, params: Any) -> Grant | None:
     return group, resource, verb
 
 
-@contextlib.asynccontextmanager
-async def operator_with_peering(kmock: Any) -> AsyncIterator[None]:
-    config = kubernetes.client.Configuration(host=str(kmock.url).rstrip("/"))
-    client = kube.Kube(kubernetes.client.ApiClient(config))
-    stop = asyncio.Event()
-    vault = Vault({"kmock": kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"))})
-    memo = kopf.Memo(config=configs.OperatorConfig(planning=planning.Settings(restart_backoff_s=0.2)), kube=client)
-    task = asyncio.create_task(kopf.operator(clusterwide=True, standalone=False, peering_name="splitfeed",
-                                             vault=vault, stop_flag=stop, memo=memo))
-    try:
-        yield
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, timeout=10)
-        finally:
-            client.close()
-
-
 @pytest.fixture(scope="module")
 def recorded() -> set[Grant]:
     return set()
@@ -114,7 +89,7 @@ async def test_record_what_kopf_and_the_operator_ask_of_the_api(cluster, recorde
         "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
         "metadata": {"name": "splitfeed", "resourceVersion": "1"}}
     add_job(cluster, manifest(replicas=2, maxRestarts=2))
-    async with operator_with_peering(cluster):
+    async with running_operator(cluster, peering="splitfeed"):
         await until(lambda: len(pods_of(cluster)) == 2, what="world 0")
         cluster.objects["splitfeed.io/v1alpha1/streamingjobs", "ns", "resnet"].patch(
             {"spec": {"replicas": 1}, "metadata": {"resourceVersion": "2", "generation": 2}})

@@ -46,18 +46,21 @@ async def cluster(kmock: Any) -> AsyncIterator[Any]:
 
 @contextlib.asynccontextmanager
 async def running_operator(kmock: Any, settings: kopf.OperatorSettings | None = None,
-                           registry: kopf.OperatorRegistry | None = None) -> AsyncIterator[kopf.Memo]:
+                           registry: kopf.OperatorRegistry | None = None, *,
+                           peering: str | None = None) -> AsyncIterator[kopf.Memo]:
+    """The operator on `kmock` until the block ends: standalone, or with Kopf's peering under
+    the name `peering` (what the chart's RBAC must then allow)."""
     config = kubernetes.client.Configuration(host=str(kmock.url).rstrip("/"))
     client = kube.Kube(kubernetes.client.ApiClient(config))
     stop = asyncio.Event()
     vault = Vault({"kmock": kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"))})
-    memo = kopf.Memo(config=configs.OperatorConfig(peering=None, planning=planning.Settings(restart_backoff_s=0.2)),
+    memo = kopf.Memo(config=configs.OperatorConfig(peering=peering, planning=planning.Settings(restart_backoff_s=0.2)),
                      kube=client)
     if registry is not None:  # no startup handler there to build the context
         memo["ctx"] = reconciling.Context(kube=client, settings=memo["config"].planning)
     task = asyncio.create_task(kopf.operator(
-        clusterwide=True, standalone=True, vault=vault, stop_flag=stop, settings=settings,
-        registry=registry, memo=memo))
+        clusterwide=True, standalone=peering is None, peering_name=peering, vault=vault, stop_flag=stop,
+        settings=settings, registry=registry, memo=memo))
     try:
         yield memo
     finally:
