@@ -1,6 +1,6 @@
 """A real DDP trainer with a `max_steps`: it returns before the job's last step (issue 21).
 
-    python stopping_trainer.py LOG_DIR --stop-after N [--stop-rank R] [--no-close]
+    python stopping_trainer.py LOG_DIR --stop-after N [--stop-rank R [--peers-wait]] [--no-close]
                                [--sleep-s S] [--checkpoint-every K] [--timeout-s T]
 
 Most training scripts end this way: the README's loop (tests/e2e/trainer.py is the
@@ -14,7 +14,9 @@ full one) with a step limit, and often no `client.close()`:
     dist.destroy_process_group()                        # exit 0
 
 With `--stop-rank R` the other ranks go on into the next all-reduce, which rank R never
-joins. Each rank appends tests/e2e/trainer.py's JSON lines (start, batch, checkpoint,
+joins: gloo raises there at once (its peer's connection closed). `--peers-wait` makes them
+wait instead, as NCCL's all-reduce does (a sleep standing in for the collective that never
+completes). Each rank appends tests/e2e/trainer.py's JSON lines (start, batch, checkpoint,
 exit with reason "stopped", "drained" or "end") to LOG_DIR/w<worldEpoch>-r<rank>.jsonl.
 """
 
@@ -42,6 +44,8 @@ def main() -> int:
     parser.add_argument("--stop-after", type=int, required=True, help="return after global step N - 1")
     parser.add_argument("--stop-rank", type=int, default=None, help="only this rank returns")
     parser.add_argument("--no-close", action="store_true", help="return without client.close()")
+    parser.add_argument("--peers-wait", action="store_true",
+                        help="with --stop-rank: the other ranks wait for ever after step N - 1 (NCCL)")
     parser.add_argument("--sleep-s", type=float, default=0.0)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
@@ -88,6 +92,10 @@ def main() -> int:
         if step + 1 >= args.stop_after and args.stop_rank in (None, rank):
             reason = "stopped"
             break
+        if step + 1 >= args.stop_after and args.peers_wait:
+            record(event="waiting", step=step)
+            while True:  # the next all-reduce, which the returned rank never joins
+                time.sleep(1)
     record(event="exit", reason=reason)
     log.close()
     if not args.no_close:

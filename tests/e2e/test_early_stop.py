@@ -97,3 +97,27 @@ def test_a_rank_that_returns_while_its_peer_trains_fails_the_job_naming_it(clust
     assert took < 20 + 15
     wait_for(lambda: not running(cluster, name), 60, f"the pods of {name} to stop")
     finish(cluster, name)
+
+
+def test_a_rank_that_returns_while_its_peer_waits_fails_the_job_after_the_checkpoint_timeout(
+        cluster: Cluster) -> None:
+    """Rank 1 returns after step 4; rank 0 waits for it for ever (NCCL's all-reduce would)."""
+    name = "early-stop-waiting-peer"
+    start(cluster, name, "--stop-after", "5", "--stop-rank", "1", "--peers-wait", timeout_seconds=15)
+    wait_for(lambda: exits(cluster, name), 120, "rank 1 to return")
+    returned = min(r["t"] for r in exits(cluster, name))
+    ready = wait_for(lambda: condition(cluster.status(name), "Ready").get("reason") == "RanksStoppedEarly"
+                     and condition(cluster.status(name), "Ready"), 20, "the Ready condition to say why")
+    log(f"{name}: {ready['message']}")
+    status = wait_for(lambda: (s := cluster.status(name)).get("phase") == "Failed" and s, 15 + 30,
+                      f"{name} to fail")
+    took = time.time() - returned
+    failed = condition(status, "Failed")
+    log(f"{name}: Failed {took:.1f} s after rank 1 returned: {failed.get('message')}")
+    assert failed.get("reason") == "RanksStoppedEarly", failed
+    assert failed["message"].startswith(f"rank 1 (pod {name}-w0-1) of world 0 returned (exit 0)"), failed
+    assert f"while rank 0 (pod {name}-w0-0) still ran 15 s later" in failed["message"], failed
+    assert 15 - 2 <= took < 15 + 15, took  # finishedAt has whole seconds
+    assert status.get("restarts", 0) == 0 and status.get("worldEpoch") == 0, status
+    wait_for(lambda: not running(cluster, name), 60, f"the pods of {name} to stop")
+    finish(cluster, name)
