@@ -34,10 +34,12 @@ takes than CPUs only contend: on 2 CPUs, 4 in flight read a 20M-row table at 318
 rows/s in 493 MiB and 32 at 239k rows/s in 1,034 MiB. An object store's latency is
 partly hidden inside one take by lancedb's own concurrent requests; takes from one wait
 on the network, so they are not held to this."""
-SCATTERED_ROW_BYTES = 512
+SCATTERED_ROW_BYTES = 900
 """Memory a take holds per row beyond the row itself while it decodes: a row shuffled on
-its own sits in a page of its own (measured: ~15 MB for a take of 26,400 rows of 12 B
-from a 4M-row table); a clump of rows shares its pages."""
+its own sits in a page of its own (measured: a take of 26,400 rows of 12 B peaked 21-24
+MiB above a warm process on a 50M-row table, 794-914 B a row; ~15 MB from a 4M-row
+table, 1-12 MiB from a 1M-row one, whose rows share pages); a clump of rows shares its
+pages."""
 HELD_PER_BYTE = 2.5
 """A take holds this many times its rows' bytes at its peak: lance's decoded pages beside
 the batch it assembles, then the reordered copy (take_rows) beside lance's batch. Measured:

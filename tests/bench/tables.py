@@ -2,6 +2,7 @@
 
     python -m tests.bench.tables [--rows 1000000,20000000,50000000] [--payload-rows 16384]
                                  [--lancedb-timeout 150] [--steps 300] [--no-epoch-starts]
+                                 [--read-batch-size 1024]
 
 For each table, `splitfeed local` with 2 replicas and numWorkers 1 is timed from launch
 to the trainers' first batch, cold (no stored plan) and warm (the same job again: its
@@ -65,11 +66,13 @@ def job(uri: str, ckpt: str, batch: int) -> dict:
             "spec": {"replicas": REPLICAS, "data": {"uri": uri, "table": "t", "numSplits": SPLITS,
                                                     "globalBatchSize": batch, "columns": ["id", "label"]
                                                     if batch != PAYLOAD_BATCH else None,
-                                                    "readBatchSize": 1024},
+                                                    "readBatchSize": READ_BATCH[0]},
                      "checkpoint": {"uri": ckpt}, "sidecar": {"prefetchBatches": 4}}}
 
 
 PAYLOAD_BATCH = 480
+READ_BATCH = [1024]
+"""spec.data.readBatchSize of every case (--read-batch-size)."""
 NARROW_BATCH = 4800
 
 
@@ -217,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload-rows", type=int, default=16384)
     parser.add_argument("--lancedb-timeout", type=float, default=150.0)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--read-batch-size", type=int, default=READ_BATCH[0],
+                        help="spec.data.readBatchSize: a take reads at least this many rows of each split")
     parser.add_argument("--no-epoch-starts", action="store_true",
                         help="skip the epoch-start case (a 1M-row table over 12 epochs)")
     args = parser.parse_args(argv)
+    READ_BATCH[0] = args.read_batch_size
     results = bench([int(r) for r in args.rows.split(",") if r], args.payload_rows,
                     args.lancedb_timeout, args.steps)
     if not args.no_epoch_starts:
