@@ -193,10 +193,12 @@ def _succeeded(c: Ctx, found: Reached, live: list[views.Pod]) -> Decision:
     return c.decision(SUCCEEDED, delete=[p.name for p in live])
 
 
-def _some_returned(c: Ctx, back: list[views.Pod], others: list[views.Pod]) -> Decision:
+def _some_returned(c: Ctx, back: list[views.Pod], others: list[views.Pod]) -> Decision | None:
     timeout = c.job.checkpoint.timeout_seconds
     times = [t for p in back if (t := returned_at(p)) is not None]
     first = min(times, default=c.now)
+    if c.now < first + datetime.timedelta(seconds=STOP_GRACE_S):
+        return None  # the others may be returning too (a normal end): say nothing yet
     deadline = first + datetime.timedelta(seconds=timeout)
     msg = (f"{ranks_of(c, back)} of world {c.world_epoch} returned (exit 0) at {conditions.timestamp(first)} "
            f"while {ranks_of(c, others)} still ran")

@@ -174,10 +174,12 @@ def test_a_rank_that_returns_while_its_peer_still_runs_fails_the_job_after_the_t
     c = two()
     trainer_state(c, "resnet-w0-1", exited(c))
     trainer_state(c, "resnet-w0-0", RUNNING)
+    assert c.step().step == "Running", "at a normal end the others return a moment later: nothing said yet"
+    later(c, endings.STOP_GRACE_S)
     d = c.step()
     assert d.step == endings.RANKS_STOPPED_EARLY and c.status["phase"] == "Running" and not d.delete
     assert "fails at 2026-01-01T12:00:30Z" in condition(c, "Ready")["message"]
-    later(c, 29)
+    later(c, 29 - endings.STOP_GRACE_S)
     assert c.step().step == endings.RANKS_STOPPED_EARLY
     later(c, 1)
     d = c.step()
@@ -231,5 +233,6 @@ def test_ranks_are_named_by_replica_and_gpus() -> None:
     c = Cluster(replicas=2, gpusPerReplica=2).running()
     trainer_state(c, "resnet-w0-1", exited(c))
     trainer_state(c, "resnet-w0-0", RUNNING)
+    later(c, endings.STOP_GRACE_S)
     c.step()
     assert "ranks 2-3 (pod resnet-w0-1) of world 0 returned" in condition(c, "Ready")["message"]
