@@ -115,3 +115,29 @@ def test_a_checkpoint_write_retries_a_failing_store_and_loses_nothing(store: tup
     assert endpoint.statuses[503] == 6
     found = store_.find(3, reading.merge_states, expect=mine)
     assert found is not None and found.state == state
+
+
+def test_the_world_start_check_of_a_stored_plan_reads_its_footer_alone(store: tuple[S3Endpoint, str]) -> None:
+    """verify runs at every world start: on a 10^9-row plan its ids are 8 GB. A reader's
+    damaged split is reported through the store itself, where the builder looks."""
+    endpoint, local = store
+    table, data = reading.pin(remote_spec(endpoint), CREDENTIALS)
+    root = "ckpt/test/job/verify"
+    location = plans.location_for(data, f"s3://{BUCKET}/{root}", endpoint.storage_options())
+    rows = reading.layout(table, data).rows
+    plans.Source(location, builds=True).ids(table, data, 0, range(24), rows)
+    key = plans.PlanKey.of(data)
+    endpoint.reset_counters()
+    footer = plans.verify(location, key, 0)
+    assert footer is not None
+    assert endpoint.bytes_sent < footer.ids_bytes // 4, endpoint.bytes_sent  # the footer, not the ids
+    path = next((Path(local).parent / root).glob("plans/*/epoch-000000.plan"))
+    raw = bytearray(path.read_bytes())
+    raw[5 * footer.split_size * 8] ^= 0xFF  # split 5
+    path.write_bytes(bytes(raw))
+    assert plans.verify(location, key, 0) is not None  # nobody has read split 5 yet
+    with pytest.raises(errors.UserError, match="split 5 fails its CRC") as info:
+        plans.Source(location, timeout_s=0).ids(table, data, 0, range(4, 6), rows)
+    assert not isinstance(info.value, errors.DataError)  # a restart cures it
+    assert path.with_name(path.name + plans.DAMAGED).is_file()  # marked through the store
+    assert plans.verify(location, key, 0) is None  # the next world's builder builds it again
