@@ -149,6 +149,8 @@ def world_ended(c: Ctx) -> Decision | None:
     back = [p for p in c.world if returned(p)]
     if not back or len(c.world) < c.found.replicas:
         return None
+    if any(p.deleting or p.disruption is not None for p in c.world):
+        return None  # a pod deleted or evicted (a preemption): its world drains itself, or fails
     others = [p for p in c.world if p not in back]
     if others:
         return _some_returned(c, back, others)

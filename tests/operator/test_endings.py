@@ -170,6 +170,19 @@ def test_sidecars_that_end_on_their_own_within_the_grace_are_not_cut_short() -> 
     assert c.status["phase"] == "Rescaling" and any(e.reason == "WorldDrained" for e in d.events), d
 
 
+def test_a_world_whose_pod_is_being_deleted_is_left_to_its_drain() -> None:
+    """A preemption (`kubectl delete pod`, an eviction): the world drains itself and the trainers
+    exit 0 after the agreed step; sidecars slow to exit on a loaded node must not end the job."""
+    c = two()
+    c.pods["resnet-w0-0"]["metadata"]["deletionTimestamp"] = ts(c.now)
+    for pod in list(c.pods):
+        trainer_state(c, pod, exited(c))
+    later(c, endings.STOP_GRACE_S + 1)
+    c.status["progress"] = {"globalStep": 9, "stepsPerEpoch": 20, "updatedAt": ts(c.now)}
+    d = c.step()
+    assert c.status["phase"] == "Running" and d.step != endings.TRAINERS_STOPPED and not d.delete, d
+
+
 def test_a_rank_that_returns_while_its_peer_still_runs_fails_the_job_after_the_timeout() -> None:
     c = two()
     trainer_state(c, "resnet-w0-1", exited(c))
