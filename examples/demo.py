@@ -4,7 +4,8 @@ every global batch is the one a 1-rank run sees.
 Writes a small synthetic LanceDB table under .demo/, runs examples/demo-job.yaml
 on 1 rank, then on 2 ranks rescaled live (`--scale-at`) to 4 and then 3, each
 rescale through the same drain agreement and resume as on a cluster, and prints
-a digest of every global batch side by side.
+a digest of every global batch side by side; then the same rescales in place
+(`--rescale inPlace`), whose timings print beside the first run's.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def main() -> int:
     local(2, ".demo/elastic", *scale)
     one, elastic = global_steps(DEMO / "one-rank"), global_steps(DEMO / "elastic")
     bad = compare(one, elastic, resumed_at(DEMO / "elastic"))
+    # The same rescales in place: the processes of the replicas that stay keep running, and
+    # `splitfeed run` starts the same train.py again in each world (README, "Rescaling in place").
+    local(2, ".demo/in-place", *scale, "--rescale", "inPlace")
+    bad += compare(one, global_steps(DEMO / "in-place"), resumed_at(DEMO / "in-place"))
     return 1 if bad or not one else 0
 
 

@@ -538,6 +538,9 @@ def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Pat
 
 IN_PLACE_TIMEOUT_S = 300.0
 """How long an in-place rescale may take from the request to the next world serving."""
+READY_WAIT_S = 120.0
+"""How long a scale-up lets the old world train on while its new pods start (their trainers
+import and reach their first hello) before it asks for the drain regardless."""
 
 
 def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, logs: Path,
@@ -574,11 +577,17 @@ def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, 
     token = _rescale_token(world)
     deadline = asked + IN_PLACE_TIMEOUT_S
     acked = world.drain_to is not None
+    ready_by = asked + READY_WAIT_S
     try:
         while True:
             failure = world.failure() or nxt.failure()
             if failure:
                 raise errors.UserError(f"world {world.epoch} failed while changing in place: {failure}")
+            if not acked and time.monotonic() < ready_by and not all(
+                    membership.waiting(d, per) for d in nxt.socket_dirs[kept:]):
+                time.sleep(0.05)  # the old world trains on while the new pods start
+                display.update(world, [])
+                continue
             if not acked:
                 acked = worlds.request_drain(world.coordinator, token, "rescale", timeout_s=1.0,
                                              replicas=replicas) is not None
@@ -586,10 +595,9 @@ def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, 
                     time.sleep(0.2)  # the coordinator is still starting: ask again
                     continue
             now = membership.read(world.socket_dirs[0])
-            if (now is not None and now.epoch == nxt.epoch and now.state == membership.SERVING
-                    and all(p.popen.poll() == 0 for p in leaving)):
-                break
-            if now is not None and now.state == membership.ENDED:
+            if (now is not None and now.epoch == nxt.epoch and all(p.popen.poll() == 0 for p in leaving)):
+                break  # the new world serves (or, a short one, already served and ended)
+            if now is not None and now.state == membership.ENDED and now.epoch == world.epoch:
                 raise errors.UserError(f"world {world.epoch} ended instead of changing in place: "
                                        f"{world.sidecars[0].tail()}")
             if time.monotonic() > deadline:

@@ -21,7 +21,8 @@ from typing import Any
 
 from splitfeed.trainer_client import contract, errors, membership, specs
 
-from . import agreement, cgroups, checkpoints, identity, metrics, planner, plans, positions, reading, serving, workers
+from . import (agreement, cgroups, checkpoints, ending, identity, metrics, planner, plans, positions, reading,
+               serving, workers)
 from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,7 @@ class Carried:
     report: contract.Report
 
 
-class NotInWorld(Exception):
+class NotInWorld(errors.SplitfeedError):
     """This pod is not in the world its coordinator now runs (an in-place scale-down)."""
 
 
@@ -717,7 +718,8 @@ def run(settings: SidecarSettings) -> int:
         if not current:
             return
         sidecar = current[0]
-        if len(terms) > 1 or sidecar.failure is not None or sidecar.server.member is None:
+        if (len(terms) > 1 or sidecar.failure is not None or sidecar.server.member is None
+                or ending.trainers_gone(sidecar.server)):  # no trainer is left to drain (issue 21)
             sidecar.server.stopping.set()
         else:
             sidecar.server.preempt_requested = True

@@ -30,9 +30,6 @@ from . import contract, errors, membership
 
 log = logging.getLogger("splitfeed.run")
 
-FIRST_WORLD_TIMEOUT_S = 900.0
-"""How long a new pod waits for its first world (a scale-up's pod waits for the drain of the
-world before it and for the other new pods)."""
 NEXT_WORLD_TIMEOUT_S = 300.0
 """How long a drained trainer waits for its sidecar to start the next world."""
 
@@ -48,30 +45,30 @@ def run(argv: Sequence[str], socket_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    epoch, timeout = -1, FIRST_WORLD_TIMEOUT_S
+    # The first run starts at once, with the pod's environment: it imports while the sidecar
+    # prepares (or, in a new pod of a scale-up, while the old world drains), and its client
+    # takes the world the sidecar serves when it connects (StreamClient._adopt_world).
+    env, epoch = dict(os.environ), int(os.environ.get(contract.WORLD_EPOCH_ENV, "0") or 0)
     while True:
+        child[:] = [subprocess.Popen(list(argv), env=env)]
+        code = child[0].wait()
+        now = membership.read(socket_dir)
+        if now is not None and now.state == membership.LEFT:
+            return 0  # this pod is not in the world any more: its script had nothing to train
+        if code != 0 or stopping:
+            return code
+        local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") or 0)
+        trained = membership.trained(socket_dir, local_rank)  # the world the script trained in
+        epoch = epoch if trained is None else trained
         try:
-            world = membership.next_world(socket_dir, after=epoch, timeout_s=timeout)
+            world = membership.next_world(socket_dir, after=epoch, timeout_s=NEXT_WORLD_TIMEOUT_S)
         except TimeoutError as exc:
             raise errors.UserError(f"{exc}: is the splitfeed sidecar running in this pod?") from None
         if world is None:
-            if epoch < 0 and (membership.read(socket_dir) or _ENDED).state == membership.ENDED:
-                log.error("the sidecar ended before it served a world: its log and termination "
-                          "report say why")
-                return 1
             return 0
-        if epoch >= 0:
-            log.info("world %d: rank %d of %d; starting %s again", world.epoch, world.rank,
-                     world.world_size, argv[0])
-        child[:] = [subprocess.Popen(list(argv), env=membership.world_env(dict(os.environ), world))]
-        code = child[0].wait()
-        if code != 0 or stopping:
-            return code
-        epoch, timeout = world.epoch, NEXT_WORLD_TIMEOUT_S
-
-
-_ENDED = membership.World(epoch=-1, state=membership.ENDED, rank=0, world_size=0, replicas=0,
-                          master_addr="", master_port=0)
+        log.info("world %d: rank %d of %d; starting %s again", world.epoch, world.rank,
+                 world.world_size, argv[0])
+        env, epoch = membership.world_env(dict(os.environ), world), world.epoch
 
 
 def command(add_parser: Any, name: str) -> None:

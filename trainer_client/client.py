@@ -272,6 +272,7 @@ class StreamClient:
         self.stats = _Stats(_stats_path(self.world_epoch))
         try:
             self._welcome(self._hello())
+            self._adopt_world()
         except BaseException:
             self._sock.close(linger=0)
             raise
@@ -439,6 +440,21 @@ class StreamClient:
         self._request(messages.Commit(step), messages.Committed)
         self._prepared = None
 
+    @property
+    def world(self) -> membership.World:
+        """The world this process trains in, from its environment (which `rejoin` updates):
+        what `membership.init_process_group` makes the process group of."""
+        env = os.environ
+        local_world = int(env.get(contract.LOCAL_WORLD_SIZE, "1") or 1)
+        world_size = int(env.get(contract.WORLD_SIZE, "1") or 1)
+        return membership.World(
+            epoch=self.world_epoch, state=membership.SERVING,
+            rank=int(env.get(contract.RANK, "0") or 0) - int(env.get(contract.LOCAL_RANK, "0") or 0),
+            world_size=world_size, replicas=max(1, world_size // local_world),
+            master_addr=env.get(contract.MASTER_ADDR, "127.0.0.1"),
+            master_port=int(env.get(contract.MASTER_PORT_ENV, str(contract.MASTER_PORT))),
+            resume_step=self.resume_step)
+
     def rejoin(self, timeout_s: float = 300.0) -> membership.World | None:
         """After this rank drained: the world it trains in next, or None to stop.
 
@@ -462,8 +478,10 @@ class StreamClient:
         self.stats = _Stats(_stats_path(world.epoch))
         self.drained = self._ended = self._drain_asked = False
         self._prepared = self._next_step = None
-        self._welcome(self._hello())
-        return world
+        self._inbox.clear()
+        self._welcome(self._hello(stale=self._instance))
+        self._adopt_world()
+        return self.world
 
     def _commit_implicitly(self) -> None:
         if self._prepared is not None:
@@ -543,16 +561,35 @@ class StreamClient:
 
     # -- handshake --------------------------------------------------------------
 
-    def _hello(self) -> messages.Welcome:
-        """Send hello until a welcome arrives; the sidecar may be (re)starting."""
+    def _adopt_world(self) -> None:
+        """Take the world the sidecar serves (trainer_client.membership) where this process's
+        environment says an older one: a process started before its world was known (a new
+        pod of an in-place scale-up imports while the old world drains) trains in the world
+        it was welcomed into. Before `init_process_group`, which reads the environment."""
+        world = membership.read(self._dir)
+        if world is not None and world.state in (membership.SERVING, membership.CHANGING) and (
+                world.epoch > self.world_epoch or world.world_size != self.world_size):
+            os.environ.update(membership.world_env(dict(os.environ), world))
+            self.world_epoch = world.epoch
+        membership.mark_trained(self._dir, self.local_rank, self.world_epoch)
+
+    def _hello(self, stale: str | None = None) -> messages.Welcome:
+        """Send hello until a welcome arrives; the sidecar may be (re)starting. A welcome from
+        the sidecar instance `stale` (the world before, answering a hello sent while it still
+        served) is not an answer."""
         deadline = time.monotonic() + self._timeout_s
+        membership.mark_waiting(self._dir, self.local_rank)  # a new pod's trainer is ready to join
         while True:
+            world = membership.read(self._dir)
+            if world is not None and world.state == membership.LEFT:
+                raise SidecarUnavailable("this pod is not in its job's world any more (an in-place "
+                                         "scale-down left it out): nothing to train")
             self._say_hello()
             while True:
                 message = self._receive_raw(self._heartbeat_s)
                 if message is None:
                     break  # no answer yet: say hello again
-                if isinstance(message, messages.Welcome):
+                if isinstance(message, messages.Welcome) and message.instance != stale:
                     return message
                 # a stale ready/end from before the resync: drop it
             if time.monotonic() > deadline:

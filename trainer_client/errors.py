@@ -12,6 +12,7 @@
     ├── SidecarUnavailable                 the sidecar does not answer; reconnect or retry
     ├── SidecarFailed                      the sidecar reported a fatal error (e.g. missing table)
     ├── CheckpointError                    a checkpoint could not be written or read
+    ├── sidecar.main.NotInWorld            this pod is not in its world any more (an in-place scale-down)
     ├── trainer_client.fields.SpecError    (also ValueError) a manifest field is invalid; names it
     ├── trainer_client.topology.TopologyError  (also ValueError) splits, ranks and batches do not fit
     ├── sidecar.positions.IncompatibleState    (also ValueError) a checkpoint state this job cannot continue

@@ -89,6 +89,29 @@ def world_env(base: dict[str, str], world: World) -> dict[str, str]:
     return {**base, **changes}
 
 
+def init_process_group(world: World, backend: str = "gloo", timeout_s: float = 1800.0) -> None:
+    """Make `world`'s default torch.distributed process group, on a store of its own.
+
+    For a trainer that follows an in-place rescale in its process (`StreamClient.rejoin`),
+    after `destroy_process_group()`. Not the env:// rendezvous: its TCPStore is
+    multi-tenant, so rank 0 shares the server of any store an earlier world left alive in
+    the process (a module wrapped in DistributedDataParallel keeps its old group, and so
+    its store, through its parameters' hooks), and that world's keys answer this one's
+    ranks with peers that are gone. Each world's keys go under a prefix of their own.
+    """
+    import datetime
+
+    import torch.distributed as dist  # the trainer's; this package does not depend on torch
+    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+    rank = int(os.environ.get(contract.RANK, str(world.rank)))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(world.master_addr, world.master_port, world.world_size, is_master=rank == 0,
+                          multi_tenant=True, timeout=timeout)
+    dist.init_process_group(backend, store=PrefixStore(f"splitfeed-world-{world.epoch}", store),
+                            rank=rank, world_size=world.world_size, timeout=timeout)
+
+
 def write(directory: Path, world: World) -> None:
     """Replace the file in one step: a reader sees the old world or the new, never half."""
     path = Path(directory) / FILE
@@ -103,6 +126,43 @@ def read(directory: Path) -> World | None:
         found = json.loads((Path(directory) / FILE).read_text())
         return World(**{f.name: found[f.name] for f in dataclasses.fields(World) if f.name in found})
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+WAITING = "trainer-{local_rank}.waiting"
+"""A trainer process says hello from here on: its imports are done. A new pod of an in-place
+scale-up is ready to join once each of its trainers made this file (`splitfeed local` waits
+for it before it asks the world to drain)."""
+
+
+def mark_waiting(directory: Path, local_rank: int) -> None:
+    try:
+        (Path(directory) / WAITING.format(local_rank=local_rank)).touch()
+    except OSError:
+        pass  # only a launcher's hint
+
+
+def waiting(directory: Path, local_ranks: int) -> bool:
+    """Every trainer of this pod has reached its first hello."""
+    return all((Path(directory) / WAITING.format(local_rank=r)).exists() for r in range(local_ranks))
+
+
+TRAINED = "trainer-{local_rank}.world"
+"""The world epoch a trainer process last trained in, written by its client: the agent starts
+the world after it, whatever the sidecar has moved on to while the process ended."""
+
+
+def mark_trained(directory: Path, local_rank: int, epoch: int) -> None:
+    try:
+        (Path(directory) / TRAINED.format(local_rank=local_rank)).write_text(str(epoch))
+    except OSError:
+        pass
+
+
+def trained(directory: Path, local_rank: int) -> int | None:
+    try:
+        return int((Path(directory) / TRAINED.format(local_rank=local_rank)).read_text())
+    except (OSError, ValueError):
         return None
 
 

@@ -21,8 +21,9 @@ sequence packing (tests/bench/preprocessing.py, which says what its CPU figures
 count); reported, not a pass/fail goal.
 tables: start-up, sidecar memory and rows/s on 1M-50M-row tables beside lancedb
 in-process (tests/bench/tables.py); object_store: the same reads through an S3
-endpoint with latency (tests/bench/object_store.py). Their goals are printed as met
-or missed; they do not fail the run.
+endpoint with latency (tests/bench/object_store.py); rescale: what a rescale costs,
+recreated and in place (tests/bench/rescale.py). Their goals are printed as met or
+missed; they do not fail the run.
 """
 
 from __future__ import annotations
@@ -252,8 +253,14 @@ def main() -> int:
     print("object storage (an S3 endpoint with 0, 10 and 50 ms a request):", flush=True)
     store = object_store.bench(8.0, [0.0, 0.01, 0.05], quick=False)
     store["verdicts"] = object_store.verdicts(store)
+    print("rescale (request to the new world's first batch: recreate, in place by agent, in process):",
+          flush=True)
+    from tests.bench import rescale
+
+    rescales = rescale.bench(3)
+    rescales["verdicts"] = rescale.verdicts(rescales)
     results = {"transport": transport, "end_to_end": end_to_end, "preprocessing": prep,
-               "tables": big, "object_store": store,
+               "tables": big, "object_store": store, "rescale": rescales,
                "machine": {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2)}}
     out = ROOT / "bench" / "results.json"
     out.parent.mkdir(exist_ok=True)
@@ -275,7 +282,7 @@ def main() -> int:
               f"(worst {p['worst_throughput_ratio']:.2f}), trainer CPU per row {p['trainer_cpu_ratio']:.2f} x "
               f"lower (worst {p['worst_trainer_cpu_ratio']:.2f}; {p['trainer_pod_cpu_ratio']:.2f} x with "
               "in-process workers counted)")
-    for line in big["verdicts"] + store["verdicts"]:
+    for line in big["verdicts"] + store["verdicts"] + rescales["verdicts"]:
         print(f"goal: {line}")
     print(f"checkpoint write (record + commit) at 50 ms a request: {store['checkpoint_write_s_at_50ms']} s")
     print(f"\nwritten to {out.relative_to(ROOT)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

@@ -67,6 +67,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
+from splitfeed.trainer_client import membership  # noqa: E402
 from splitfeed.trainer_client.client import StreamClient  # noqa: E402
 from splitfeed.trainer_client.errors import CheckpointError  # noqa: E402
 
@@ -101,7 +102,10 @@ def main() -> int:
     imported = time.time()
     client = StreamClient(timeout_s=args.timeout_s)
     connected = time.time()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    if args.in_place:  # every world's group on a store of its own (README, "Rescaling in place")
+        membership.init_process_group(client.world, "gloo", timeout_s=args.timeout_s)
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     startup = {"imports": imported - STARTED, "client": connected - imported, "rendezvous": time.time() - connected}
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES))
@@ -115,7 +119,7 @@ def main() -> int:
             break
         dist.destroy_process_group()
         joined = time.time()
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+        membership.init_process_group(world, "gloo", timeout_s=args.timeout_s)  # a store of its own
         startup = {"rejoin": joined - began, "rendezvous": time.time() - joined}
     client.close()
     dist.destroy_process_group()

@@ -64,8 +64,6 @@ def test_trainers_gone_follows_the_trainer_process(pods, table_uri, tmp_path):
     wait_for(lambda: ending.trainers_gone(server), 10, "the returned trainer's connection to close", interval=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the hook in sidecar/main.py run(): on_term stops at once "
-                                       "when ending.trainers_gone(server) (issue 21)")
 def test_a_sigterm_after_the_trainer_returned_ends_the_sidecar_at_once_with_its_step(pods, table_uri, tmp_path):
     pod = pods("pod", manifest(table_uri, str(tmp_path / "ckpt")), replicas=1, replica=0).start_process()
     returned = trainer(pod, tmp_path / "ids.jsonl", "--stop-after", "3", "--no-close")

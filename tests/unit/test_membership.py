@@ -1,0 +1,125 @@
+"""The world file between a pod's sidecar and its trainer side (trainer_client.membership),
+and `splitfeed run` (the agent) following it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from splitfeed.trainer_client import contract, membership
+
+
+def world(epoch: int, state: str = membership.SERVING, size: int = 4, port: int = 29500) -> membership.World:
+    return membership.World(epoch=epoch, state=state, rank=2, world_size=size, replicas=size,
+                            master_addr="job-0.job", master_port=port, resume_step=7 * epoch)
+
+
+def test_consecutive_worlds_alternate_between_two_ports():
+    ports = [membership.world_port(29500, e) for e in range(4)]
+    assert ports == [29500, 29510, 29500, 29510]
+    assert [membership.next_port(ports[e], e) for e in range(3)] == ports[1:]
+
+
+def test_a_world_gives_a_trainer_the_environment_a_new_pod_of_it_would_get():
+    base = {contract.LOCAL_RANK: "0", contract.LOCAL_WORLD_SIZE: "1", "PATH": "/bin", contract.WORLD_SIZE: "2"}
+    env = membership.world_env(base, world(3, size=3, port=29510))
+    assert env[contract.WORLD_SIZE] == "3" and env[contract.RANK] == "2" and env[contract.NODE_RANK] == "2"
+    assert env[contract.MASTER_PORT_ENV] == "29510" and env[contract.WORLD_EPOCH_ENV] == "3"
+    assert env["PATH"] == "/bin" and "PET_NNODES" not in env  # torchrun's only where the pod has them
+    several = membership.world_env({**base, "PET_NNODES": "2", "PET_MASTER_PORT": "29500",
+                                    contract.LOCAL_WORLD_SIZE: "2", contract.LOCAL_RANK: "1"},
+                                   membership.World(3, membership.SERVING, 2, 6, 3, "h", 29510))
+    assert several["PET_NNODES"] == "3" and several["PET_MASTER_PORT"] == "29510"
+    assert several[contract.RANK] == "3"  # replica 1's second GPU
+
+
+def test_the_file_is_read_back_whole_and_an_unwritten_one_is_none(tmp_path):
+    assert membership.read(tmp_path) is None
+    membership.write(tmp_path, world(2))
+    assert membership.read(tmp_path) == world(2)
+    (tmp_path / membership.FILE).write_text("{not json")
+    assert membership.read(tmp_path) is None
+
+
+@pytest.mark.parametrize("state, epoch, after, expected", [
+    (membership.SERVING, 1, 1, None),             # the script stopped on its own: no next world
+    (membership.ENDED, 1, 1, None),
+    (membership.LEFT, 2, 1, None),                # a scale-down left this pod out
+    (membership.SERVING, 2, 1, 2),                # the next world serves
+    (membership.CHANGING, 2, 1, 2),               # ... and already drains for the one after it
+])
+def test_what_a_stopped_trainer_does_next(tmp_path, state, epoch, after, expected):
+    membership.write(tmp_path, world(epoch, state))
+    found = membership.next_world(tmp_path, after=after, timeout_s=1)
+    assert (found.epoch if found else None) == expected
+
+
+def test_a_trainer_of_a_world_that_changes_waits_for_the_next_one(tmp_path):
+    membership.write(tmp_path, world(1, membership.CHANGING))
+    threading.Timer(0.3, membership.write, (tmp_path, world(2, size=3))).start()
+    started = time.monotonic()
+    found = membership.next_world(tmp_path, after=1, timeout_s=10)
+    assert found == world(2, size=3) and time.monotonic() - started >= 0.25
+    membership.write(tmp_path, world(2, membership.CHANGING))
+    with pytest.raises(TimeoutError, match="did not start the next world"):
+        membership.next_world(tmp_path, after=2, timeout_s=0.2)
+
+
+SCRIPT = """
+import json, os, sys
+from pathlib import Path
+from splitfeed.trainer_client import membership
+d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
+with open(d / "runs.jsonl", "a") as f:
+    f.write(json.dumps({k: os.environ[k] for k in ("WORLD_SIZE", "MASTER_PORT", "SPLITFEED_WORLD_EPOCH")}) + "\\n")
+epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
+membership.mark_trained(d, 0, epoch)
+plan = json.loads((d / "plan.json").read_text())  # what the sidecar does once this run ends
+nxt = plan.get(str(epoch))
+if nxt is not None:
+    membership.write(d, membership.World(**nxt))
+sys.exit(int(os.environ.get("EXIT_AT_" + str(epoch), "0")))
+"""
+
+
+def agent(tmp_path: Path, plan: dict, **env: str) -> tuple[int, list[dict]]:
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    membership.write(tmp_path, world(0, size=4, port=29500))
+    done = subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
+        env={**__import__("os").environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
+             contract.WORLD_SIZE: "4", contract.MASTER_PORT_ENV: "29500", **env},
+        capture_output=True, text=True, timeout=60)
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    return done.returncode, runs
+
+
+def as_dict(w: membership.World) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(w)
+
+
+def test_the_agent_starts_the_script_again_in_each_world_until_none_follows(tmp_path):
+    code, runs = agent(tmp_path, {"0": as_dict(world(1, size=2, port=29510)),
+                                  "1": as_dict(world(2, size=3, port=29500)),
+                                  "2": as_dict(world(2, membership.ENDED, size=3))})
+    assert code == 0
+    assert runs == [{"WORLD_SIZE": "4", "MASTER_PORT": "29500", "SPLITFEED_WORLD_EPOCH": "0"},
+                    {"WORLD_SIZE": "2", "MASTER_PORT": "29510", "SPLITFEED_WORLD_EPOCH": "1"},
+                    {"WORLD_SIZE": "3", "MASTER_PORT": "29500", "SPLITFEED_WORLD_EPOCH": "2"}]
+
+
+def test_the_agent_ends_with_the_scripts_failure_and_a_left_pod_ends_cleanly(tmp_path):
+    code, runs = agent(tmp_path, {"0": as_dict(world(1, size=2, port=29510))}, EXIT_AT_1="3")
+    assert code == 3 and len(runs) == 2  # a failure is the pod's: never started again
+    left = tmp_path / "left"
+    left.mkdir()
+    code, runs = agent(left, {"0": as_dict(world(0, membership.LEFT))}, EXIT_AT_0="1")
+    assert code == 0 and len(runs) == 1  # out of the world: whatever the script said, the pod is done
