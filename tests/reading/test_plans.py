@@ -414,6 +414,69 @@ def test_takes_hold_what_they_decode_to_the_budget_take_by_take(monkeypatch: pyt
     assert worst["held"] <= budget, worst
 
 
+def test_requests_drawn_are_taken_together_and_each_gets_its_own_rows(
+        db_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A take of more rows costs lance less a row on a large table: requests already drawn
+    are taken at once, two epochs' (the same rows again) included, and handed back apart."""
+    small, _ = pinned(db_uri)
+
+    class Large:
+        """The test table, said to be 10^8 rows: its requests' rows would sit far apart."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(small, name)
+
+        def count_rows(self) -> int:
+            return 10**8
+
+    table = Large()
+    rng = np.random.default_rng(3)
+    epochs = [rng.permutation(1000).astype(np.uint64) for _ in range(2)]
+    asked = [(i, epochs[i // 10][(i % 10) * 50:(i % 10 + 1) * 50]) for i in range(20)]
+    calls: list[int] = []
+    real = takes.take_rows
+
+    def counting(table: object, ids: np.ndarray, columns: list[str] | None) -> pa.RecordBatch:
+        calls.append(len(ids))
+        return real(table, ids, columns)
+
+    monkeypatch.setattr(takes, "take_rows", counting)
+    taken: takes.Takes[int] = takes.Takes(table, ["id"], iter(asked), 256 << 20)
+    got = [(tag, ids_of(batch)) for tag, batch in taken]
+    assert got == [(tag, ids.tolist()) for tag, ids in asked]
+    assert calls[:2] == [50, 50]  # until a row's size is known: one request a take
+    assert len(calls) < len(asked) and max(calls) >= 500, calls
+    assert ids_of(real(table, np.array([7, 3, 7], dtype=np.uint64), ["id"])) == [7, 3, 7]
+    # where a request's rows already share lance's reads, merging would only cost CPU
+    calls.clear()
+    assert [tag for tag, _ in takes.Takes(small, ["id"], iter(asked), 256 << 20)] == list(range(20))
+    assert calls == [50] * 20
+    mib = 1 << 20
+    assert takes.merged_rows(256 * mib, 12.0, 0, 1_000_000) < 26_400  # the bench's 1M table
+    assert takes.merged_rows(256 * mib, 12.0, 0, 50_000_000) == takes.rows_per_take(256 * mib, 12.0)
+
+
+def test_takes_never_draw_past_a_barrier_before_every_result_before_it_is_handed_out(db_uri: str) -> None:
+    """What follows a BARRIER may wait for the plan that a published step lets the planner
+    build: every result asked before it reaches the consumer before it is drawn."""
+    table, _ = pinned(db_uri)
+    received: list[int] = []
+    crossed: list[int] = []
+
+    def requests() -> Iterator[tuple[int, np.ndarray] | None]:
+        for i in range(6):
+            yield i, np.arange(i * 50, (i + 1) * 50, dtype=np.uint64)
+        yield takes.BARRIER
+        crossed.append(len(received))
+        for i in range(6, 8):
+            yield i, np.arange(i * 50, (i + 1) * 50, dtype=np.uint64)
+
+    for tag, batch in takes.Takes(table, ["id"], requests(), 256 << 20):
+        assert ids_of(batch) == list(range(tag * 50, (tag + 1) * 50))
+        received.append(tag)
+    assert received == list(range(8)) and crossed == [6]
+
+
 def test_the_pool_is_set_once_for_the_process_and_a_users_own_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(plans.MEMORY_ENV, raising=False)
     monkeypatch.delenv(plans.OURS_ENV, raising=False)
