@@ -7,6 +7,7 @@ logic lives in `serving`, `reading`, `checkpoints` and `positions`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -708,7 +709,8 @@ def run(settings: SidecarSettings) -> int:
     # lancedb's permutation builder, sized once before any thread reads the environment
     # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
     plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
-    (settings.socket_dir / membership.FILE).unlink(missing_ok=True)  # a predecessor's word is not ours
+    with contextlib.suppress(OSError):  # a predecessor's word is not ours (a broken directory: prepare says)
+        (settings.socket_dir / membership.FILE).unlink(missing_ok=True)
     carried: Carried | None = None
     terms: list[float] = []
     current: list[Sidecar] = []
