@@ -31,24 +31,19 @@ expects, so a new sidecar continues exactly there, and a new trainer process
 from __future__ import annotations
 
 import collections
-import functools
-import json
 import logging
 import os
 import signal
-import struct
 import threading
 import time
 import uuid
-import weakref
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import zmq
 
-from . import contract, membership, messages, ring, slots, stalls
+from . import contract, counters, membership, messages, ring, slots, taking
+from .taking import Batch as Batch
 from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
 
 log = logging.getLogger(__name__)
@@ -76,140 +71,7 @@ batch's wake reaches it, and looks at its socket soon and then less and less oft
 TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
 
-_torch: Any = None
-
 _Answer = TypeVar("_Answer", messages.Checkpointed, messages.Committed)
-
-
-def _torch_module() -> Any:
-    """torch if installed (imported on first use: it takes seconds), else False."""
-    global _torch
-    if _torch is None:
-        try:
-            import torch as module
-        except ImportError:  # numpy arrays are handed out without it
-            _torch = False
-        else:
-            _torch = module
-    return _torch
-
-
-class Batch(Mapping[str, Any]):
-    """One rank's batch of one global step: column name -> tensor/array."""
-
-    def __init__(self, columns: dict[str, Any], *, epoch: int, step: int, global_step: int,
-                 rows: int = 0) -> None:
-        self._columns = columns
-        self.epoch = epoch
-        self.step = step
-        self.global_step = global_step
-        self.rows = rows
-        """Rows in this rank's batch (globalBatchSize / worldSize but for a short last batch)."""
-
-    def __getitem__(self, key: str) -> Any:
-        return self._columns[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._columns)
-
-    def __len__(self) -> int:
-        return len(self._columns)
-
-    def __repr__(self) -> str:
-        return f"Batch(global_step={self.global_step}, epoch={self.epoch}, step={self.step}, columns={list(self._columns)})"
-
-
-def _to_tensor(value: Any) -> Any:
-    torch = _torch_module()
-    if torch and isinstance(value, np.ndarray) and value.dtype != object:
-        return torch.from_numpy(value)
-    return value
-
-
-STATS_EVERY_S = 0.2
-"""How often the stats file is rewritten: `splitfeed local` triggers rescales from it."""
-
-
-class _Stats:
-    """Rows, steps and time spent waiting for data; `splitfeed local` reads the file."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.batches = 0
-        self.rows = 0
-        self.wait_s = 0.0
-        self.first: float | None = None
-        self.last_step = -1
-        self.total_steps = 0
-        self.steps_per_epoch = 0
-        self._written = 0.0
-        self.stalls = stalls.Stalls()
-        self._published: stalls.Published | None = None
-
-    def record(self, batch: Batch, wait_s: float) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now  # the first wait is start-up, not a stall
-        else:
-            self.wait_s += wait_s
-        self.batches += 1
-        self.rows += batch.rows
-        self.last_step = batch.global_step
-        bucket = self.stalls.record(wait_s, now)
-        if self._published is not None:
-            self._published.write(self.stalls, bucket, self.rows, self.batches)
-        if now - self._written > STATS_EVERY_S:
-            self.write()
-
-    def attach(self, control: ring.Control) -> None:
-        """Mirror the counts into this control block, where the sidecar reads them (stalls.Published)."""
-        self._published = stalls.Published(control.progress)
-
-    @property
-    def stall(self) -> stalls.Summary:
-        """Data-ready latency percentiles (p50_s, p95_s, p99_s) and `stall_share`, for the trainer to log."""
-        return self.stalls.summary()
-
-    def write(self, final: bool = False) -> None:
-        if not self.path:
-            return
-        now = time.perf_counter()
-        self._written = now
-        elapsed = now - self.first if self.first is not None else 0.0
-        record: contract.StatsRecord = {
-            "batches": self.batches, "rows": self.rows, "wait_s": self.wait_s, "elapsed_s": elapsed,
-            "last_step": self.last_step, "total_steps": self.total_steps,
-            "steps_per_epoch": self.steps_per_epoch, "final": final,
-            "data_ready_buckets": self.stalls.counts}
-        blob = json.dumps(record)
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(blob)
-        os.replace(tmp, self.path)
-
-
-def _release(holds: dict[int, weakref.ref[np.ndarray]], control: ring.Control, slot: int, gen: int,
-             ref: weakref.ref[np.ndarray]) -> None:
-    """Give a slot back once nothing references its batch (a weakref callback).
-
-    Runs on whatever thread dropped the last reference: a shared-memory store
-    only, never a socket call (sockets belong to one thread).
-    """
-    holds.pop(id(ref), None)
-    try:
-        if control.gen[slot] == gen:
-            # Release order: every read of the batch is done before the sidecar may reuse it.
-            control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FREE)
-    except (ValueError, AttributeError, TypeError):
-        pass  # the control block is already closed
-
-
-
-
-def _stats_path(world_epoch: int) -> str | None:
-    """SPLITFEED_STATS_FILE, its `{world}` (if any) the world epoch: one file per world."""
-    path = os.environ.get(contract.STATS_FILE_ENV)
-    return path.replace("{world}", str(world_epoch)) if path else None
 
 
 class StreamClient:
@@ -240,7 +102,6 @@ class StreamClient:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0") if local_rank is None else local_rank)
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
-        self._as_tensors = as_tensors
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -248,9 +109,7 @@ class StreamClient:
         self._sock.setsockopt(zmq.IDENTITY, f"t{self.local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
         self._sock.connect(f"ipc://{self._dir / messages.SOCKET_NAME}")
         self._inbox: collections.deque[messages.Message] = collections.deque()
-        self._slot_files: dict[tuple[str, int, int], slots.SlotFile] = {}
-        self._reader = slots.Reader()
-        self._holds: dict[int, weakref.ref[np.ndarray]] = {}  # keeps the release callbacks alive
+        self._taker = taking.Taker(self._dir, self.local_rank, as_tensors=as_tensors)
         self._control: ring.Control | None = None
         self._waiting = False  # this process set the control block's trainer_waiting
         self._waits = 0  # numbers this process's waits in trainer_waiting
@@ -269,7 +128,7 @@ class StreamClient:
         """The world is draining and this rank's checkpoint was of the drain step: stop after saving."""
         self.world_epoch = int(os.environ.get(contract.WORLD_EPOCH_ENV, "0") or 0)
         """The world this process trains in (SPLITFEED_WORLD_EPOCH; `rejoin` moves it on)."""
-        self.stats = _Stats(_stats_path(self.world_epoch))
+        self.stats = counters.Stats(counters.stats_path(self.world_epoch))
         try:
             self._welcome(self._hello())
             self._adopt_world()
@@ -357,7 +216,7 @@ class StreamClient:
                     self.torn_retries += 1
                     torn_since = torn_since or time.monotonic()
                     if time.monotonic() - torn_since > self._timeout_s:
-                        raise SidecarFailed(self._why_torn(control, index, step))
+                        raise SidecarFailed(self._taker.why_torn(control, self._instance, index, step, self._timeout_s))
                     time.sleep(TORN_RETRY_S)
                     continue
                 now = time.monotonic()
@@ -475,7 +334,7 @@ class StreamClient:
         os.environ.update(membership.world_env(dict(os.environ), world))
         self.world_epoch = world.epoch
         self.stats.write(final=True)
-        self.stats = _Stats(_stats_path(world.epoch))
+        self.stats = counters.Stats(counters.stats_path(world.epoch))
         self.drained = self._ended = self._drain_asked = False
         self._prepared = self._next_step = None
         self._inbox.clear()
@@ -613,8 +472,7 @@ class StreamClient:
             self._control = control  # the old one is unmapped with its last batch (they reference it)
             self.stats.attach(control)
             self._waiting, self._woken = False, 0
-            for key in [k for k in self._slot_files if k[0] != self._instance]:
-                self._slot_files.pop(key).close()  # unmapped now, or when its last batch is freed
+            self._taker.forget_others(self._instance)
         self.rank = message.rank
         self.world_size = message.world_size
         self.resume_step = message.resume_step
@@ -667,55 +525,14 @@ class StreamClient:
                     "viewing them) you no longer need, or copy what you keep (tensor.clone())")
         return f"no batch from the sidecar in {self._timeout_s} s"
 
-    def _why_torn(self, control: ring.Control, slot: int, step: int) -> str:
-        expected = (step, int(control.seq[slot]))
-        try:
-            found = slots.open_slot(self._dir, self._instance, self.local_rank, slot, int(control.gen[slot]))
-            marks = found.marks(int(control.nbytes[slot]))
-            found.close()
-        except (OSError, ValueError, struct.error) as exc:
-            marks = exc  # type: ignore[assignment]
-        return (f"the batch of global step {step} in slot {slot} stayed torn for {self._timeout_s} s: "
-                f"its (step, sequence) marks before and after it are {marks}, the control block says "
-                f"{expected}; the sidecar wrote it incompletely")
-
     # -- batches --------------------------------------------------------------------
 
     def _take(self, control: ring.Control, slot: int, step: int) -> Batch | None:
         """Hand out slot `slot`'s batch of `step`; None (the slot left FILLED) if it is torn or stale."""
-        # Acquire order: all the sidecar wrote before it marked the slot FILLED is visible from here.
-        if not control.transition(slot, ring.SlotState.FILLED, ring.SlotState.TAKEN):
+        taken = self._taker.take(control, self._instance, slot, step)
+        if taken is None:
             return None
-        gen, nbytes, seq = int(control.gen[slot]), int(control.nbytes[slot]), int(control.seq[slot])
-        slot_file = self._slot_files.get((self._instance, slot, gen))
-        if slot_file is None:
-            for key in [k for k in self._slot_files if k[:2] == (self._instance, slot)]:
-                self._slot_files.pop(key).close()  # the sidecar replaced that slot's file
-            slot_file = slots.open_slot(self._dir, self._instance, self.local_rank, slot, gen)
-            self._slot_files[(self._instance, slot, gen)] = slot_file
-        # Before the parse: a write still under way (its trailer not yet marked) is not read at
-        # all, so a stream that fails to parse below is a real error, not a write caught midway.
-        if not slots.intact(slot_file, nbytes, step, seq):
-            control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
-            return None
-        root = slots.root_of(slot_file, nbytes)
-        try:
-            columns, rows = self._reader.columns(slot_file._mm, root)
-            broken: Exception | None = None
-        except Exception as exc:  # a torn stream may not parse; the marks below decide
-            broken = exc
-        # After the views: the marks before and after the payload still name this step and write.
-        if not slots.intact(slot_file, nbytes, step, seq):
-            control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FILLED)
-            return None
-        if broken is not None:
-            raise broken
-        # weakref.ref with a callback, not weakref.finalize: a third of the cost.
-        ref = weakref.ref(root, functools.partial(_release, self._holds, control, slot, gen))
-        self._holds[id(ref)] = ref
-        if self._as_tensors:
-            columns = {name: _to_tensor(value) for name, value in columns.items()}
-        del root
+        columns, rows = taken
         control.acked = step
         self._next_step = step + 1
         self._wake_if_due(control)

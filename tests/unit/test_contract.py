@@ -14,7 +14,7 @@ import yaml
 
 from splitfeed.operator import planning
 from splitfeed.sidecar import local
-from splitfeed.trainer_client import client, contract, specs
+from splitfeed.trainer_client import client, contract, counters, specs
 from tests.support.builders import manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_the_documented_report_is_the_contracts():
 def test_the_documented_stats_record_is_what_the_client_writes(tmp_path):
     row = next(line for line in section("Environment").splitlines() if f"`{contract.STATS_FILE_ENV}`" in line)
     assert re.findall(r'"(\w+)"', row) == list(contract.STATS_FIELDS)
-    stats = client._Stats(str(tmp_path / "stats.json"))
+    stats = counters.Stats(str(tmp_path / "stats.json"))
     stats.write(final=True)
     assert list(json.loads((tmp_path / "stats.json").read_text())) == list(contract.STATS_FIELDS)
 
