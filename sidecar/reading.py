@@ -351,8 +351,9 @@ def _iter_planned(
             global_step = pos.epoch * spe + last
             del ids
 
-    taken = takes.Takes(table, data.columns, requests(),
-                        specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes"),
+    # Each of the numWorkers loaders reads ahead its share: together they hold readAheadBytes.
+    budget = specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes")
+    taken = takes.Takes(table, data.columns, requests(), max(1, budget // max(1, data.num_workers)),
                         clump=data.shuffle_clump_size,
                         cpus=None if remote(data.uri) else max(1, cgroups.process_cpus() // data.num_workers))
     try:

@@ -85,9 +85,10 @@ class DataSpec:
     read_batch_size: int = dataclasses.field(default=64, metadata=fields.rule("int", 1, 1_000_000))
     """Rows fetched from one split per read."""
     read_ahead_bytes: str = dataclasses.field(default=DEFAULT_READ_AHEAD, metadata=fields.rule("quantity"))
-    """Bytes of table reads a loader keeps in flight ahead of the trainer: with an object
-    store's 10-50 ms per request, throughput is (requests in flight x rows per request
-    / latency), so reads of several steps overlap up to this budget (sidecar/reading.py)."""
+    """Bytes of table reads a sidecar keeps in flight ahead of the trainer (its loaders share
+    them): with an object store's 10-50 ms per request, throughput is (requests in flight x
+    rows per request / latency), so reads of several steps overlap up to this budget
+    (sidecar/reading.py)."""
     version: int | str | None = dataclasses.field(default=None, metadata=fields.rule("version", 1))
     """The table version to read from start to end (lancedb time travel): a version
     number or a tag. None: the version current when the job first starts, which the
