@@ -105,7 +105,7 @@ async def reconcile(ctx: Context, namespace: str, name: str, seen: Seen | None =
             repeated = len(outcome.steps) > 1 and outcome.steps[-2] == decision.step
             if decision.permanent_error or not _changes(decision) or repeated or len(outcome.steps) >= MAX_STEPS:
                 break
-        await asyncio.sleep(2); return outcome
+        return outcome
 
 
 def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[dict[str, Any]],
