@@ -39,6 +39,10 @@ class OperatorMetrics:
         self.drain_timeouts = Counter("splitfeed_operator_drain_timeouts",
                                       "Drains whose checkpoint did not come within spec.checkpoint.timeoutSeconds.",
                                       labels, registry=self.registry)
+        self.steps_redone = Counter("splitfeed_operator_steps_redone",
+                                    "Global steps a rescaled job trained again: the old world's last step "
+                                    "past the new world's resume step (status.lastRescale.stepsRedone).",
+                                    labels, registry=self.registry)
         self.rescale_seconds = Histogram("splitfeed_operator_rescale_seconds",
                                          "From a rescale's request to the new world's first batch.", labels,
                                          buckets=RESCALE_BUCKETS_S, registry=self.registry)
@@ -62,6 +66,10 @@ class OperatorMetrics:
                 getattr(self, counter).labels(namespace, job).inc()
 
     def rescaled(self, namespace: str, job: str, patch: Mapping[str, Any]) -> None:
-        latency = (patch.get("lastRescale") or {}).get("latencySeconds")
+        report = patch.get("lastRescale") or {}
+        latency = report.get("latencySeconds")
         if isinstance(latency, (int, float)):
             self.rescale_seconds.labels(namespace, job).observe(float(latency))
+            redone = report.get("stepsRedone")
+            # Created at 0 with the rescale's first report: a series a dashboard sees before any loss.
+            self.steps_redone.labels(namespace, job).inc(redone if isinstance(redone, int) and redone > 0 else 0)

@@ -85,11 +85,11 @@ def _world_batches(logs: Path) -> dict[int, dict[int, list[dict[str, Any]]]]:
     return worlds
 
 
-def one_run(mode: str, uri: str, work: Path) -> dict[str, Any]:
+def one_run(mode: str, uri: str, work: Path, attempt: int = 0) -> dict[str, Any]:
     """One job: 4 replicas, then 2, then 3. The two changes' times and the step time."""
-    logs, store = work / f"{mode}-logs", work / f"{mode}-ckpt"
+    logs, store = work / f"{mode}-{attempt}-logs", work / f"{mode}-{attempt}-ckpt"
     job = manifests.data_manifest(uri, str(store), epochs=1)
-    path = work / f"{mode}.yaml"
+    path = work / f"{mode}-{attempt}.yaml"
     path.write_text(yaml.safe_dump(job))
     args = ["--rescale", "recreate" if mode == "recreate" else "inPlace"]
     extra = ["--in-place"] if mode == "in-process" else []
@@ -159,10 +159,10 @@ def bench(repeats: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     uri = str(work / "db")
     tables.write_training_table(uri, rows=ROWS)
     out: dict[str, Any] = {"floor_s": [], "runs": {m: [] for m in modes}}
-    for _ in range(repeats):
+    for attempt in range(repeats):
         for mode in modes:  # interleaved: each mode sees the same load
             out["floor_s"].append(floor_s(29_700))
-            run = one_run(mode, uri, work)
+            run = one_run(mode, uri, work, attempt)
             out["runs"][mode].append(run)
             print(f"  {mode:10s} " + ", ".join(f"{c['change']}: {c['seconds']:.2f} s "
                                                f"({c['after_drain_s']:.2f} s after the drain)"

@@ -102,4 +102,6 @@ def test_a_running_jobs_progress_advances_in_its_status_and_metrics_before_any_w
                                                  "1200.0", "3600.0", "+Inf"]
     assert [s.value for s in samples(operator, "splitfeed_operator_rescales_total")
             if s.labels.get("job") == name] == [1.0]
+    assert [s.value for s in samples(operator, "splitfeed_operator_steps_redone_total")
+            if s.labels.get("job") == name] == [0.0]  # the series exists, and nothing was redone
     finish(cluster, name)

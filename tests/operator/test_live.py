@@ -107,3 +107,16 @@ def test_filled_rows_of_every_world_add_up_in_status_progress():
     world1 = {"worldEpoch": 1, "phase": "Running", "progress": patch["progress"]}
     patch, _ = poller.observe(KEY, world1, {**answer(9, resume=7), "filled_rows": 1}, at(30))
     assert patch["progress"]["filledRows"] == 3  # world 0's 2, carried, and world 1's 1
+
+
+def test_steps_redone_by_rescales_add_up_in_the_operators_counter():
+    from splitfeed.operator import metrics
+
+    observed = metrics.OperatorMetrics()
+    observed.rescaled("ns", "job", {"lastRescale": {"latencySeconds": 12.0, "stepsRedone": 0}})
+    assert observed.registry.get_sample_value("splitfeed_operator_steps_redone_total",
+                                              {"namespace": "ns", "job": "job"}) == 0.0
+    observed.rescaled("ns", "job", {"lastRescale": {"latencySeconds": 30.0, "stepsRedone": 5}})
+    observed.rescaled("ns", "job", {"progress": {"globalStep": 9}})  # not a rescale's report
+    assert observed.registry.get_sample_value("splitfeed_operator_steps_redone_total",
+                                              {"namespace": "ns", "job": "job"}) == 5.0
