@@ -309,10 +309,15 @@ class Rescale:
     agreed_s: float
     first_batch_s: float | None = None
     redone: int = 0
+    in_place: bool = False
 
     def __str__(self) -> str:
-        first = f"{self.first_batch_s:.1f} s" if self.first_batch_s is not None else "-"
-        return (f"rescale {self.old} -> {self.new} replicas at global step {self.step}: old world "
+        first = "-"
+        if self.first_batch_s is not None:
+            # From the drain on: what the change itself cost (a --scale-at request is made ahead).
+            first = f"{self.first_batch_s:.1f} s ({self.first_batch_s - self.agreed_s:.1f} s after the drain)"
+        how = " in place" if self.in_place else ""
+        return (f"rescale {self.old} -> {self.new} replicas{how} at global step {self.step}: old world "
                 f"checkpointed {self.agreed_s:.1f} s after the request, new world's first batch after "
                 f"{first}; {self.redone} steps redone")
 
@@ -368,7 +373,11 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
             steps = world.steps()
             if rescales and rescales[-1].first_batch_s is None and max(steps) > (world.resume_step or 0):
                 rescales[-1].first_batch_s = time.monotonic() - rescales[-1].requested_at
-            if world.drain_to is not None and (in_place or finished or min(steps) >= world.drain_to[0]):
+            # In place, a change asked ahead starts at once (a scale-up's new replicas start while
+            # the world trains), once the change before it reached its first batch (timed).
+            changed = not rescales or rescales[-1].first_batch_s is not None
+            if world.drain_to is not None and ((in_place and changed) or finished
+                                               or min(steps) >= world.drain_to[0]):
                 target: int | None = world.drain_to[1]
             else:
                 target = _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
@@ -612,7 +621,7 @@ def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, 
     step = now.resume_step
     nxt.resume_step = step
     rescale = Rescale(old, replicas, step, asked, time.monotonic() - asked,
-                      redone=max(world.steps()) - step)
+                      redone=max(world.steps()) - step, in_place=True)
     display.note(f"world {world.epoch} drained at global step {step}; world {nxt.epoch} goes on there "
                  f"in place with {replicas} replicas")
     return nxt, rescale

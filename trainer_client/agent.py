@@ -17,11 +17,14 @@ on the step and the world, and the agent only follows what its sidecar says.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,69 @@ log = logging.getLogger("splitfeed.run")
 
 NEXT_WORLD_TIMEOUT_S = 300.0
 """How long a drained trainer waits for its sidecar to start the next world."""
+WATCH_S = 0.05
+"""How often the agent looks at the world file while the script runs."""
+SPARE_AFTER_S = 5.0
+"""A script's start this long ago: the next world's interpreter may import beside it."""
+
+
+WARM = """
+import json, os, runpy, sys
+try:
+    import torch  # the bulk of a trainer's start: paid while the world before still trains
+except ImportError:
+    pass
+line = sys.stdin.readline()
+if not line.strip():
+    sys.exit(0)
+os.environ.clear()
+os.environ.update(json.loads(line))
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+"""A spare interpreter for `python SCRIPT ...`: it imports torch ahead, waits for its world's
+environment on stdin, then runs SCRIPT as `python SCRIPT` would (sys.argv, sys.path[0],
+__main__). It touches no GPU before it runs: the process before it still holds the device."""
+
+
+def warmable(argv: Sequence[str]) -> bool:
+    """`python SCRIPT.py ...`: a command the agent can start ahead (WARM)."""
+    return (len(argv) >= 2 and os.path.basename(argv[0]).startswith("python")
+            and argv[1].endswith(".py") and os.path.isfile(argv[1]))
+
+
+class Spare:
+    """At most one interpreter started ahead for the next world (WARM), or none."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self._argv = list(argv)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def prepare(self) -> None:
+        if self.process is None and warmable(self._argv):
+            self.process = subprocess.Popen([self._argv[0], "-c", WARM, *self._argv[1:]],
+                                            stdin=subprocess.PIPE, env=dict(os.environ))
+
+    def start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The next run: the spare, told its environment, or a fresh process without one."""
+        spare, self.process = self.process, None
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return subprocess.Popen(self._argv, env=env)
+        spare.stdin.write(json.dumps(env).encode() + b"\n")
+        spare.stdin.close()
+        return spare
+
+    def close(self) -> None:
+        spare, self.process = self.process, None
+        if spare is not None and spare.stdin is not None:
+            with contextlib.suppress(OSError):
+                spare.stdin.close()  # an empty line: it exits 0
+            spare.wait()
+
+
+_NONE = membership.World(epoch=-1, state="", rank=0, world_size=0, replicas=0, master_addr="", master_port=0)
+
 
 def run(argv: Sequence[str], socket_dir: Path) -> int:
     """Start `argv` in each world this pod is in; the exit code of the last run."""
@@ -45,19 +111,36 @@ def run(argv: Sequence[str], socket_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    spare = Spare(argv)
+    try:
+        return _follow(argv, socket_dir, child, stopping, spare)
+    finally:
+        spare.close()
+
+
+def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[bytes]],
+            stopping: list[int], spare: Spare) -> int:
     # The first run starts at once, with the pod's environment: it imports while the sidecar
     # prepares (or, in a new pod of a scale-up, while the old world drains), and its client
     # takes the world the sidecar serves when it connects (StreamClient._adopt_world).
     env, epoch = dict(os.environ), int(os.environ.get(contract.WORLD_EPOCH_ENV, "0") or 0)
+    child[:] = [subprocess.Popen(list(argv), env=env)]
+    local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") or 0)
     while True:
-        child[:] = [subprocess.Popen(list(argv), env=env)]
-        code = child[0].wait()
+        started = time.monotonic()
+        while child[0].poll() is None:
+            # Once the script is well past its own start (the spare's imports would slow its
+            # first steps), or once a change is announced, the next world's interpreter imports.
+            settled = time.monotonic() - started > SPARE_AFTER_S
+            if not stopping and (settled or (membership.read(socket_dir) or _NONE).state == membership.CHANGING):
+                spare.prepare()
+            time.sleep(WATCH_S)
+        code = child[0].returncode
         now = membership.read(socket_dir)
         if now is not None and now.state == membership.LEFT:
             return 0  # this pod is not in the world any more: its script had nothing to train
         if code != 0 or stopping:
             return code
-        local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") or 0)
         trained = membership.trained(socket_dir, local_rank)  # the world the script trained in
         epoch = epoch if trained is None else trained
         try:
@@ -69,6 +152,7 @@ def run(argv: Sequence[str], socket_dir: Path) -> int:
         log.info("world %d: rank %d of %d; starting %s again", world.epoch, world.rank,
                  world.world_size, argv[0])
         env, epoch = membership.world_env(dict(os.environ), world), world.epoch
+        child[:] = [spare.start(env)]
 
 
 def command(add_parser: Any, name: str) -> None:

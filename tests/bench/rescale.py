@@ -38,10 +38,10 @@ import yaml
 from tests.support import manifests, tables
 
 TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
-ROWS = 12_000
+ROWS = 24_000
 SLEEP_S = 0.05
-STEPS_BEFORE = 8
-"""Steps a world trains before the next request."""
+STEPS_BEFORE = 100
+"""Steps a world trains before the next request (past its start: a spare interpreter, trainer_client.agent.SPARE_AFTER_S)."""
 MODES = ("recreate", "agent", "in-process")
 
 

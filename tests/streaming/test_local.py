@@ -258,7 +258,10 @@ def test_an_in_place_rescale_2_to_4_to_3_keeps_the_processes_that_stay_and_is_ex
                      timeout=400)
     assert done.returncode == 0, done.stderr
     err = done.stderr
-    assert "rescale 2 -> 4 replicas at global step" in err and "rescale 4 -> 3 replicas" in err, err
+    # Each change is timed, from the drain on too: its first batch was seen before the next began.
+    assert re.search(r"rescale 2 -> 4 replicas in place at global step 8: .* first batch after "
+                     r"[0-9.]+ s \([0-9.-]+ s after the drain\)", err), err
+    assert re.search(r"rescale 4 -> 3 replicas in place at global step 14: .* first batch after [0-9.]+ s", err), err
     assert err.count("; 0 steps redone") == 2, err
     summary = exactness.check(
         logs, exactness.complete_checkpoints(store / "test" / "job"),

@@ -123,3 +123,40 @@ def test_the_agent_ends_with_the_scripts_failure_and_a_left_pod_ends_cleanly(tmp
     left.mkdir()
     code, runs = agent(left, {"0": as_dict(world(0, membership.LEFT))}, EXIT_AT_0="1")
     assert code == 0 and len(runs) == 1  # out of the world: whatever the script said, the pod is done
+
+
+WARM_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+from splitfeed.trainer_client import membership
+d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
+epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
+with open(d / "runs.jsonl", "a") as f:
+    f.write(json.dumps({"epoch": epoch, "size": os.environ["WORLD_SIZE"], "argv": sys.argv,
+                        "file": __file__, "warm": "torch" in sys.modules, "pid": os.getpid()}) + "\\n")
+membership.mark_trained(d, 0, epoch)
+if epoch < 2:  # the sidecar says a change comes, then serves the next world
+    membership.write(d, membership.World(epoch, membership.CHANGING, 0, 4, 4, "h", 29500))
+    time.sleep(0.5)
+    membership.write(d, membership.World(epoch + 1, membership.SERVING, 0, 3 - epoch, 3 - epoch, "h", 29500))
+else:
+    membership.write(d, membership.World(epoch, membership.ENDED, 0, 2, 2, "h", 29500))
+"""
+
+
+def test_a_python_script_runs_next_in_an_interpreter_that_imported_torch_while_the_world_before_trained(tmp_path):
+    import os
+
+    script = tmp_path / "train.py"
+    script.write_text(WARM_SCRIPT)
+    membership.write(tmp_path, world(0, size=4))
+    done = subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, str(script), "--lr", "1"],
+        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
+             contract.WORLD_SIZE: "4", contract.MASTER_PORT_ENV: "29500"},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["size"]) for r in runs] == [(0, "4"), (1, "3"), (2, "2")]
+    assert [r["warm"] for r in runs] == [False, True, True]  # started ahead, torch imported
+    assert all(r["argv"] == [str(script), "--lr", "1"] and r["file"] == str(script) for r in runs), runs
