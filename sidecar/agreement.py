@@ -208,7 +208,12 @@ class Coordinator:
         own = self.members.get(OWN)
         return [p for r, p in self.members.items() if r != OWN] + ([] if own is None else [own])
 
-    def on_join(self, peer: bytes, replica: int) -> list[Out]:
+    def on_join(self, peer: bytes, replica: int, drain_step: int = -1, drain_reason: str = "",
+                next_replicas: int = 0) -> list[Out]:
+        """A member (re)joins. One that acts on a drain step this coordinator does not know
+        (it restarted between `commit_at` and the drain's end) makes it the world's step again:
+        no member has published that step's batch (the cut guarantees it), and members that
+        already hold it must not be cut anywhere else."""
         if replica < 0:
             raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
         joined = Joined(resume_step=self.resume_step, table_version=self.table_version, replicas=self.replicas)
@@ -217,6 +222,15 @@ class Coordinator:
             return [Out(peer, joined)]
         self.members[replica] = peer
         out = [Out(peer, joined)]
+        if drain_step >= 0 and self.step is None:
+            log.warning("replica %d acts on drain step %d, which this coordinator (restarted) did not "
+                        "know: the world drains there", replica, drain_step)
+            self.reason, self.next_replicas = drain_reason or "drain", max(self.next_replicas, next_replicas)
+            self.round += 1
+            self.candidate = None
+            return out + self._commit(drain_step)
+        if drain_step >= 0 and drain_step != self.step:
+            log.warning("replica %d acts on drain step %d, the world on %s", replica, drain_step, self.step)
         if self.phase == WAITING_FOR_MEMBERS and len(self.members) == self.replicas:
             return out + self._freeze()
         if self.phase == FREEZING and replica not in self.answers:
@@ -389,7 +403,8 @@ class CoordinatorThread:
         c = self.coordinator
         match message:
             case Join():
-                return c.on_join(peer, message.replica)
+                return c.on_join(peer, message.replica, message.drain_step, message.drain_reason,
+                                 message.next_replicas)
             case DrainRequest():
                 return c.on_request(peer, message.token, message.reason, message.not_before, message.replicas)
             case Frozen():
@@ -439,6 +454,9 @@ class Member:
         self.socket.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.socket.connect(address)
         self.published = -1
+        self.commitment: tuple[int, str, int] = (-1, "", 0)
+        """(drain step, reason, next replicas) of the drain this member acts on, said in every
+        `join` (Coordinator.on_join: a restarted coordinator adopts it)."""
         self._last_join = 0.0
         self._held: list[messages.Message] = []
         self._reach: dict[int, int] = {}
@@ -455,7 +473,7 @@ class Member:
         deadline = time.monotonic() + timeout_s
         held: list[messages.Message] = []
         while time.monotonic() < deadline:
-            self.send(Join(replica=self.replica, instance=self.instance, published=published))
+            self.send(self._join())
             self._last_join = time.monotonic()
             while self.socket.poll(int(JOIN_RESEND_S * 1000)):
                 message = self._decode(self.socket.recv())
@@ -473,7 +491,12 @@ class Member:
     def heartbeat(self, now: float) -> None:
         if self._reconnected() or now - self._last_join >= JOIN_RESEND_S * 5:
             self._last_join = now
-            self.send(Join(replica=self.replica, instance=self.instance, published=self.published))
+            self.send(self._join())
+
+    def _join(self) -> Join:
+        step, reason, replicas = self.commitment
+        return Join(replica=self.replica, instance=self.instance, published=self.published,
+                    drain_step=step, drain_reason=reason, next_replicas=replicas)
 
     def _reconnected(self) -> bool:
         """The socket connected (again) since the last look: a coordinator (re)started."""

@@ -722,6 +722,7 @@ class Server:
                     self.drain_step, self.drain_reason = step, message.reason
                     if message.drain:
                         self.next_replicas = message.next_replicas
+                        self.member.commitment = (step, message.reason, message.next_replicas)
                         if self._on_drain is not None:  # before any rank can see the request
                             self._on_drain(step, message.next_replicas)
                     for feed in self.feeds:
@@ -772,6 +773,10 @@ class Server:
 
     def run(self, tick: Callable[[], None] | None = None) -> None:
         """Serve until every rank is finished or `stopping` is set."""
+        if self.member is not None:
+            # What came with `joined` (a world already draining: a restarted member is told the
+            # committed step at once) reaches the publishers before any of them starts.
+            self._coordinate()
         while not self.stopping.is_set():
             now = time.monotonic()
             self._note_all_taken(now)

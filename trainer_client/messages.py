@@ -213,9 +213,15 @@ class Error(Message):
 @_wire("join")
 @dataclasses.dataclass(frozen=True)
 class Join(Message):
+    """`drain_step` >= 0: the drain step this member was told (`commit_at`) and acts on, with
+    its reason and next world; a coordinator restarted during that drain adopts it."""
+
     replica: int
     instance: str
     published: int
+    drain_step: int = -1
+    drain_reason: str = ""
+    next_replicas: int = 0
 
 
 @_wire("joined")

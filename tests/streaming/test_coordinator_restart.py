@@ -241,3 +241,47 @@ def test_a_drain_after_the_restart_agrees_on_one_step(pods, table_uri, tmp_path)
         assert r["steps"] == dict(list(enumerate(expected))[:step]), f"rank {rank} went past step {step - 1}"
     for pod in started:
         assert pod.wait() == 0
+
+
+def test_a_coordinator_restarted_during_a_drain_still_drains_the_world_at_the_committed_step(
+        pods, table_uri, tmp_path):
+    """Issue 21, a drain that survives a dead sidecar: the world committed step `at` (asked
+    ahead), then replica 0's sidecar, the coordinator, is SIGKILLed and restarted before the
+    world gets there. Its successor knows no round; the member that acts on `at` says so when
+    it rejoins, and every rank still checkpoints and drains exactly at `at`: 0 steps redone."""
+    replicas, data = 2, {"epochs": 2}
+    started = world_of(pods, manifest(table_uri, str(tmp_path / "ckpt"), **data), replicas)
+    address = started[0].env["SPLITFEED_COORDINATOR"]
+    at = KILL_AT + 10
+    killed = threading.Event()
+
+    def body(client: StreamClient, barrier: threading.Barrier) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": {}, "saved": None}
+        for batch in client:
+            out["steps"][batch.global_step] = batch["id"].tolist()
+            if client.rank == 0 and batch.global_step == 1:
+                assert wait_for(lambda: request_drain(address, "rescale-w0", "rescale", timeout_s=2,
+                                                      not_before=at) == agreement.COMMITTED,
+                                10, "the drain committed at step `at`")
+            if client.rank == 0 and batch.global_step == KILL_AT and not killed.is_set():
+                killed.set()
+                restart(started[0])
+            time.sleep(STEP_S)
+            barrier.wait()
+            if client.checkpoint_requested:
+                out["saved"] = client.checkpoint()
+                client.commit(out["saved"])
+                if client.drained:
+                    break
+        out["drained"] = client.drained
+        return out
+
+    results = lockstep(replicas, [p.socket_dir for p in started], body)
+    assert killed.is_set()
+    assert [r["saved"] for r in results] == [at] * replicas, results
+    for rank, r in enumerate(results):
+        assert r["drained"], f"rank {rank}"
+        expected = reference_batches(table_uri, data, replicas, rank)
+        assert r["steps"] == dict(list(enumerate(expected))[:at]), f"rank {rank} went past step {at - 1}"
+    for pod in started:
+        assert pod.wait() == 0

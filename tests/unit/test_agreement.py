@@ -144,3 +144,20 @@ def test_an_in_place_request_names_the_next_world_and_the_newest_count_wins():
     assert [o.message for o in out] == [CommitAt(round=c.round, step=8, drain=True, reason="rescale",
                                                  next_replicas=3)]
     assert c.next_replicas == 3
+
+
+def test_a_restarted_coordinator_adopts_the_drain_step_its_members_act_on():
+    """Restarted between commit_at and the drain's end, it knows no round; the first member
+    that says it acts on step 12 makes 12 the world's step again, and the others are told."""
+    c = Coordinator(replicas=3, total_steps=100, resume_step=0)
+    c.on_join(b"m0", 0)
+    out = c.on_join(b"m1", 1, drain_step=12, drain_reason="rescale", next_replicas=2)
+    assert [(o.peer, type(o.message)) for o in out] == [(b"m1", Joined), (EVERY, CommitAt)]
+    assert out[1].message == CommitAt(round=1, step=12, drain=True, reason="rescale", next_replicas=2)
+    assert c.phase == COMMITTED and c.step == 12 and c.next_replicas == 2
+    late = c.on_join(b"m2", 2)  # a member that had not heard of it is told at once
+    assert [type(o.message) for o in late] == [Joined, CommitAt] and late[1].message.step == 12
+    assert c.on_request(b"op", "rescale-w0", "rescale")[-1].message == DrainAck(token="rescale-w0",
+                                                                                 state=COMMITTED)
+    again = c.on_join(b"m1", 1, drain_step=12, drain_reason="rescale")  # its heartbeat: no new round
+    assert c.round == 1 and again[1].message.step == 12
