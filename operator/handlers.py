@@ -117,6 +117,7 @@ async def _live_status(memo: kopf.Memo, namespace: str, name: str) -> None:
         logging.getLogger(__name__).info("%s/%s: live status not written: %s", namespace, name, exc)
         return
     memo["metrics"].rescaled(namespace, name, patch)
+    memo["metrics"].redone(namespace, name, memo["live"].take_redone((namespace, name)))
     if events:
         body = await ctx.kube.get_job(namespace, name)
         for e in events if body is not None else []:

@@ -33,6 +33,11 @@ DEFAULT_INTERVAL_S = 15
 LIVE_PHASES = ("Running", "Rescaling")
 RESCALE_REPORT = "RescaleReport"
 """The event that carries a rescale's timeline (and status.lastRescale its numbers)."""
+STEPS_REDONE = "StepsRedone"
+"""The event of a world that replaced a failed, disrupted or self-drained one and trains
+steps again: how many, never silent (issue 21)."""
+REPLACEMENTS = ("Restart", "Disrupted", "WorldDrained")
+"""status.drain reasons of a world replaced without a rescale: tracked for the steps redone."""
 
 
 def _iso(t: datetime.datetime) -> str:
@@ -78,6 +83,7 @@ class Timeline:
     old_step: int = 0
     agreed_at: datetime.datetime | None = None
     gone_at: datetime.datetime | None = None
+    reason: str = "Rescale"
 
     def report(self, first_batch_at: datetime.datetime, resume_step: int) -> dict[str, Any]:
         marks = {"requestedAt": self.requested_at, "checkpointAgreedAt": self.agreed_at,
@@ -110,6 +116,12 @@ class Poller:
 
     last: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     rescales: dict[tuple[str, str], Timeline] = dataclasses.field(default_factory=dict)
+    """Rescales, and replacements of a world (REPLACEMENTS), under way."""
+    redone: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    """Steps redone by replacements reported since the last `take_redone` (the operator's counter)."""
+
+    def take_redone(self, key: tuple[str, str]) -> int:
+        return self.redone.pop(key, 0)
 
     def track(self, key: tuple[str, str], status: Mapping[str, Any], now: datetime.datetime) -> None:
         """A rescale's marks from one look at the job's status, the reconciler's or this poller's.
@@ -124,11 +136,12 @@ class Poller:
         drain = status.get("drain") or {}
         epoch = int(status.get("worldEpoch") or 0)
         timeline = self.rescales.get(key)
-        if drain.get("reason") == "Rescale" and timeline is None:
+        reason = str(drain.get("reason") or "")
+        if (reason == "Rescale" or reason in REPLACEMENTS) and timeline is None:
             requested = _parse(drain.get("requestedAt")) or now
             timeline = self.rescales[key] = Timeline(
                 from_replicas=int(status.get("replicas") or 0), to_replicas=int(drain.get("targetReplicas") or 0),
-                requested_at=requested, old_epoch=epoch)
+                requested_at=requested, old_epoch=epoch, reason=reason)
         old_step = int((status.get("progress") or {}).get("globalStep") or 0)
         if timeline is not None and epoch == timeline.old_epoch:
             timeline.old_step = max(timeline.old_step, old_step)
@@ -161,8 +174,15 @@ class Poller:
             resume = int(answer.get("resume_step") or 0)
             if timeline is not None and epoch != timeline.old_epoch and isinstance(step, int) and step > resume:
                 report = timeline.report(now, resume)
-                patch["lastRescale"] = report
-                events.append(decisions.Event("Normal", RESCALE_REPORT, describe(report)))
+                if timeline.reason == "Rescale":
+                    patch["lastRescale"] = report
+                    events.append(decisions.Event("Normal", RESCALE_REPORT, describe(report)))
+                elif report["stepsRedone"]:
+                    self.redone[key] = self.redone.get(key, 0) + report["stepsRedone"]
+                    events.append(decisions.Event("Warning", STEPS_REDONE, (
+                        f"world {epoch} resumed at global step {resume} after world {timeline.old_epoch} "
+                        f"ended ({timeline.reason}) having reached at least step {timeline.old_step}: "
+                        f"{report['stepsRedone']} steps are trained again")))
                 del self.rescales[key]
         return patch, events
 

@@ -40,8 +40,9 @@ class OperatorMetrics:
                                       "Drains whose checkpoint did not come within spec.checkpoint.timeoutSeconds.",
                                       labels, registry=self.registry)
         self.steps_redone = Counter("splitfeed_operator_steps_redone",
-                                    "Global steps a rescaled job trained again: the old world's last step "
-                                    "past the new world's resume step (status.lastRescale.stepsRedone).",
+                                    "Global steps trained again: a world's last step past the resume step of "
+                                    "the world that replaced it (a rescale's status.lastRescale.stepsRedone, "
+                                    "a restart's StepsRedone event).",
                                     labels, registry=self.registry)
         self.rescale_seconds = Histogram("splitfeed_operator_rescale_seconds",
                                          "From a rescale's request to the new world's first batch.", labels,
@@ -64,6 +65,11 @@ class OperatorMetrics:
             counter = REASONS.get(reason)
             if counter is not None:
                 getattr(self, counter).labels(namespace, job).inc()
+
+    def redone(self, namespace: str, job: str, steps: int) -> None:
+        """Steps a world that replaced a failed one trains again (operator/live.py, StepsRedone)."""
+        if steps > 0:
+            self.steps_redone.labels(namespace, job).inc(steps)
 
     def rescaled(self, namespace: str, job: str, patch: Mapping[str, Any]) -> None:
         report = patch.get("lastRescale") or {}

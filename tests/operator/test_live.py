@@ -120,3 +120,19 @@ def test_steps_redone_by_rescales_add_up_in_the_operators_counter():
     observed.rescaled("ns", "job", {"progress": {"globalStep": 9}})  # not a rescale's report
     assert observed.registry.get_sample_value("splitfeed_operator_steps_redone_total",
                                               {"namespace": "ns", "job": "job"}) == 5.0
+
+
+def test_a_world_restarted_after_a_failure_announces_the_steps_it_trains_again():
+    poller = live.Poller()
+    failing = {"worldEpoch": 2, "phase": "Rescaling", "replicas": 2, "progress": {"globalStep": 41},
+               "drain": {"reason": "Restart", "requestedAt": "2026-01-01T12:00:00Z", "targetReplicas": 2}}
+    assert poller.observe(KEY, failing, None, at(1)) == ({}, [])
+    new = {"worldEpoch": 3, "phase": "Running", "replicas": 2}
+    patch, events = poller.observe(KEY, new, answer(31, resume=30), at(40))
+    assert "lastRescale" not in patch  # not a rescale
+    assert [(e.type, e.reason) for e in events] == [("Warning", live.STEPS_REDONE)]
+    assert "resumed at global step 30" in events[0].message and "11 steps are trained again" in events[0].message
+    assert poller.take_redone(KEY) == 11 and poller.take_redone(KEY) == 0
+    exact = live.Poller()  # a replacement that resumed where its predecessor stopped says nothing
+    exact.observe(KEY, {**failing, "drain": {**failing["drain"], "reason": "WorldDrained"}}, None, at(1))
+    assert exact.observe(KEY, new, answer(42, resume=41), at(40))[1] == [] and exact.take_redone(KEY) == 0
