@@ -27,6 +27,7 @@ from .decisions import (
     RESCALING,
     RUNNING,
     STARTING_NEW_WORLD,
+    SUCCEEDED,
     SUSPENDED,
     WAITING_FOR_CHECKPOINT,
     Ctx,
@@ -149,6 +150,8 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
         return _finish_start(c, drain)
     if not c.world:
         return _after_removal(c, drain, problem)
+    if step != REMOVING_OLD_WORLD and finished_first(c):
+        return _job_finished(c, drain)
     deadline = conditions.parse_timestamp(drain["requestedAt"]) + datetime.timedelta(
         seconds=c.job.checkpoint.timeout_seconds)
     done = sum(p.terminated for p in c.world)
@@ -179,6 +182,30 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
     return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain["token"]),
                       requeue_s=max(0.5, min(POLL_S, left)),
                       notify=_notify(c, drain["token"], str(drain.get("reason") or "rescale")))
+
+
+def finished_first(c: Ctx) -> bool:
+    """Every pod of the world ran the job to its last step before the drain cut it: the
+    request came too late, or the operator that asked died before any pod heard of it.
+    Then the job is complete; a next world would train it again from the newest checkpoint."""
+    if not c.world or len(c.world) < (c.found.replicas or 0) or not all(p.phase == SUCCEEDED for p in c.world):
+        return False
+    reports = [p.final_report for p in c.world]
+    if not all(reports) or any(r.get("drained") for r in reports if r):
+        return False
+    total = max(int(r.get("stepsPerEpoch") or 0) for r in reports if r) * c.job.data.epochs
+    return total > 0 and all(int(r.get("globalStep") or 0) >= total for r in reports if r)
+
+
+def _job_finished(c: Ctx, drain: dict[str, Any]) -> Decision:
+    epoch, reason = c.world_epoch, str(drain.get("reason") or "Rescale").lower()
+    msg = f"every pod of world {epoch} ran the job to its last step before the {reason} drain cut it"
+    c.patch.update(phase=SUCCEEDED, drain=None)
+    c.cond(conditions.RESCALING, False, "JobFinished", msg)
+    c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", msg)
+    c.cond(conditions.READY, False, "Completed", "the job has finished")
+    c.events.append(Event("Normal", "Succeeded", f"{msg}: the job is complete"))
+    return c.decision(SUCCEEDED)
 
 
 def _after_removal(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:

@@ -115,6 +115,11 @@ def test_an_operator_killed_mid_rescale_comes_back_through_its_deployment_and_fi
         log(f"{name}: kubectl scale --replicas=1")
         cluster.kubectl("-n", NS, "scale", f"sj/{name}", "--replicas=1")
         wait_for(lambda: cluster.status(name).get("phase") == "Rescaling", 30, "the rescale to start")
+        # Mid-rescale means the request is out: the phase is written before the pods are
+        # annotated, and a kill in between loses the request until the next operator is up (the
+        # world may even run to its end meanwhile, which then ends the job: a test of another case).
+        wait_for(lambda: all((p["metadata"].get("annotations") or {}).get("splitfeed.io/drain")
+                             for p in cluster.pods(name)), 30, "every pod of world 0 asked to drain")
         pid = cluster.kubelet.pid(SYSTEM_NS, old_name, "operator")
         assert pid
         os.kill(pid, signal.SIGKILL)

@@ -921,3 +921,31 @@ def test_the_pinned_table_version_is_recorded_once_and_given_to_the_next_world()
         env = {e["name"]: e.get("value") for c in p["spec"]["initContainers"] for e in c.get("env", [])}
         assert env["SPLITFEED_TABLE_VERSION"] == "7" and env["SPLITFEED_JOB_UID"] == "uid-1"
         assert env["SPLITFEED_RESUME_STEP"] == "12"
+
+
+def ended(step: int, spe: int = 20) -> dict:
+    """A sidecar container that exited after its ranks took global step `step - 1` (no drain)."""
+    return {"name": "splitfeed-sidecar", "state": {"terminated": {"exitCode": 0, "finishedAt": "2026-01-01T12:00:00Z",
+            "message": json.dumps({"globalStep": step, "epoch": 0, "step": step, "stepsPerEpoch": spe,
+                                   "lastCheckpoint": None, "drained": False, "agreedStep": None,
+                                   "error": None, "permanent": False})}}}
+
+
+@pytest.mark.parametrize("reached, finished", [(20, True), (7, False)])
+def test_a_world_that_ran_to_the_end_before_its_drain_ends_the_job(reached, finished):
+    """The drain came too late (or the operator that asked died before any pod heard of it):
+    every pod ran the job to its last step. The job is complete, not a world to replace: the
+    next one would train it all again from the newest checkpoint. A world that stopped short
+    of the end without draining is replaced as before."""
+    c = Cluster(replicas=2).running()
+    c.scale(1)
+    assert c.step().step == "CheckpointRequested"
+    for pod in c.pods.values():
+        pod["status"] = {"phase": "Succeeded", "containerStatuses": [ended(reached)]}
+    d = c.step()
+    if finished:
+        assert d.step == "Succeeded" and d.create == [] and d.delete == []
+        assert c.status["phase"] == "Succeeded" and "drain" not in c.status
+        assert c.reason("Complete") == "AllPodsSucceeded" and c.reason() == "JobFinished"
+    else:
+        assert d.step == "RemovingOldWorld" and c.status["phase"] == "Rescaling"
