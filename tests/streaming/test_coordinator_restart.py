@@ -285,3 +285,49 @@ def test_a_coordinator_restarted_during_a_drain_still_drains_the_world_at_the_co
         assert r["steps"] == dict(list(enumerate(expected))[:at]), f"rank {rank} went past step {at - 1}"
     for pod in started:
         assert pod.wait() == 0
+
+
+def test_a_member_restarted_during_a_drain_is_told_the_committed_step_and_the_world_drains_there(
+        pods, table_uri, tmp_path):
+    """The member's side of the same: replica 1's sidecar (a process here, replica 0's a thread
+    of this process) is SIGKILLed and restarted after the world committed step `at`; its
+    successor is told the step when it joins, before its publishers start, and both ranks
+    drain exactly there."""
+    replicas, data = 2, {"epochs": 2}
+    address = coordinator_address()
+    job = manifest(table_uri, str(tmp_path / "ckpt"), **data)
+    first = pods("pod0", job, replicas=replicas, replica=0, coordinator=address).start_thread()
+    member = pods("pod1", job, replicas=replicas, replica=1, coordinator=address).start_process()
+    at = KILL_AT + 10
+    killed = threading.Event()
+
+    def body(client: StreamClient, barrier: threading.Barrier) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": {}, "saved": None}
+        for batch in client:
+            out["steps"][batch.global_step] = batch["id"].tolist()
+            if client.rank == 0 and batch.global_step == 1:
+                assert wait_for(lambda: request_drain(address, "rescale-w0", "rescale", timeout_s=2,
+                                                      not_before=at) == agreement.COMMITTED,
+                                10, "the drain committed at step `at`")
+            if client.rank == 1 and batch.global_step == KILL_AT and not killed.is_set():
+                killed.set()
+                restart(member)
+            time.sleep(STEP_S)
+            barrier.wait()
+            if client.checkpoint_requested:
+                out["saved"] = client.checkpoint()
+                client.commit(out["saved"])
+                if client.drained:
+                    break
+        out["drained"] = client.drained
+        return out
+
+    results = lockstep(replicas, [first.socket_dir, member.socket_dir], body)
+    assert killed.is_set()
+    assert [r["saved"] for r in results] == [at] * replicas, results
+    for rank, r in enumerate(results):
+        assert r["drained"], f"rank {rank}"
+        expected = reference_batches(table_uri, data, replicas, rank)
+        assert r["steps"] == dict(list(enumerate(expected))[:at]), f"rank {rank} went past step {at - 1}"
+    for pod in (first, member):
+        assert pod.wait() == 0
