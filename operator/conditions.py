@@ -113,12 +113,6 @@ def final_report(pod: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def drained(pod: Mapping[str, Any]) -> bool:
-    """The pod's sidecar exited saying every local rank committed the world's agreed drain step."""
-    report = final_report(pod)
-    return report is not None and report.get("drained") is True
-
-
 @dataclasses.dataclass(frozen=True)
 class Agreement:
     """What a world's reports say about where the next world may start."""

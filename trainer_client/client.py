@@ -502,16 +502,6 @@ class StreamClient:
             log.warning("sidecar: %s", message.message)
         return message
 
-    def _receive(self, deadline: float) -> messages.Message:
-        """The next message; a silent sidecar gets a hello (it may have restarted)."""
-        while True:
-            message = self._receive_raw(self._heartbeat_s)
-            if message is not None:
-                return message
-            if time.monotonic() > deadline:
-                raise SidecarUnavailable(self._why_no_batch())
-            self._say_hello()
-
     def _say_hello(self) -> None:
         self._sock.send(messages.Hello(local_rank=self.local_rank, pid=os.getpid(),
                                        next_step=self._next_step).encode())
