@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from splitfeed.trainer_client import errors, specs, topology
+from splitfeed.trainer_client import contract, errors, specs, topology
 
 from . import planning, redaction
 
@@ -146,24 +146,24 @@ def check_template(job: specs.JobSpec) -> None:
     spec = template.get("spec") or {}
     containers = spec.get("containers") or []
     names = [c.get("name") for c in containers]
-    if planning.TRAINER_NAME not in names:
+    if contract.TRAINER_NAME not in names:
         raise Rejected(
             "spec.trainer.template has a container named 'trainer'",
             f"containers are {names or 'missing'}",
         )
     taken = {c.get("name") for c in (spec.get("initContainers") or [])}
-    if planning.SIDECAR_NAME in set(names) | taken:
+    if contract.SIDECAR_NAME in set(names) | taken:
         raise Rejected(
-            f"container name {planning.SIDECAR_NAME!r} is reserved",
+            f"container name {contract.SIDECAR_NAME!r} is reserved",
             "the operator injects its loader sidecar under that name",
         )
-    clash = sorted({v.get("name") for v in spec.get("volumes") or []} & set(planning.RESERVED_VOLUMES))
+    clash = sorted({v.get("name") for v in spec.get("volumes") or []} & set(contract.RESERVED_VOLUMES))
     if clash:
         raise Rejected("volume names splitfeed-* are reserved", f"template uses {clash}")
     mounts = sorted({f"{c.get('name')} mounts {m['name']}"
                      for key in _CONTAINER_LISTS for c in spec.get(key) or []
                      for m in (c.get("volumeMounts") or []) + (c.get("volumeDevices") or [])
-                     if m["name"] in planning.RESERVED_VOLUMES})
+                     if m["name"] in contract.RESERVED_VOLUMES})
     if mounts:
         raise Rejected(
             "the template's containers mount none of the sidecar's volumes",

@@ -9,6 +9,8 @@ drain the step the whole world agreed on (status.resumeStep).
 
 from __future__ import annotations
 
+from splitfeed.trainer_client import contract
+
 import dataclasses
 import datetime
 import json
@@ -81,7 +83,7 @@ def sidecar_reports(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     found = []
     for key in ("initContainerStatuses", "containerStatuses"):
         for cs in status.get(key) or []:
-            if cs.get("name") != planning.SIDECAR_NAME:
+            if cs.get("name") != contract.SIDECAR_NAME:
                 continue
             for state_key in ("state", "lastState"):
                 term = ((cs.get(state_key) or {}).get("terminated")) or {}
@@ -107,7 +109,7 @@ def final_report(pod: Mapping[str, Any]) -> dict[str, Any] | None:
     status = pod.get("status") or {}
     for key in ("initContainerStatuses", "containerStatuses"):
         for cs in status.get(key) or []:
-            if cs.get("name") == planning.SIDECAR_NAME and (cs.get("state") or {}).get("terminated"):
+            if cs.get("name") == contract.SIDECAR_NAME and (cs.get("state") or {}).get("terminated"):
                 reports = sidecar_reports({"status": {key: [{**cs, "lastState": {}}]}})
                 return reports[0] if reports else None
     return None

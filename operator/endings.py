@@ -26,6 +26,8 @@ the trainer containers themselves:
 
 from __future__ import annotations
 
+from splitfeed.trainer_client import contract
+
 import dataclasses
 import datetime
 from collections.abc import Sequence
@@ -48,8 +50,8 @@ poll made after the return) before ending the world with the best step known."""
 
 def trainers(pod: views.Pod) -> list[views.Container]:
     """The pod's `trainer` containers (else every regular container but the sidecar)."""
-    named = [c for c in pod.containers if not c.init and c.name == planning.TRAINER_NAME]
-    return named or [c for c in pod.containers if not c.init and c.name != planning.SIDECAR_NAME]
+    named = [c for c in pod.containers if not c.init and c.name == contract.TRAINER_NAME]
+    return named or [c for c in pod.containers if not c.init and c.name != contract.SIDECAR_NAME]
 
 
 def returned(pod: views.Pod) -> bool:
@@ -72,7 +74,7 @@ def ranks_of(c: Ctx, pods: Sequence[views.Pod]) -> str:
     out = []
     for p in sorted(pods, key=lambda p: p.name):
         try:
-            replica = int((p.raw.get("metadata") or {}).get("labels", {}).get(planning.LABEL_REPLICA))
+            replica = int((p.raw.get("metadata") or {}).get("labels", {}).get(contract.LABEL_REPLICA))
         except (TypeError, ValueError):
             out.append(f"pod {p.name}")
             continue

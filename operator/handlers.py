@@ -7,6 +7,8 @@ configured, because Kopf refuses to start with admission handlers and no server.
 
 from __future__ import annotations
 
+from splitfeed.trainer_client import contract
+
 import logging
 from functools import partial
 from typing import Any, cast
@@ -15,7 +17,7 @@ import kopf
 
 from . import configs, kube, lifecycle, live, metrics, planning, reconciling
 
-G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
+G, V, P = contract.GROUP, contract.VERSION, contract.PLURAL
 TIMER_INTERVAL_S = 3.0
 """Every live job is looked at this often: pod phase changes arrive through it."""
 WATCH_CLIENT_MARGIN_S = 30.0

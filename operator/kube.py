@@ -28,7 +28,7 @@ from typing import Any
 import kubernetes
 import urllib3
 
-from splitfeed.trainer_client import errors
+from splitfeed.trainer_client import contract, errors
 
 from . import planning
 
@@ -142,8 +142,8 @@ class Kube:
 
     # --- StreamingJobs -----------------------------------------------------------------------
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return await self._call(self.custom.get_namespaced_custom_object, planning.GROUP,
-                                planning.VERSION, namespace, planning.PLURAL, name, ok=(404,))
+        return await self._call(self.custom.get_namespaced_custom_object, contract.GROUP,
+                                contract.VERSION, namespace, contract.PLURAL, name, ok=(404,))
 
     async def patch_job_status(self, namespace: str, name: str, patch: Mapping[str, Any],
                                resource_version: str | None = None) -> None:
@@ -151,8 +151,8 @@ class Kube:
         body: dict[str, Any] = {"status": dict(patch)}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
-        await self._call(self.custom.patch_namespaced_custom_object_status, planning.GROUP,
-                         planning.VERSION, namespace, planning.PLURAL, name, body,
+        await self._call(self.custom.patch_namespaced_custom_object_status, contract.GROUP,
+                         contract.VERSION, namespace, contract.PLURAL, name, body,
                          _content_type=MERGE_PATCH, ok=(404,))
 
     # --- world objects -----------------------------------------------------------------------
@@ -162,7 +162,7 @@ class Kube:
         out = await self._call(self.core.list_namespaced_pod, namespace, label_selector=selector)
         items = (out or {}).get("items") or []
         return [p for p in items
-                if ((p.get("metadata") or {}).get("labels") or {}).get(planning.LABEL_JOB) == job]
+                if ((p.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_JOB) == job]
 
     async def create(self, obj: Mapping[str, Any]) -> bool | None:
         """Create a Pod, Service, ConfigMap or PodDisruptionBudget.

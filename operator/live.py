@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from splitfeed.trainer_client import progress, worlds
+from splitfeed.trainer_client import contract, progress, worlds
 
 from . import decisions, endings, kube, planning
 
@@ -64,7 +64,7 @@ def coordinator_of(status: Mapping[str, Any], pods: Sequence[Mapping[str, Any]])
     epoch = str(status.get("worldEpoch", ""))
     for pod in pods:
         labels = (pod.get("metadata") or {}).get("labels") or {}
-        if labels.get(planning.LABEL_EPOCH) == epoch and labels.get(planning.LABEL_REPLICA) == "0":
+        if labels.get(contract.LABEL_EPOCH) == epoch and labels.get(contract.LABEL_REPLICA) == "0":
             pod_status = pod.get("status") or {}
             ip = pod_status.get("podIP")
             if ip and pod_status.get("phase") in ("Pending", "Running"):

@@ -16,21 +16,7 @@ from typing import Any, Literal
 
 from splitfeed.trainer_client import contract, specs
 
-# The pod contract's names (trainer_client.contract), kept here under their old names for
-# the operator's modules and tests.
-GROUP, VERSION, PLURAL = contract.GROUP, contract.VERSION, contract.PLURAL
-LABEL_JOB, LABEL_REPLICA, LABEL_EPOCH = contract.LABEL_JOB, contract.LABEL_REPLICA, contract.LABEL_EPOCH
-ANNOTATION_DRAIN, ANNOTATION_CHECKSUM = contract.ANNOTATION_DRAIN, contract.ANNOTATION_CHECKSUM
-SIDECAR_NAME, TRAINER_NAME = contract.SIDECAR_NAME, contract.TRAINER_NAME
-SOCKET_DIR, CONFIG_DIR, PODINFO_DIR = contract.SOCKET_DIR, contract.CONFIG_DIR, contract.PODINFO_DIR
-STORAGE_DIR, TERMINATION_LOG = contract.STORAGE_DIR, contract.TERMINATION_LOG
-MASTER_PORT, COORDINATOR_PORT = contract.MASTER_PORT, contract.COORDINATOR_PORT
-VOLUME_SHM, VOLUME_CONFIG = contract.VOLUME_SHM, contract.VOLUME_CONFIG
-VOLUME_PODINFO, VOLUME_STORAGE = contract.VOLUME_PODINFO, contract.VOLUME_STORAGE
-VOLUME_TRANSFORMS, TRANSFORMS_DIR = contract.VOLUME_TRANSFORMS, contract.TRANSFORMS_DIR
-RESERVED_VOLUMES = contract.RESERVED_VOLUMES
-METRICS_PORT = contract.METRICS_PORT
-SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
 """On every pod, unless the trainer's template sets its own (its trainer's metrics, say)."""
 
@@ -117,7 +103,7 @@ def config_map_name(job: str) -> str:
 
 
 def job_selector(job: str) -> dict[str, str]:
-    return {LABEL_JOB: job}
+    return {contract.LABEL_JOB: job}
 
 
 def selector_string(job: str) -> str:
@@ -149,7 +135,7 @@ def config_map(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
         "kind": "ConfigMap",
         "metadata": {
             **_meta(job, config_map_name(job.name), owner, job_selector(job.name)),
-            "annotations": {ANNOTATION_CHECKSUM: config_checksum(job)},
+            "annotations": {contract.ANNOTATION_CHECKSUM: config_checksum(job)},
         },
         "data": {contract.CONFIG_FILE: config_json(job)},
     }
@@ -165,8 +151,9 @@ def service(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": job_selector(job.name),
             "publishNotReadyAddresses": True,
-            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT},
-                      {"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": COORDINATOR_PORT}],
+            "ports": [{"name": "rendezvous", "port": contract.MASTER_PORT, "targetPort": contract.MASTER_PORT},
+                      {"name": "coordinator", "port": contract.COORDINATOR_PORT,
+                       "targetPort": contract.COORDINATOR_PORT}],
         },
     }
 
@@ -185,8 +172,8 @@ def pod_env(job: specs.JobSpec, world_epoch: int, replica: int) -> contract.Env:
     """Environment both containers get (docs/pod-contract.md, "Environment")."""
     return contract.rank_env(
         world_size=job.world_size, gpus_per_replica=job.gpus_per_replica, replica=replica, local_rank=0,
-        master_addr=f"{pod_name(job.name, world_epoch, 0)}.{job.name}", master_port=MASTER_PORT,
-        socket_dir=SOCKET_DIR, world_epoch=world_epoch)
+        master_addr=f"{pod_name(job.name, world_epoch, 0)}.{job.name}", master_port=contract.MASTER_PORT,
+        socket_dir=contract.SOCKET_DIR, world_epoch=world_epoch)
 
 
 def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str, str | int]:
@@ -197,7 +184,7 @@ def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str,
             "PET_NPROC_PER_NODE": job.gpus_per_replica,
             "PET_NODE_RANK": replica,
             "PET_MASTER_ADDR": env[contract.MASTER_ADDR],
-            "PET_MASTER_PORT": MASTER_PORT,
+            "PET_MASTER_PORT": contract.MASTER_PORT,
         })
     return env
 
@@ -230,13 +217,13 @@ def shared_mounts(job: specs.JobSpec, trainer_mounts: list[dict[str, Any]]) -> l
 
 def coordinator_address(job: str, world_epoch: int) -> str:
     """SPLITFEED_COORDINATOR: replica 0's sidecar, by its stable name under the headless Service."""
-    return f"tcp://{pod_name(job, world_epoch, 0)}.{job}:{COORDINATOR_PORT}"
+    return f"tcp://{pod_name(job, world_epoch, 0)}.{job}:{contract.COORDINATOR_PORT}"
 
 
 def coordinator_at(pod_ip: str) -> str:
     """The coordinator by replica 0's pod IP: what the operator dials (it may not resolve pod DNS)."""
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
-    return f"tcp://{host}:{COORDINATOR_PORT}"
+    return f"tcp://{host}:{contract.COORDINATOR_PORT}"
 
 
 def sidecar_container(
@@ -247,39 +234,40 @@ def sidecar_container(
     """The loader. `resume_step`: the step the previous world agreed on (status.resumeStep);
     None lets the new world's coordinator pick the newest complete checkpoint. `job_uid`:
     the StreamingJob's metadata.uid, which keys its checkpoints (a re-created job's are new)."""
-    args = ["sidecar", "--config", f"{CONFIG_DIR}/{contract.CONFIG_FILE}", "--podinfo-dir", PODINFO_DIR]
+    args = ["sidecar", "--config", f"{contract.CONFIG_DIR}/{contract.CONFIG_FILE}",
+            "--podinfo-dir", contract.PODINFO_DIR]
     mounts = [
-        {"name": VOLUME_SHM, "mountPath": SOCKET_DIR},
-        {"name": VOLUME_CONFIG, "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": VOLUME_PODINFO, "mountPath": PODINFO_DIR, "readOnly": True},
+        {"name": contract.VOLUME_SHM, "mountPath": contract.SOCKET_DIR},
+        {"name": contract.VOLUME_CONFIG, "mountPath": contract.CONFIG_DIR, "readOnly": True},
+        {"name": contract.VOLUME_PODINFO, "mountPath": contract.PODINFO_DIR, "readOnly": True},
     ]
     if job.data.storage_options_secret:
-        args += ["--storage-options-dir", STORAGE_DIR]
-        mounts.append({"name": VOLUME_STORAGE, "mountPath": STORAGE_DIR, "readOnly": True})
+        args += ["--storage-options-dir", contract.STORAGE_DIR]
+        mounts.append({"name": contract.VOLUME_STORAGE, "mountPath": contract.STORAGE_DIR, "readOnly": True})
     mounts += [copy.deepcopy(m) for m in extra_mounts or []]
-    args += ["--termination-log", TERMINATION_LOG]
+    args += ["--termination-log", contract.TERMINATION_LOG]
     env = {
         **pod_env(job, world_epoch, replica),
         **contract.sidecar_env(
             coordinator=coordinator_address(job.name, world_epoch), job_uid=job_uid, resume_step=resume_step,
             table_version=table_version, config_checksum=config_checksum(job)),
-        contract.METRICS_PORT_ENV: str(METRICS_PORT),
+        contract.METRICS_PORT_ENV: str(contract.METRICS_PORT),
         # Its only writable directory (the root file system is read-only): multiprocessing's
         # fork server, which starts the numWorkers loader processes, puts its socket there.
-        "TMPDIR": SOCKET_DIR,
+        "TMPDIR": contract.SOCKET_DIR,
     }
-    if any(m.get("name") == VOLUME_TRANSFORMS for m in extra_mounts or []):
-        env["PYTHONPATH"] = TRANSFORMS_DIR
+    if any(m.get("name") == contract.VOLUME_TRANSFORMS for m in extra_mounts or []):
+        env["PYTHONPATH"] = contract.TRANSFORMS_DIR
     container: dict[str, Any] = {
-        "name": SIDECAR_NAME,
+        "name": contract.SIDECAR_NAME,
         "image": settings.sidecar_image or job.sidecar.image,
         "command": ["splitfeed"],
         "args": args,
         "env": _env(env),
-        "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "metrics", "containerPort": contract.METRICS_PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
         "resources": copy.deepcopy(dict(job.sidecar.resources)),
-        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePath": contract.TERMINATION_LOG,
         "terminationMessagePolicy": "File",
         "securityContext": sidecar_security_context(job),
     }
@@ -393,7 +381,7 @@ def disruption_budget(job: specs.JobSpec, world_epoch: int, owner: Owner) -> dic
     a node drain waits for the checkpoint instead of killing the world piecemeal,
     and never waits for more than that. Its selector follows the world epoch.
     """
-    labels = {**job_selector(job.name), LABEL_EPOCH: str(world_epoch)}
+    labels = {**job_selector(job.name), contract.LABEL_EPOCH: str(world_epoch)}
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -408,16 +396,16 @@ def disruption_budget(job: specs.JobSpec, world_epoch: int, owner: Owner) -> dic
 
 def volumes(job: specs.JobSpec) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [
-        {"name": VOLUME_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": job.sidecar.shm_size}},
+        {"name": contract.VOLUME_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": job.sidecar.shm_size}},
         {
-            "name": VOLUME_CONFIG,
+            "name": contract.VOLUME_CONFIG,
             "configMap": {
                 "name": config_map_name(job.name),
                 "items": [{"key": contract.CONFIG_FILE, "path": contract.CONFIG_FILE}],
             },
         },
         {
-            "name": VOLUME_PODINFO,
+            "name": contract.VOLUME_PODINFO,
             "downwardAPI": {"items": [
                 {"path": contract.PODINFO_ANNOTATIONS, "fieldRef": {"fieldPath": "metadata.annotations"}},
                 {"path": contract.PODINFO_LABELS, "fieldRef": {"fieldPath": "metadata.labels"}},
@@ -425,7 +413,7 @@ def volumes(job: specs.JobSpec) -> list[dict[str, Any]]:
         },
     ]
     if job.data.storage_options_secret:
-        out.append({"name": VOLUME_STORAGE, "secret": {"secretName": job.data.storage_options_secret}})
+        out.append({"name": contract.VOLUME_STORAGE, "secret": {"secretName": job.data.storage_options_secret}})
     return out
 
 
@@ -444,25 +432,26 @@ def pod(
     name = pod_name(job.name, world_epoch, replica)
     labels = {
         **(tmeta.get("labels") or {}),
-        LABEL_JOB: job.name,
-        LABEL_REPLICA: str(replica),
-        LABEL_EPOCH: str(world_epoch),
+        contract.LABEL_JOB: job.name,
+        contract.LABEL_REPLICA: str(replica),
+        contract.LABEL_EPOCH: str(world_epoch),
     }
-    annotations = {**SCRAPE_ANNOTATIONS, **(tmeta.get("annotations") or {}), ANNOTATION_CHECKSUM: config_checksum(job)}
+    annotations = {**SCRAPE_ANNOTATIONS, **(tmeta.get("annotations") or {}),
+                   contract.ANNOTATION_CHECKSUM: config_checksum(job)}
 
     containers = spec.get("containers") or []
     shared: list[dict[str, Any]] = []
     trainer: dict[str, Any] = {}
     for c in containers:
-        if c.get("name") == TRAINER_NAME:
+        if c.get("name") == contract.TRAINER_NAME:
             trainer = c
             shared = shared_mounts(job, c.get("volumeMounts") or [])
             c["env"] = _merge_env(c.get("env") or [], _env(trainer_env(job, world_epoch, replica)))
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
-                {"name": VOLUME_SHM, "mountPath": SOCKET_DIR}
+                {"name": contract.VOLUME_SHM, "mountPath": contract.SOCKET_DIR}
             ]
-    if any(v.get("name") == VOLUME_TRANSFORMS for v in spec.get("volumes") or []):
-        shared = shared + [{"name": VOLUME_TRANSFORMS, "mountPath": TRANSFORMS_DIR, "readOnly": True}]
+    if any(v.get("name") == contract.VOLUME_TRANSFORMS for v in spec.get("volumes") or []):
+        shared = shared + [{"name": contract.VOLUME_TRANSFORMS, "mountPath": contract.TRANSFORMS_DIR, "readOnly": True}]
     sidecar = with_trainer_identity(
         sidecar_container(job, world_epoch, replica, settings, shared, resume_step, owner.uid, table_version),
         trainer, spec.get("volumes") or [])

@@ -15,6 +15,8 @@ the reports; every pod of the next world gets it as SPLITFEED_RESUME_STEP.
 
 from __future__ import annotations
 
+from splitfeed.trainer_client import contract
+
 import dataclasses
 import datetime
 from typing import Any, Literal
@@ -122,7 +124,7 @@ def _notify(c: Ctx, drain_token: str, reason: str) -> tuple[str, str, str] | Non
 
 
 def _annotations(c: Ctx, drain_token: str) -> dict[str, dict[str, str]]:
-    return {p.name: {planning.ANNOTATION_DRAIN: drain_token}
+    return {p.name: {contract.ANNOTATION_DRAIN: drain_token}
             for p in c.world if p.live and p.drain_token != drain_token}
 
 

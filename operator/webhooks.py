@@ -22,13 +22,13 @@ from typing import Any
 
 import kopf
 
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client import contract, specs
 
 from . import admission, kube, planning, redaction
 
 log = logging.getLogger(__name__)
 
-G, V, P = planning.GROUP, planning.VERSION, planning.PLURAL
+G, V, P = contract.GROUP, contract.VERSION, contract.PLURAL
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
