@@ -243,17 +243,16 @@ def test_a_drain_after_the_restart_agrees_on_one_step(pods, table_uri, tmp_path)
         assert pod.wait() == 0
 
 
-def test_a_coordinator_restarted_during_a_drain_still_drains_the_world_at_the_committed_step(
-        pods, table_uri, tmp_path):
-    """Issue 21, a drain that survives a dead sidecar: the world committed step `at` (asked
-    ahead), then replica 0's sidecar, the coordinator, is SIGKILLed and restarted before the
-    world gets there. Its successor knows no round; the member that acts on `at` says so when
-    it rejoins, and every rank still checkpoints and drains exactly at `at`: 0 steps redone."""
-    replicas, data = 2, {"epochs": 2}
-    started = world_of(pods, manifest(table_uri, str(tmp_path / "ckpt"), **data), replicas)
-    address = started[0].env["SPLITFEED_COORDINATOR"]
-    at = KILL_AT + 10
-    killed = threading.Event()
+DRAIN_AT = KILL_AT + 10
+"""The step a world is asked ahead to drain at, well past the restart at KILL_AT."""
+
+
+def drained_at_one_step(pods_in_order: list, address: str, table_uri: str, data: dict[str, Any],
+                        killed_rank: int) -> None:
+    """Lockstep trainers of `pods_in_order`; the world commits to draining at DRAIN_AT, then the
+    sidecar of `killed_rank` is SIGKILLed and restarted at KILL_AT. Every rank must checkpoint
+    and drain exactly at DRAIN_AT, with lancedb's batches up to it: 0 steps redone."""
+    replicas, killed = len(pods_in_order), threading.Event()
 
     def body(client: StreamClient, barrier: threading.Barrier) -> dict[str, Any]:
         out: dict[str, Any] = {"steps": {}, "saved": None}
@@ -261,11 +260,11 @@ def test_a_coordinator_restarted_during_a_drain_still_drains_the_world_at_the_co
             out["steps"][batch.global_step] = batch["id"].tolist()
             if client.rank == 0 and batch.global_step == 1:
                 assert wait_for(lambda: request_drain(address, "rescale-w0", "rescale", timeout_s=2,
-                                                      not_before=at) == agreement.COMMITTED,
-                                10, "the drain committed at step `at`")
-            if client.rank == 0 and batch.global_step == KILL_AT and not killed.is_set():
+                                                      not_before=DRAIN_AT) == agreement.COMMITTED,
+                                10, "the drain committed at DRAIN_AT")
+            if client.rank == killed_rank and batch.global_step == KILL_AT and not killed.is_set():
                 killed.set()
-                restart(started[0])
+                restart(pods_in_order[killed_rank])
             time.sleep(STEP_S)
             barrier.wait()
             if client.checkpoint_requested:
@@ -276,58 +275,36 @@ def test_a_coordinator_restarted_during_a_drain_still_drains_the_world_at_the_co
         out["drained"] = client.drained
         return out
 
-    results = lockstep(replicas, [p.socket_dir for p in started], body)
+    results = lockstep(replicas, [p.socket_dir for p in pods_in_order], body)
     assert killed.is_set()
-    assert [r["saved"] for r in results] == [at] * replicas, results
+    assert [r["saved"] for r in results] == [DRAIN_AT] * replicas, results
     for rank, r in enumerate(results):
         assert r["drained"], f"rank {rank}"
         expected = reference_batches(table_uri, data, replicas, rank)
-        assert r["steps"] == dict(list(enumerate(expected))[:at]), f"rank {rank} went past step {at - 1}"
-    for pod in started:
+        assert r["steps"] == dict(list(enumerate(expected))[:DRAIN_AT]), f"rank {rank} went past {DRAIN_AT - 1}"
+    for pod in pods_in_order:
         assert pod.wait() == 0
+
+
+def test_a_coordinator_restarted_during_a_drain_still_drains_the_world_at_the_committed_step(
+        pods, table_uri, tmp_path):
+    """Issue 21, a drain that survives a dead sidecar: the world committed its drain step,
+    then replica 0's sidecar, the coordinator, is SIGKILLed and restarted before the world gets
+    there. Its successor knows no round; the member that acts on the step says so when it
+    rejoins, and every rank still checkpoints and drains exactly there."""
+    data = {"epochs": 2}
+    started = world_of(pods, manifest(table_uri, str(tmp_path / "ckpt"), **data), 2)
+    drained_at_one_step(started, started[0].env["SPLITFEED_COORDINATOR"], table_uri, data, killed_rank=0)
 
 
 def test_a_member_restarted_during_a_drain_is_told_the_committed_step_and_the_world_drains_there(
         pods, table_uri, tmp_path):
     """The member's side of the same: replica 1's sidecar (a process here, replica 0's a thread
-    of this process) is SIGKILLed and restarted after the world committed step `at`; its
-    successor is told the step when it joins, before its publishers start, and both ranks
-    drain exactly there."""
-    replicas, data = 2, {"epochs": 2}
+    of this process) is SIGKILLed and restarted after the world committed its drain step; its
+    successor is told the step when it joins, and both ranks drain exactly there."""
+    data = {"epochs": 2}
     address = coordinator_address()
     job = manifest(table_uri, str(tmp_path / "ckpt"), **data)
-    first = pods("pod0", job, replicas=replicas, replica=0, coordinator=address).start_thread()
-    member = pods("pod1", job, replicas=replicas, replica=1, coordinator=address).start_process()
-    at = KILL_AT + 10
-    killed = threading.Event()
-
-    def body(client: StreamClient, barrier: threading.Barrier) -> dict[str, Any]:
-        out: dict[str, Any] = {"steps": {}, "saved": None}
-        for batch in client:
-            out["steps"][batch.global_step] = batch["id"].tolist()
-            if client.rank == 0 and batch.global_step == 1:
-                assert wait_for(lambda: request_drain(address, "rescale-w0", "rescale", timeout_s=2,
-                                                      not_before=at) == agreement.COMMITTED,
-                                10, "the drain committed at step `at`")
-            if client.rank == 1 and batch.global_step == KILL_AT and not killed.is_set():
-                killed.set()
-                restart(member)
-            time.sleep(STEP_S)
-            barrier.wait()
-            if client.checkpoint_requested:
-                out["saved"] = client.checkpoint()
-                client.commit(out["saved"])
-                if client.drained:
-                    break
-        out["drained"] = client.drained
-        return out
-
-    results = lockstep(replicas, [first.socket_dir, member.socket_dir], body)
-    assert killed.is_set()
-    assert [r["saved"] for r in results] == [at] * replicas, results
-    for rank, r in enumerate(results):
-        assert r["drained"], f"rank {rank}"
-        expected = reference_batches(table_uri, data, replicas, rank)
-        assert r["steps"] == dict(list(enumerate(expected))[:at]), f"rank {rank} went past step {at - 1}"
-    for pod in (first, member):
-        assert pod.wait() == 0
+    first = pods("pod0", job, replicas=2, replica=0, coordinator=address).start_thread()
+    member = pods("pod1", job, replicas=2, replica=1, coordinator=address).start_process()
+    drained_at_one_step([first, member], address, table_uri, data, killed_rank=1)

@@ -208,6 +208,19 @@ def test_plan_rejects_an_invalid_replica_count_with_the_valid_ones(table_uri, tm
 E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
 
 
+def exact_2_4_3(logs: Path, store: Path, table_uri: str):  # type: ignore[no-untyped-def]
+    """The trainers' logs against lancedb's reference: worlds of 2, 4 and 3 ranks, cut at 8 and 14."""
+    from tests.support import exactness
+
+    summary = exactness.check(
+        logs, exactness.complete_checkpoints(store / "test" / "job"),
+        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
+        lambda world, rank: reference_batches(table_uri, {}, world, rank))
+    assert [w.size for w in summary.worlds] == [2, 4, 3], summary
+    assert [w.resume_step for w in summary.worlds[1:]] == [8, 14], summary
+    return summary
+
+
 def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_step(table_uri, tmp_path):
     """`--scale-at` drains each world exactly at the step it names and starts the next one there.
 
@@ -228,14 +241,9 @@ def test_a_live_rescale_2_to_4_to_3_with_ddp_trainers_is_exact_and_redoes_no_ste
     assert "splitfeed local: world 0 (2 ranks): global step" in err
     assert "rescale 2 -> 4 replicas at global step" in err and "rescale 4 -> 3 replicas" in err
     assert err.count("; 0 steps redone") == 2, err
-    summary = exactness.check(
-        logs, exactness.complete_checkpoints(store / "test" / "job"),
-        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
-        lambda world, rank: reference_batches(table_uri, {}, world, rank))
-    assert [w.size for w in summary.worlds] == [2, 4, 3], summary
     # Asked ahead, each world drained at the step --scale-at named (the trainers were still
     # importing or several steps short of it when the coordinator got the request).
-    assert [w.resume_step for w in summary.worlds[1:]] == [8, 14], summary
+    summary = exact_2_4_3(logs, store, table_uri)
     assert "world 0 drained at global step 8;" in err and "world 1 drained at global step 14;" in err
     assert [w.ended for w in summary.worlds] == [exactness.DRAINED, exactness.DRAINED, exactness.END], summary
     assert summary.replayed == 0, summary
@@ -263,12 +271,7 @@ def test_an_in_place_rescale_2_to_4_to_3_keeps_the_processes_that_stay_and_is_ex
                      r"[0-9.]+ s \([0-9.-]+ s after the drain\)", err), err
     assert re.search(r"rescale 4 -> 3 replicas in place at global step 14: .* first batch after [0-9.]+ s", err), err
     assert err.count("; 0 steps redone") == 2, err
-    summary = exactness.check(
-        logs, exactness.complete_checkpoints(store / "test" / "job"),
-        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
-        lambda world, rank: reference_batches(table_uri, {}, world, rank))
-    assert [w.size for w in summary.worlds] == [2, 4, 3], summary
-    assert [w.resume_step for w in summary.worlds[1:]] == [8, 14], summary
+    summary = exact_2_4_3(logs, store, table_uri)
     assert summary.replayed == 0, summary
     starts = {}
     for path in sorted(logs.glob("w*-r*.jsonl")):
