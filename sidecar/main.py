@@ -612,14 +612,14 @@ def serve_world(sidecar: Sidecar) -> tuple[int, contract.Report]:
     return (2 if failure else 0), report
 
 
-def finish(sidecar: Sidecar, report: contract.Report, state: str = membership.ENDED) -> None:
+def finish(sidecar: Sidecar, report: contract.Report) -> None:
     """The sidecar ends: its plans, coordinator and world file say so; the report is written."""
     log.info("peak RSS %.0f MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if sidecar.builder is not None:
         sidecar.builder.close()
     if sidecar.coordinator is not None:
         sidecar.coordinator.close()
-    tell_world(sidecar, state)
+    tell_world(sidecar, membership.ENDED)
     write_report(sidecar.settings.termination_log, report)
 
 
@@ -715,9 +715,9 @@ def run(settings: SidecarSettings) -> int:
     terms: list[float] = []
     current: list[Sidecar] = []
 
-    def on_term(*_: object) -> None:
-        terms.append(time.monotonic())
-        if not current:
+    def act_on_terms() -> None:
+        """What the SIGTERMs so far ask of the world now served (none yet: once it serves)."""
+        if not terms or not current:
             return
         sidecar = current[0]
         if (len(terms) > 1 or sidecar.failure is not None or sidecar.server.member is None
@@ -725,6 +725,10 @@ def run(settings: SidecarSettings) -> int:
             sidecar.server.stopping.set()
         else:
             sidecar.server.preempt_requested = True
+
+    def on_term(*_: object) -> None:
+        terms.append(time.monotonic())
+        act_on_terms()
 
     def on_int(*_: object) -> None:
         terms.extend([time.monotonic()] * 2)
@@ -747,8 +751,7 @@ def run(settings: SidecarSettings) -> int:
                 "error": f"the sidecar cannot start: {type(exc).__name__}: {exc}", "permanent": False})
             return 2
         current[:] = [sidecar]
-        if terms:  # a SIGTERM while it prepared: ask the world to drain as soon as it serves
-            on_term()
+        act_on_terms()  # a SIGTERM while it prepared: ask the world to drain as soon as it serves
         try:
             code, report = serve_world(sidecar)
             following = next_world(sidecar, report, stopping=bool(terms)) if code == 0 else None
@@ -761,8 +764,7 @@ def run(settings: SidecarSettings) -> int:
             finally:
                 serving.flush(sidecar.server.context)  # the last replies go out: the process exits next
             return code
-        tell_world(sidecar, membership.CHANGING)
-        carried, settings = carry(sidecar, report), following
+        carried, settings = carry(sidecar, report), following  # the world file says CHANGING (on_drain)
 
 
 def _leave(settings: SidecarSettings, carried: Carried | None) -> None:
@@ -773,9 +775,7 @@ def _leave(settings: SidecarSettings, carried: Carried | None) -> None:
             carried.builder.close()
         if carried.coordinator is not None:
             carried.coordinator.close()
-    membership.write(settings.socket_dir, membership.World(
-        epoch=settings.world_epoch, state=membership.LEFT, rank=settings.rank, world_size=0,
-        replicas=0, master_addr=settings.master_addr, master_port=settings.master_port))
+    write_world(settings, membership.LEFT)
     report: contract.Report = carried.report if carried is not None else {
         "globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
         "error": None, "permanent": False}
