@@ -239,6 +239,17 @@ def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, log
     return world
 
 
+def new_world(job: specs.JobSpec, epoch: int, ports: tuple[int, int] | None) -> World:
+    """World `epoch`, no processes yet: in place on the pair of `ports` (membership.world_port),
+    else on fresh ports of its own."""
+    if ports is not None:
+        master_port = membership.world_port(ports[0], epoch)
+        coordinator = f"tcp://127.0.0.1:{membership.world_port(ports[1], epoch)}"
+    else:
+        master_port, coordinator = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    return World(epoch, job, coordinator, [], [], [], [], time.monotonic(), None, master_port, ports=ports)
+
+
 AGENT = [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--"]
 """`splitfeed run --`: what an in-place job's trainer container runs (trainer_client.agent)."""
 
@@ -252,13 +263,8 @@ def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, 
 
     `ports`: an in-place run, its trainers under the agent; `replicas` (into `into`): only
     those, the new pods of an in-place scale-up."""
-    if ports is not None:
-        master_port = membership.world_port(ports[0], epoch)
-        coordinator = f"tcp://127.0.0.1:{membership.world_port(ports[1], epoch)}"
-    else:
-        master_port, coordinator = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    world = into or World(epoch, job, coordinator, [], [], [], [], time.monotonic(), None, master_port,
-                          ports=ports)
+    world = into or new_world(job, epoch, ports)
+    master_port = world.master_port
     for replica in replicas if replicas is not None else range(job.replicas):
         socket_dir = work / f"w{epoch}-replica-{replica}"
         socket_dir.mkdir()
@@ -569,9 +575,7 @@ def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, 
                  + (f"world {world.epoch} drains at global step {world.drain_to[0]}" if world.drain_to
                     else f"asking world {world.epoch} to drain"))
     asked = time.monotonic()
-    nxt = World(world.epoch + 1, job, f"tcp://127.0.0.1:{membership.world_port(world.ports[1], world.epoch + 1)}",
-                [], [], [], [], asked, None, membership.world_port(world.ports[0], world.epoch + 1),
-                ports=world.ports)
+    nxt = new_world(job, world.epoch + 1, world.ports)
     kept = min(old, replicas)
     per = job.gpus_per_replica
     nxt.sidecars, nxt.trainers = world.sidecars[:kept], world.trainers[:kept * per]

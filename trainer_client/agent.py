@@ -74,8 +74,13 @@ class Spare:
         self._argv = list(argv)
         self.process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def wanted(self) -> bool:
+        """No spare yet, and the command is one that can have one."""
+        return self.process is None and warmable(self._argv)
+
     def prepare(self) -> None:
-        if self.process is None and warmable(self._argv):
+        if self.wanted:
             self.process = subprocess.Popen([self._argv[0], "-c", WARM, *self._argv[1:]],
                                             stdin=subprocess.PIPE, env=dict(os.environ))
 
@@ -94,9 +99,6 @@ class Spare:
             with contextlib.suppress(OSError):
                 spare.stdin.close()  # an empty line: it exits 0
             spare.wait()
-
-
-_NONE = membership.World(epoch=-1, state="", rank=0, world_size=0, replicas=0, master_addr="", master_port=0)
 
 
 def run(argv: Sequence[str], socket_dir: Path) -> int:
@@ -131,8 +133,8 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
         while child[0].poll() is None:
             # Once the script is well past its own start (the spare's imports would slow its
             # first steps), or once a change is announced, the next world's interpreter imports.
-            settled = time.monotonic() - started > SPARE_AFTER_S
-            if not stopping and (settled or (membership.read(socket_dir) or _NONE).state == membership.CHANGING):
+            if not stopping and spare.wanted and (time.monotonic() - started > SPARE_AFTER_S
+                                                  or membership.changing(socket_dir)):
                 spare.prepare()
             time.sleep(WATCH_S)
         code = child[0].returncode

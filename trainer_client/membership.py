@@ -166,6 +166,12 @@ def trained(directory: Path, local_rank: int) -> int | None:
         return None
 
 
+def changing(directory: Path) -> bool:
+    """The sidecar said a next world follows the one it serves."""
+    world = read(directory)
+    return world is not None and world.state == CHANGING
+
+
 def next_world(directory: Path, after: int, timeout_s: float, poll_s: float = 0.01) -> World | None:
     """After a trainer of world `after` stopped: the world to start next, or None.
 
