@@ -1,7 +1,7 @@
 """Trainers that stop early (issue 21): a normal end, or a failure naming the ranks; never a hang.
 
 Every job: 2 replicas, numSplits 24, globalBatchSize 48, one epoch (20 global steps), real
-DDP trainers (tests/e2e/stopping_trainer.py: the README's loop, gloo) that checkpoint every
+DDP trainers (tests/e2e/trainer.py with `--stop-after`: the README's loop, gloo) that checkpoint every
 3 steps and return after global step 4 (`--stop-after 5`, a max_steps loop), with and
 without `client.close()`. The end-to-end cluster runs sidecars as plain containers
 (`--sidecar-mode container`): nobody stops a sidecar whose trainer returned but the
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 ENDED_WITHIN_S = 30.0
 """Issue 21: from the last trainer's return to the job's end, with its pods stopped."""
-TRAINER = Path(__file__).with_name("stopping_trainer.py")
+TRAINER = Path(__file__).with_name("trainer.py")
 
 
 def start(cluster: Cluster, name: str, *trainer_args: str, **kw: Any) -> None:

@@ -1,6 +1,7 @@
 """The trainer container of the end-to-end tests: a real synchronous data-parallel trainer.
 
     python trainer.py LOG_DIR [--sleep-s S] [--checkpoint-every K] [--timeout-s T] [--log-column C]...
+                      [--in-place] [--stop-after N [--stop-rank R [--peers-wait]]] [--no-close]
 
 The pods' `trainer` container runs this (the test kubelet runs it as a local
 process). It is what a user writes: torch.distributed with gloo on CPU
@@ -18,6 +19,11 @@ gradient all-reduce every step, and the README's loop exactly:
             client.commit(step)                            # the step may now be resumed
             if client.drained: break
     client.close()
+
+Most training scripts also stop at a `max_steps` (issue 21): `--stop-after N` returns after
+global step N - 1 (only rank R with `--stop-rank R`: the others go on into an all-reduce that
+rank R never joins, where gloo raises at once; `--peers-wait` makes them wait instead, as
+NCCL's all-reduce does), and `--no-close` leaves `client.close()` out, as many scripts do.
 
 There is no barrier or collective of its own around checkpoints: every rank must
 see `checkpoint_requested` on the same step because the sidecars agreed on it
@@ -41,7 +47,8 @@ with "t" (time.time()), each flushed before the next batch is asked for:
     {"event": "checkpoint", "step": <steps completed>, "drained": bool, "model": <digest>}
     {"event": "checkpoint-failed", "step": <steps completed>, "error": "..."}
     {"event": "model-missing", "step": <resume step>, "path": "..."}
-    {"event": "exit", "reason": "drained" | "end"}
+    {"event": "waiting", "step": <global step>}  (--peers-wait: the collective that never completes)
+    {"event": "exit", "reason": "drained" | "end" | "stopped"}
 
 `requested` is `client.checkpoint_requested` right after the step, `model` a
 digest of the parameters (equal on every rank: DDP). `--sleep-s` paces the
@@ -95,6 +102,11 @@ def main() -> int:
     parser.add_argument("--log-column", action="append", default=[], help="also log this column's values")
     parser.add_argument("--in-place", action="store_true",
                         help="follow an in-place rescale in this process (client.rejoin), as the README shows")
+    parser.add_argument("--stop-after", type=int, default=None, help="return after global step N - 1")
+    parser.add_argument("--stop-rank", type=int, default=None, help="only this rank returns (--stop-after)")
+    parser.add_argument("--peers-wait", action="store_true",
+                        help="with --stop-rank: the other ranks wait for ever after step N - 1 (NCCL)")
+    parser.add_argument("--no-close", action="store_true", help="return without client.close()")
     args = parser.parse_args()
     models = args.log_dir / "models"
     models.mkdir(parents=True, exist_ok=True)
@@ -121,7 +133,8 @@ def main() -> int:
         joined = time.time()
         membership.init_process_group(world, "gloo", timeout_s=args.timeout_s)  # a store of its own
         startup = {"rejoin": joined - began, "rendezvous": time.time() - joined}
-    client.close()
+    if not args.no_close:
+        client.close()
     dist.destroy_process_group()
     return code
 
@@ -180,6 +193,14 @@ def train_world(client: StreamClient, module: torch.nn.Module, args: argparse.Na
             if client.drained:
                 reason = "drained"
                 break
+        if args.stop_after is not None and step + 1 >= args.stop_after:
+            if args.stop_rank in (None, rank):
+                reason = "stopped"  # a max_steps loop
+                break
+            if args.peers_wait:
+                record(event="waiting", step=step)
+                while True:  # the next all-reduce, which the returned rank never joins
+                    time.sleep(1)
     record(event="exit", reason=reason)
     log.close()
     return 0
