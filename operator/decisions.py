@@ -60,6 +60,10 @@ class Decision:
     notify: tuple[str, str, str] | None = None
     """(coordinator address, token, reason): also send the drain straight to the world's
     coordinator (worlds.request_drain), after the annotations; best effort, it may be lost."""
+    notify_replicas: int = 0
+    """With `notify`: > 0 asks the world to change in place to that many replicas."""
+    label: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    """Pod name -> labels to set (a kept pod moved to the next world in place); after annotate."""
 
 
 def is_terminal(status: Mapping[str, Any]) -> bool:
@@ -78,18 +82,30 @@ class Ctx:
 
     def __init__(self, job: specs.JobSpec, status: Mapping[str, Any], pods: Sequence[views.Pod],
                  owner: planning.Owner, settings: planning.Settings, now: datetime.datetime,
-                 generation: int | None) -> None:
+                 generation: int | None, next_world: Mapping[str, Any] | None = None) -> None:
         self.job, self.status, self.owner, self.settings, self.now = job, status, owner, settings, now
         self.found = views.Status.parse(status)
         """The status as this decision found it (typed); `value` reads it as the patch leaves it."""
         self.generation = generation
         self.epoch: int | None = self.found.world_epoch
         self.pods = list(pods)
-        self.world = [p for p in self.pods if self.epoch is not None and p.epoch == self.epoch]
-        self.stale = [p for p in self.pods if p not in self.world]
+        self.next_world = next_world
+        """In place: the `status` answer of the next world's coordinator, once it serves."""
+        self.world = [p for p in self.pods if self.epoch is not None and (p.epoch == self.epoch or self._kept(p))]
+        changing = job.in_place and bool((status.get("drain") or {}).get("inPlace"))
+        self.ahead = [p for p in self.pods if changing and self.epoch is not None and p.epoch == self.epoch + 1]
+        """Pods created ahead for the world that follows in place (a scale-up's new replicas)."""
+        self.stale = [p for p in self.pods if p not in self.world and p not in self.ahead]
         self.conds: list[dict[str, Any]] = [dict(c) for c in status.get("conditions") or []]
         self.patch: dict[str, Any] = {}
         self.events: list[Event] = []
+
+    def _kept(self, p: views.Pod) -> bool:
+        """A pod that stayed through an in-place change whose world label the operator has not
+        yet moved on (it crashed in between): it runs this world (docs/pod-contract.md)."""
+        return (self.job.in_place and self.epoch is not None and p.epoch is not None and p.epoch < self.epoch
+                and p.replica is not None and p.replica < self.found.replicas and not p.terminated
+                and p.name == planning.pod_name_of(self.job, self.epoch, p.replica))
 
     @property
     def world_epoch(self) -> int:

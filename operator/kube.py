@@ -214,6 +214,10 @@ class Kube:
                          {"metadata": {"annotations": dict(annotations)}},
                          _content_type=MERGE_PATCH, ok=(404,))
 
+    async def label_pod(self, namespace: str, name: str, labels: Mapping[str, str]) -> None:
+        await self._call(self.core.patch_namespaced_pod, name, namespace, {"metadata": {"labels": dict(labels)}},
+                         _content_type=MERGE_PATCH, ok=(404,))
+
     async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> bool:
         """Delete the pod; with `uid`, only that very pod (a same-named successor is left alone)."""
         body = {"preconditions": {"uid": uid}} if uid else None

@@ -28,7 +28,7 @@ from typing import Any
 
 from splitfeed.trainer_client import specs
 
-from . import admission, conditions, endings, planning, rescaling, restarting, views
+from . import admission, conditions, endings, inplace, planning, rescaling, restarting, views
 from .decisions import (
     FAILED,
     PENDING,
@@ -58,15 +58,19 @@ def decide(
     settings: planning.Settings,
     now: datetime.datetime,
     generation: int | None = None,
+    next_world: Mapping[str, Any] | None = None,
 ) -> Decision:
-    """The next step for `job` (already parsed; its replica count may still be invalid)."""
+    """The next step for `job` (already parsed; its replica count may still be invalid).
+    `next_world`: during an in-place change, the next world's coordinator's `status` answer."""
     # A pod that carries the job's labels but another controller is never touched.
     owned = [p for p in views.parse_pods(pods) if p.controller == owner.uid]
-    c = Ctx(job, status, owned, owner, settings, now, generation)
+    c = Ctx(job, status, owned, owner, settings, now, generation, next_world)
     if is_terminal(status):
         return c.decision("Finished", delete=[p.name for p in c.world if not p.stopped and not p.deleting])
     problem = _validate(c)
     drain = rescaling.drain_of(c)
+    if drain and inplace.changing(drain):
+        return inplace.step(c, drain, problem)
     if drain:
         return rescaling.drain_step(c, drain, problem)
     if c.epoch is None or c.found.phase == SUSPENDED:
@@ -110,7 +114,7 @@ def _idle_step(c: Ctx, problem: admission.Rejected | None) -> Decision:
 
 def _running_step(c: Ctx, problem: admission.Rejected | None) -> Decision:
     job, epoch, replicas = c.job, c.world_epoch, c.found.replicas
-    expected = {planning.pod_name(job.name, epoch, r) for r in range(replicas)}
+    expected = {planning.pod_name_of(job, epoch, r) for r in range(replicas)}
     present = {p.name for p in c.world}
     restarting.note_disruption(c)
     over_budget = restarting.count_container_restarts(c)
@@ -138,6 +142,8 @@ def _running_step(c: Ctx, problem: admission.Rejected | None) -> Decision:
     if job.suspend:
         return rescaling.request_drain(c, "Suspend", replicas, "spec.suspend is true")
     if job.replicas != replicas and problem is None:
+        if job.in_place:
+            return inplace.request(c, job.replicas)
         return rescaling.request_drain(c, "Rescale", job.replicas, f"replicas {replicas} -> {job.replicas}")
     # Steady state: make sure the world is whole (objects may be missing after a restart).
     c.patch["phase"] = RUNNING
@@ -159,7 +165,7 @@ def _running_step(c: Ctx, problem: admission.Rejected | None) -> Decision:
                       if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     elif not expected - present:
         _creation_succeeded(c, epoch)
-    return c.decision(RUNNING, create=create, requeue_s=requeue)
+    return c.decision(RUNNING, create=create, requeue_s=requeue, label=inplace.relabel(c))
 
 
 def _creation_succeeded(c: Ctx, epoch: int) -> None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from splitfeed.trainer_client import contract, progress, worlds
+from splitfeed.trainer_client import contract, progress, specs, worlds
 
 from . import decisions, endings, kube, planning
 
@@ -207,7 +207,11 @@ class Poller:
             return {}, []
         self.last[key] = time.monotonic()
         pods = await k.list_pods(namespace, name)
-        address = coordinator_of(status, pods)
+        epoch = status.get("worldEpoch")
+        if (body.get("spec") or {}).get("rescale") == specs.IN_PLACE and isinstance(epoch, int):
+            address = planning.in_place_coordinator(name, epoch, pods)  # by name: labels follow a change late
+        else:
+            address = coordinator_of(status, pods)
         answer = await asyncio.to_thread(worlds.request_status, address) if address else None
         patch, events = self.observe(key, status, answer, datetime.datetime.now(datetime.timezone.utc))
         if patch:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from splitfeed.trainer_client import contract, specs
+from splitfeed.trainer_client import contract, membership, specs
 
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
@@ -94,8 +94,21 @@ def controller_uid(obj: Mapping[str, Any]) -> str | None:
     return None
 
 
-def pod_name(job: str, world_epoch: int, replica: int) -> str:
-    return f"{job}-w{world_epoch}-{replica}"
+def pod_name(job: str, world_epoch: int, replica: int, in_place: bool = False) -> str:
+    """`<job>-w<epoch>-<replica>`; `<job>-r<replica>` when pods outlive their world
+    (spec.rescale inPlace): a kept pod's name, hostname and DNS name never change."""
+    return f"{job}-r{replica}" if in_place else f"{job}-w{world_epoch}-{replica}"
+
+
+def pod_name_of(job: specs.JobSpec, world_epoch: int, replica: int) -> str:
+    return pod_name(job.name, world_epoch, replica, job.in_place)
+
+
+def world_port(job: specs.JobSpec, base: int, world_epoch: int) -> int:
+    """A world's rendezvous or coordinator port: fixed, or alternating between consecutive
+    worlds in place (trainer_client.membership.world_port), so a kept pod's next world
+    never meets a store or coordinator its last one still holds open."""
+    return membership.world_port(base, world_epoch) if job.in_place else base
 
 
 def config_map_name(job: str) -> str:
@@ -151,9 +164,10 @@ def service(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": job_selector(job.name),
             "publishNotReadyAddresses": True,
-            "ports": [{"name": "rendezvous", "port": contract.MASTER_PORT, "targetPort": contract.MASTER_PORT},
-                      {"name": "coordinator", "port": contract.COORDINATOR_PORT,
-                       "targetPort": contract.COORDINATOR_PORT}],
+            "ports": [{"name": f"{name}{suffix}", "port": port, "targetPort": port}
+                      for suffix, epoch in ([("", 0), ("-odd", 1)] if job.in_place else [("", 0)])
+                      for name, port in (("rendezvous", world_port(job, contract.MASTER_PORT, epoch)),
+                                         ("coordinator", world_port(job, contract.COORDINATOR_PORT, epoch)))],
         },
     }
 
@@ -172,7 +186,8 @@ def pod_env(job: specs.JobSpec, world_epoch: int, replica: int) -> contract.Env:
     """Environment both containers get (docs/pod-contract.md, "Environment")."""
     return contract.rank_env(
         world_size=job.world_size, gpus_per_replica=job.gpus_per_replica, replica=replica, local_rank=0,
-        master_addr=f"{pod_name(job.name, world_epoch, 0)}.{job.name}", master_port=contract.MASTER_PORT,
+        master_addr=f"{pod_name_of(job, world_epoch, 0)}.{job.name}",
+        master_port=world_port(job, contract.MASTER_PORT, world_epoch),
         socket_dir=contract.SOCKET_DIR, world_epoch=world_epoch)
 
 
@@ -184,7 +199,7 @@ def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str,
             "PET_NPROC_PER_NODE": job.gpus_per_replica,
             "PET_NODE_RANK": replica,
             "PET_MASTER_ADDR": env[contract.MASTER_ADDR],
-            "PET_MASTER_PORT": contract.MASTER_PORT,
+            "PET_MASTER_PORT": env[contract.MASTER_PORT_ENV],
         })
     return env
 
@@ -215,15 +230,28 @@ def shared_mounts(job: specs.JobSpec, trainer_mounts: list[dict[str, Any]]) -> l
     return out
 
 
-def coordinator_address(job: str, world_epoch: int) -> str:
+def coordinator_address(job: specs.JobSpec, world_epoch: int) -> str:
     """SPLITFEED_COORDINATOR: replica 0's sidecar, by its stable name under the headless Service."""
-    return f"tcp://{pod_name(job, world_epoch, 0)}.{job}:{contract.COORDINATOR_PORT}"
+    return (f"tcp://{pod_name_of(job, world_epoch, 0)}.{job.name}:"
+            f"{world_port(job, contract.COORDINATOR_PORT, world_epoch)}")
 
 
-def coordinator_at(pod_ip: str) -> str:
+def coordinator_at(pod_ip: str, port: int = contract.COORDINATOR_PORT) -> str:
     """The coordinator by replica 0's pod IP: what the operator dials (it may not resolve pod DNS)."""
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
-    return f"tcp://{host}:{contract.COORDINATOR_PORT}"
+    return f"tcp://{host}:{port}"
+
+
+def in_place_coordinator(job: str, world_epoch: int, pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """Where world `world_epoch` of an in-place job coordinates: replica 0's pod (its name never
+    changes) at that world's port; None while the pod has no IP."""
+    name = pod_name(job, world_epoch, 0, in_place=True)
+    for p in pods:
+        status = p.get("status") or {}
+        if (p.get("metadata") or {}).get("name") == name and status.get("podIP") \
+                and status.get("phase") in ("Pending", "Running"):
+            return coordinator_at(str(status["podIP"]), membership.world_port(contract.COORDINATOR_PORT, world_epoch))
+    return None
 
 
 def sidecar_container(
@@ -249,7 +277,7 @@ def sidecar_container(
     env = {
         **pod_env(job, world_epoch, replica),
         **contract.sidecar_env(
-            coordinator=coordinator_address(job.name, world_epoch), job_uid=job_uid, resume_step=resume_step,
+            coordinator=coordinator_address(job, world_epoch), job_uid=job_uid, resume_step=resume_step,
             table_version=table_version, config_checksum=config_checksum(job)),
         contract.METRICS_PORT_ENV: str(contract.METRICS_PORT),
         # Its only writable directory (the root file system is read-only): multiprocessing's
@@ -429,7 +457,7 @@ def pod(
     template = copy.deepcopy(dict(job.trainer.template))
     tmeta = template.get("metadata") or {}
     spec: dict[str, Any] = template.get("spec") or {}
-    name = pod_name(job.name, world_epoch, replica)
+    name = pod_name_of(job, world_epoch, replica)
     labels = {
         **(tmeta.get("labels") or {}),
         contract.LABEL_JOB: job.name,

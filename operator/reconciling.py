@@ -61,7 +61,7 @@ def _now() -> datetime.datetime:
 
 
 def _changes(d: lifecycle.Decision) -> bool:
-    return bool(d.status or d.create or d.annotate or d.delete)
+    return bool(d.status or d.create or d.annotate or d.delete or d.label)
 
 
 Seen = Callable[[dict[str, Any], datetime.datetime], None]
@@ -109,7 +109,7 @@ async def reconcile(ctx: Context, namespace: str, name: str, seen: Seen | None =
 
 
 def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[dict[str, Any]],
-                now: datetime.datetime) -> lifecycle.Decision:
+                now: datetime.datetime, next_world: dict[str, Any] | None = None) -> lifecycle.Decision:
     """Parse and decide: pure work, run in a worker thread."""
     meta, status = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
@@ -118,7 +118,8 @@ def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[di
     except admission.Rejected as exc:
         return lifecycle.rejected(status, exc, now=now, generation=generation)
     owner = planning.Owner(name=meta["name"], uid=meta["uid"])
-    return lifecycle.decide(job, status, pods, owner=owner, settings=settings, now=now, generation=generation)
+    return lifecycle.decide(job, status, pods, owner=owner, settings=settings, now=now, generation=generation,
+                            next_world=next_world)
 
 
 async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[lifecycle.Decision, dict[str, str]]:
@@ -127,9 +128,27 @@ async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[lifecycle.Decisio
     pods = await ctx.kube.list_pods(meta["namespace"], meta["name"])
     uids = {str(p["metadata"]["name"]): str(p["metadata"].get("uid")) for p in pods
             if (p["metadata"].get("uid"))}
+    # A socket and a short wait: a worker thread, like the planning below.
+    answer = await asyncio.to_thread(_ask_next_world, body, pods)
     # Planning a world of many pods is CPU work: never on Kopf's event loop.
-    decision = await asyncio.to_thread(_decide_now, ctx.settings, body, pods, _now())
+    decision = await asyncio.to_thread(_decide_now, ctx.settings, body, pods, _now(), answer)
     return decision, uids
+
+
+NEXT_WORLD_WAIT_S = 0.3
+"""How long a look at a change in place waits for the next world's coordinator (it looks again soon)."""
+
+
+def _ask_next_world(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """During a change in place: the next world's coordinator's `status` answer, once it serves
+    (replica 0's pod, the port of the next world); None otherwise (operator/inplace.py)."""
+    status = body.get("status") or {}
+    drain = status.get("drain") or {}
+    epoch = status.get("worldEpoch")
+    if not drain.get("inPlace") or not isinstance(epoch, int):
+        return None
+    address = planning.in_place_coordinator(body["metadata"]["name"], epoch + 1, pods)
+    return worlds.request_status(address, timeout_s=NEXT_WORLD_WAIT_S) if address else None
 
 
 class _Refused(errors.SplitfeedError):
@@ -177,9 +196,11 @@ async def _apply(ctx: Context, body: dict[str, Any], d: lifecycle.Decision, uids
                                                      exc.reason, exc.message)) from exc
     for pod, annotations in d.annotate.items():
         await ctx.kube.annotate_pod(namespace, pod, annotations)
+    for pod, labels in d.label.items():
+        await ctx.kube.label_pod(namespace, pod, labels)
     if d.notify is not None:
         # Blocks up to a second on a socket: a worker thread, so Kopf's loop runs on.
-        state = await asyncio.to_thread(worlds.request_drain, *d.notify)
+        state = await asyncio.to_thread(worlds.request_drain, *d.notify, replicas=d.notify_replicas)
         log.log(logging.INFO if state else logging.DEBUG, "%s/%s: drain request to %s: %s", namespace, name,
                 d.notify[0], f"acknowledged ({state})" if state else "no answer (the annotation still asks)")
     for pod in d.delete:

@@ -40,12 +40,17 @@ from .decisions import (
 )
 
 
+NOT_IN_PLACE = {"inPlace": None, "askedAt": None}
+"""Merged into a status.drain patch that replaces a change in place (a merge patch keeps keys it omits)."""
+
+
 def replace_world(c: Ctx, reason: str, msg: str, type_: Literal["Normal", "Warning"]) -> Decision:
     """Record a drain already past its checkpoint (status first), then delete the whole world."""
     epoch = c.world_epoch
     c.patch.update(phase=RESCALING, drain={
         "reason": reason, "step": REMOVING_OLD_WORLD, "token": token(reason, epoch),
         "requestedAt": conditions.timestamp(c.now), "targetReplicas": c.found.replicas,
+        **NOT_IN_PLACE,
     })
     event = {"Restart": "WorldFailed", "Disrupted": "WorldDisrupted"}.get(reason, "WorldDrained")
     c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, msg)
@@ -117,10 +122,11 @@ def request_drain(c: Ctx, reason: str, target: int, why: str) -> Decision:
 
 def _notify(c: Ctx, drain_token: str, reason: str) -> tuple[str, str, str] | None:
     """The fast path to the world's coordinator, once replica 0's pod has an IP and still runs."""
-    first = planning.pod_name(c.job.name, c.world_epoch, 0)
+    first = planning.pod_name_of(c.job, c.world_epoch, 0)
     pod = next((p for p in c.world if p.name == first and not p.terminated), None)
     ip = pod.pod_ip if pod is not None else None
-    return (planning.coordinator_at(str(ip)), drain_token, reason.lower()) if ip else None
+    port = planning.world_port(c.job, contract.COORDINATOR_PORT, c.world_epoch)
+    return (planning.coordinator_at(str(ip), port), drain_token, reason.lower()) if ip else None
 
 
 def _annotations(c: Ctx, drain_token: str) -> dict[str, dict[str, str]]:
@@ -151,6 +157,10 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
     if step == STARTING_NEW_WORLD:
         return _finish_start(c, drain)
     if not c.world:
+        if c.job.in_place and c.stale:  # pods are named by replica: the next world's must not meet them
+            c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD,
+                   f"waiting for {len(c.stale)} pods of earlier worlds to be gone")
+            return c.decision(REMOVING_OLD_WORLD, requeue_s=POLL_S / 2)
         return _after_removal(c, drain, problem)
     if step != REMOVING_OLD_WORLD and finished_first(c):
         return _job_finished(c, drain)
@@ -162,7 +172,7 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
         if step != REMOVING_OLD_WORLD:
             if done == len(c.world):
                 c.events.append(Event("Normal", "Drained", f"all {done} pods of world {epoch} finished"))
-                expected = [planning.pod_name(c.job.name, epoch, r) for r in range(c.found.replicas)]
+                expected = [planning.pod_name_of(c.job, epoch, r) for r in range(c.found.replicas)]
                 _choose_resume_step(c, conditions.agreement(views.raw(c.world), expected))
             else:
                 c.patch["resumeStep"] = None

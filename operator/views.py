@@ -65,8 +65,12 @@ def _containers(status: Mapping[str, Any]) -> tuple[Container, ...]:
 
 
 def _epoch(labels: Mapping[str, Any]) -> int | None:
+    return _label_int(labels, contract.LABEL_EPOCH)
+
+
+def _label_int(labels: Mapping[str, Any], key: str) -> int | None:
     try:
-        return int(labels[contract.LABEL_EPOCH])
+        return int(labels[key])
     except (KeyError, ValueError, TypeError):
         return None
 
@@ -79,6 +83,8 @@ class Pod:
     phase: str
     epoch: int | None
     """The world the pod belongs to (its splitfeed.io/world-epoch label); None if unlabelled."""
+    replica: int | None
+    """Its splitfeed.io/replica label; None if unlabelled."""
     controller: str | None
     """The UID of the object that controls the pod."""
     deleting: bool
@@ -98,7 +104,8 @@ class Pod:
         status = p.get("status") or {}
         return cls(
             name=str(meta.get("name")), phase=str(status.get("phase") or PENDING),
-            epoch=_epoch(meta.get("labels") or {}), controller=planning.controller_uid(p),
+            epoch=_epoch(meta.get("labels") or {}), replica=_label_int(meta.get("labels") or {}, contract.LABEL_REPLICA),
+            controller=planning.controller_uid(p),
             deleting=bool(meta.get("deletionTimestamp")),
             restart_policy=str((p.get("spec") or {}).get("restartPolicy") or "Always"),
             pod_ip=status.get("podIP") or None,

@@ -164,7 +164,10 @@ class Coordinator:
     """Decides the world's drain step; knows the members and the last complete step."""
 
     def __init__(self, *, replicas: int, total_steps: int, resume_step: int,
-                 table_version: int | None = None, watermark: Watermark | None = None) -> None:
+                 table_version: int | None = None, watermark: Watermark | None = None,
+                 world_epoch: int = -1) -> None:
+        self.world_epoch = world_epoch
+        """The world it coordinates (SPLITFEED_WORLD_EPOCH), told in `status` answers."""
         self.watermark = watermark
         """Skip jobs only: which steps exist (see Watermark)."""
         self.candidate: int | None = None
@@ -345,7 +348,7 @@ class Coordinator:
     def on_status_request(self, peer: bytes) -> list[Out]:
         return [Out(peer, Status(**progress.world_status(
             list(self.progress.values()), replicas=self.replicas, total_steps=self.total_steps,
-            resume_step=self.resume_step, drain_step=self.step)))]
+            resume_step=self.resume_step, drain_step=self.step, world_epoch=self.world_epoch)))]
 
     def _freeze(self) -> list[Out]:
         self.phase = FREEZING
@@ -544,8 +547,8 @@ class Member:
         except zmq.Again:
             log.warning("the coordinator at %s is not reading; %s not sent", self.address, message.kind)
 
-    def request_drain(self, token: str, reason: str) -> None:
-        self.send(DrainRequest(token=token, reason=reason))
+    def request_drain(self, token: str, reason: str, replicas: int = 0) -> None:
+        self.send(DrainRequest(token=token, reason=reason, replicas=replicas))
 
     def close(self) -> None:
         self.socket.disable_monitor()

@@ -140,7 +140,7 @@ class RequestWatcher:
     def __init__(self, server: serving.Server, podinfo_dir: Path | None) -> None:
         self._server = server
         self._dir = podinfo_dir
-        self._seen: str | None = None
+        self._seen: tuple[str, int] | None = None
         self._next_check = 0.0
 
     def __call__(self) -> None:
@@ -148,10 +148,25 @@ class RequestWatcher:
         if self._dir is None or now < self._next_check:
             return
         self._next_check = now + 0.5
-        token = read_annotations(self._dir).get(DRAIN_ANNOTATION)
-        if token and token != self._seen:
-            self._seen = token
-            self._server.request_drain(token, token.split("-")[0] or "drain")
+        found = read_annotations(self._dir)
+        token = found.get(DRAIN_ANNOTATION)
+        replicas = _count(found.get(contract.ANNOTATION_DRAIN_REPLICAS))
+        if token and (token, replicas) != self._seen:
+            self._seen = (token, replicas)
+            reason = token.split("-")[0] or "drain"
+            if replicas and self._server.member is not None:  # an in-place rescale (a newer count wins)
+                log.info("asking the world to change in place to %d replicas (token %s)", replicas, token)
+                self._server.member.request_drain(token, reason, replicas=replicas)
+            else:
+                self._server.request_drain(token, reason)
+
+
+def _count(value: object) -> int:
+    """A replica count from an annotation; 0 when absent or not a positive number."""
+    try:
+        return max(0, int(str(value)))
+    except ValueError:
+        return 0
 
 
 def replicas_of(settings: SidecarSettings) -> int:
@@ -446,7 +461,7 @@ def prepare(settings: SidecarSettings, carried: Carried | None = None) -> Sideca
             coordinator = agreement.CoordinatorThread(
                 agreement.Coordinator(replicas=replicas_of(settings), total_steps=steps_per_epoch * data.epochs,
                                       resume_step=resume_step, table_version=int(data.version),
-                                      watermark=watermark),
+                                      watermark=watermark, world_epoch=settings.world_epoch),
                 bind)
             address = address or coordinator.address
             if carried is not None and carried.coordinator is not None:

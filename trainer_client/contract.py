@@ -28,6 +28,8 @@ LABEL_REPLICA = "splitfeed.io/replica"
 LABEL_EPOCH = "splitfeed.io/world-epoch"
 ANNOTATION_DRAIN = "splitfeed.io/drain"
 """The sure path of a drain request: the sidecar reads it through the downward-API file."""
+ANNOTATION_DRAIN_REPLICAS = "splitfeed.io/drain-replicas"
+"""With a drain annotation of an in-place rescale: the replicas of the world that follows in place."""
 ANNOTATION_CHECKSUM = "splitfeed.io/config-checksum"
 
 SIDECAR_NAME = "splitfeed-sidecar"

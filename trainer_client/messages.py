@@ -372,6 +372,8 @@ class Status(Message):
     """The members' filled_rows summed (progress.ROW_COUNTS)."""
     skipped_rows: int
     """The members' skipped_rows summed (progress.ROW_COUNTS)."""
+    world_epoch: int = -1
+    """The world this coordinator runs (-1: not said): how the operator sees an in-place change done."""
 
 
 def decode(frame: bytes) -> Message:

@@ -34,7 +34,7 @@ def checked(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def world_status(members: Sequence[Mapping[str, Any]], *, replicas: int, total_steps: int, resume_step: int,
-                 drain_step: int | None) -> dict[str, Any]:
+                 drain_step: int | None, world_epoch: int = -1) -> dict[str, Any]:
     """The `status` answer: the slowest member's step (synchronous training moves as one), sums of the rest."""
     return {
         "replicas": replicas,
@@ -47,6 +47,7 @@ def world_status(members: Sequence[Mapping[str, Any]], *, replicas: int, total_s
         **{k: sum(int(m.get(k) or 0) for m in members) for k in ROW_COUNTS},
         "buckets": stalls.merge([m["buckets"] for m in members]),
         "drain_step": drain_step,
+        "world_epoch": world_epoch,
     }
 
 

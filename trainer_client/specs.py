@@ -47,6 +47,12 @@ DROPPING = ("skip", "warn")
 skip/warn (the row is dropped; the world agrees where each epoch ends, docs/preprocessing.md)."""
 
 
+RESCALES = ("recreate", "inPlace")
+"""Accepted spec.rescale values: recreate replaces every pod at a rescale; inPlace keeps the
+pods that stay and changes their world at the agreed step (docs/operator.md)."""
+RECREATE, IN_PLACE = RESCALES
+
+
 MAX_TRANSFORM_PARALLELISM = 256
 """More transform threads than that per loader process only adds contention."""
 DEFAULT_TRANSFORM_QUEUE_DEPTH = 4
@@ -187,6 +193,8 @@ class JobSpec:
     """World restarts after pod failures before the job is marked Failed."""
     status_interval_seconds: int = dataclasses.field(default=15, metadata=fields.rule("int", 5))
     """How often the operator asks a running world for its progress (status.progress)."""
+    rescale: str = dataclasses.field(default=RECREATE, metadata=fields.rule("rescale"))
+    """recreate or inPlace: what a change of replicas does to the pods that stay."""
     checkpoint: CheckpointSpec = dataclasses.field(
         default_factory=CheckpointSpec, metadata=fields.rule("section", model=CheckpointSpec))
     sidecar: SidecarSpec = dataclasses.field(default_factory=SidecarSpec, metadata=fields.rule("section", model=SidecarSpec))
@@ -195,6 +203,11 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return topology.world_size(self.replicas, self.gpus_per_replica)
+
+    @property
+    def in_place(self) -> bool:
+        """spec.rescale is inPlace: pods are named by replica alone and outlive a world."""
+        return self.rescale == IN_PLACE
 
     def check_topology(self, replicas: int | None = None) -> None:
         """Raise topology.TopologyError if `replicas` (default: spec's) is invalid."""
@@ -281,8 +294,12 @@ def _json_object(path: str, rule: fields.Rule, value: Any) -> str:
 
 
 def _on_transform_error(path: str, rule: fields.Rule, value: Any) -> str:
-    if value not in ON_TRANSFORM_ERROR:
-        raise SpecError(path, f"must be one of {', '.join(ON_TRANSFORM_ERROR)}, got {value!r}")
+    return _one_of(path, value, ON_TRANSFORM_ERROR)
+
+
+def _one_of(path: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise SpecError(path, f"must be one of {', '.join(allowed)}, got {value!r}")
     return str(value)
 
 
@@ -339,6 +356,7 @@ _READER = fields.Reader(
         "importPath": _import_path,
         "jsonObject": _json_object,
         "onTransformError": _on_transform_error,
+        "rescale": lambda path, rule, value: _one_of(path, value, RESCALES),
         "blocksPerEpoch": _blocks_per_epoch,
         "packSequences": lambda path, rule, value: _pack_sequences(path, value),
     },

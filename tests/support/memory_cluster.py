@@ -59,6 +59,8 @@ class Cluster:
         self.others: dict[str, dict] = {}
         self.now = T0
         self.log: list[lifecycle.Decision] = []
+        self.next_world: dict | None = None
+        """What the next world's coordinator answers `status` with (an in-place change), if it serves."""
 
     @property
     def job(self):
@@ -66,7 +68,7 @@ class Cluster:
 
     def decide(self):
         return lifecycle.decide(self.job, self.status, list(self.pods.values()), owner=OWNER,
-                                settings=SETTINGS, now=self.now, generation=1)
+                                settings=SETTINGS, now=self.now, generation=1, next_world=self.next_world)
 
     def step(self, *, act: bool = True) -> lifecycle.Decision:
         d = self.decide()
@@ -83,6 +85,8 @@ class Cluster:
                     self.others[f'{obj["kind"]}/{obj["metadata"]["name"]}'] = obj
             for name, ann in d.annotate.items():
                 self.pods[name]["metadata"].setdefault("annotations", {}).update(ann)
+            for name, labels in d.label.items():
+                self.pods[name]["metadata"]["labels"].update(labels)
             for name in d.delete:
                 self.pods.pop(name, None)
         return d

@@ -56,7 +56,8 @@ def test_the_documented_labels_and_annotations_are_the_contracts():
     documented = set(re.findall(r"`(splitfeed\.io/[a-z-]+)`", section("Names, labels and annotations")))
     assert documented == values("", "splitfeed.io/") - {contract.API_VERSION}
     assert documented == {contract.LABEL_JOB, contract.LABEL_REPLICA, contract.LABEL_EPOCH,
-                          contract.ANNOTATION_DRAIN, contract.ANNOTATION_CHECKSUM}
+                          contract.ANNOTATION_DRAIN, contract.ANNOTATION_DRAIN_REPLICAS,
+                          contract.ANNOTATION_CHECKSUM}
 
 
 def test_the_documented_volumes_paths_and_ports_are_the_contracts():

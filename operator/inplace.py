@@ -1,0 +1,220 @@
+"""A rescale in place (spec.rescale inPlace): the pods that stay keep running; only the world changes.
+
+Pure; one policy of the life cycle (`rescaling.drain_step` hands a drain marked
+`inPlace` here). From world e of N replicas to world e+1 of M:
+
+1. `request`: status.drain first (reason Rescale, `inPlace`, target M), then the pods
+   of replicas N..M-1 are created for world e+1 while world e still trains (their
+   sidecars wait for world e+1's coordinator, their trainers import meanwhile).
+2. Once those pods run (or READY_WAIT_S after the request), world e is asked to drain
+   with the count M (the `splitfeed.io/drain` and `splitfeed.io/drain-replicas`
+   annotations, and a `drain_request` to its coordinator); `status.drain.askedAt`.
+3. Replica 0's sidecar starts world e+1's coordinator on the other port of a pair
+   (trainer_client.membership.world_port) once every member committed the drain
+   step; the operator learns it from that coordinator's `status` answer
+   (`Ctx.next_world`, fetched by `reconciling`): its world epoch, its replicas, its
+   resume step. Then, in one decision: status (worldEpoch e+1, replicas, resumeStep),
+   the kept pods' world label moved on, pods of replicas >= M deleted (they drained
+   and ended on their own).
+
+Anything else falls back to what `recreate` does: a pod that fails restarts the whole
+world (`restarting.world_failed`, counted against spec.maxRestarts), and no change
+within checkpoint.timeoutSeconds (after the new pods' time to start) replaces the
+world from the newest complete checkpoint. A second change of spec.replicas during the change
+asks again with the new count; the coordinator takes the newest one it was asked for
+before the drain step is committed, and the world that results is what the status says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+from splitfeed.trainer_client import contract
+
+from . import admission, conditions, planning, rescaling, restarting
+from .decisions import (
+    CHECKPOINT_REQUESTED,
+    POLL_S,
+    REMOVING_OLD_WORLD,
+    RESCALING,
+    RUNNING,
+    SUCCEEDED,
+    WAITING_FOR_CHECKPOINT,
+    Ctx,
+    Decision,
+    Event,
+    token,
+)
+
+READY_WAIT_S = 60.0
+"""How long a scale-up waits for its new pods to run before it asks the world to drain
+anyway (the new world then waits for them at its first step)."""
+LOOK_S = 0.5
+"""How soon to look again while a change is under way: the operator learns the new world
+from its coordinator, so the sooner it looks, the sooner the status says so."""
+
+
+def changing(drain: dict[str, Any]) -> bool:
+    """status.drain is a change in place still under way (not one that fell back to a replacement)."""
+    return bool(drain.get("inPlace")) and drain.get("step") in (CHECKPOINT_REQUESTED, WAITING_FOR_CHECKPOINT)
+
+
+def request(c: Ctx, target: int) -> Decision:
+    """spec.replicas changed: record the change, create the new replicas' pods now."""
+    epoch = c.world_epoch
+    drain = {"reason": "Rescale", "step": CHECKPOINT_REQUESTED, "token": token("Rescale", epoch),
+             "requestedAt": conditions.timestamp(c.now), "targetReplicas": target, "inPlace": True}
+    c.patch.update(phase=RESCALING)
+    msg = (f"replicas {c.found.replicas} -> {target} in place: world {epoch}'s pods of replicas "
+           f"0..{min(c.found.replicas, target) - 1} stay and change world at the agreed step")
+    c.events.append(Event("Normal", "RescalingInPlace", msg))
+    return step(c, drain, None)
+
+
+def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
+    """One look at a change in place: done, failed, timed out, or waiting (and asking)."""
+    epoch = c.world_epoch
+    if problem is None and not c.job.suspend and c.job.replicas != drain.get("targetReplicas"):
+        drain["targetReplicas"] = c.job.replicas  # a second scale during the change: ask for the newest
+    target = int(drain["targetReplicas"])
+    answer = c.next_world
+    if answer is not None and answer.get("world_epoch") == epoch + 1:
+        return _changed(c, answer)
+    if _finished(c, target):
+        return _finished_decision(c)
+    failed = [p for p in c.world + c.ahead if p.failed]
+    lost = _lost(c, target)
+    if failed or lost:  # the world is restarted as a whole (the next world's pods go with it)
+        return restarting.world_failed(c, failed, lost)
+    requested = conditions.parse_timestamp(drain["requestedAt"])
+    deadline = requested + datetime.timedelta(seconds=c.job.checkpoint.timeout_seconds + READY_WAIT_S)
+    if c.now >= deadline:
+        return _abandon(c, drain, f"world {epoch + 1} did not start in place by {conditions.timestamp(deadline)} "
+                                  f"(checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds} after the "
+                                  f"new pods' {READY_WAIT_S:g} s to start)")
+    create = _ahead_pods(c, target)
+    ready = all(p.phase == RUNNING for p in c.ahead) and not create
+    asking = bool(drain.get("askedAt")) or ready or c.now >= requested + datetime.timedelta(seconds=READY_WAIT_S)
+    c.patch.update(phase=RESCALING, drain=drain)
+    if not asking:
+        c.cond(conditions.RESCALING, True, CHECKPOINT_REQUESTED,
+               f"starting the pods of replicas {c.found.replicas}..{target - 1} for world {epoch + 1} "
+               f"while world {epoch} trains ({sum(p.phase == RUNNING for p in c.ahead)}/"
+               f"{max(0, target - c.found.replicas)} running)")
+        c.cond(conditions.READY, True, "AllPodsRunning", f"world {epoch} trains while its next world starts")
+        return c.decision(CHECKPOINT_REQUESTED, create=create, requeue_s=LOOK_S)
+    if not drain.get("askedAt"):
+        drain["askedAt"] = conditions.timestamp(c.now)
+        c.events.append(Event("Normal", CHECKPOINT_REQUESTED,
+                              f"asked world {epoch} to drain and go on in place with {target} replicas "
+                              f"(token {drain['token']})"))
+    drain["step"] = WAITING_FOR_CHECKPOINT
+    c.cond(conditions.RESCALING, True, WAITING_FOR_CHECKPOINT,
+           f"world {epoch} drains; world {epoch + 1} follows in place with {target} replicas; "
+           f"giving up at {conditions.timestamp(deadline)}")
+    c.cond(conditions.READY, False, "Draining", f"world {epoch} drains to change in place")
+    return c.decision(WAITING_FOR_CHECKPOINT, create=create, annotate=_annotations(c, drain["token"], target),
+                      notify=_notify(c, drain["token"]), notify_replicas=target, requeue_s=LOOK_S)
+
+
+def relabel(c: Ctx) -> dict[str, dict[str, str]]:
+    """The kept pods whose world label is behind the world they run (after an operator crash)."""
+    return {p.name: {contract.LABEL_EPOCH: str(c.world_epoch)} for p in c.world if p.epoch != c.world_epoch}
+
+
+def _changed(c: Ctx, answer: dict[str, Any] | Any) -> Decision:
+    """The next world's coordinator serves: say so, move the kept pods on, delete those that left."""
+    old, new = c.world_epoch, c.world_epoch + 1
+    replicas, resume = int(answer["replicas"]), int(answer["resume_step"])
+    job = dataclasses.replace(c.job, replicas=replicas)
+    kept = [p for p in c.world if p.replica is not None and p.replica < replicas]
+    added = [p for p in c.ahead if p.replica is not None and p.replica < replicas]
+    gone = [p.name for p in c.world + c.ahead if p not in kept and p not in added and not p.deleting]
+    c.patch.update(phase=RUNNING, drain=None, worldEpoch=new, replicas=replicas, worldSize=job.world_size,
+                   resumeStep=resume)
+    msg = (f"world {old} drained at global step {resume}; world {new} goes on there in place with "
+           f"{replicas} replicas ({len(kept)} pods kept, {len(added)} added, {len(gone)} removed)")
+    c.cond(conditions.RESCALING, False, "RescaledInPlace", msg)
+    c.cond(conditions.READY, True, "AllPodsRunning", f"world {new} runs in place")
+    c.events.append(Event("Normal", "ResumeStepChosen",
+                          f"world {old} drained at step {resume}; world {new} resumes exactly there "
+                          f"(status.resumeStep={resume})"))
+    c.events.append(Event("Normal", "RescaledInPlace", msg))
+    present = {p.name for p in c.pods}
+    objects = planning.world(job, new, c.owner, c.settings, resume, c.table_version)
+    create = [o for o in objects if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
+    label = {p.name: {contract.LABEL_EPOCH: str(new)} for p in kept}
+    return c.decision(RUNNING, create=create, delete=gone, label=label)
+
+
+def _finished(c: Ctx, target: int) -> bool:
+    """The next world ran the job to its end before the operator saw it serve (a short job)."""
+    staying = [p for p in c.world + c.ahead if p.replica is not None and p.replica < target]
+    if not staying or any(p.phase != SUCCEEDED for p in staying):
+        return False
+    reports = [p.final_report for p in staying]
+    if not all(reports):
+        return False
+    total = max(int(r.get("stepsPerEpoch") or 0) for r in reports if r) * c.job.data.epochs
+    return total > 0 and all(int(r.get("globalStep") or 0) >= total and not r.get("error") for r in reports if r)
+
+
+def _finished_decision(c: Ctx) -> Decision:
+    msg = f"world {c.world_epoch + 1} ran the job to its last step in place"
+    c.patch.update(phase=SUCCEEDED, drain=None, worldEpoch=c.world_epoch + 1)
+    c.cond(conditions.RESCALING, False, "JobFinished", msg)
+    c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", msg)
+    c.cond(conditions.READY, False, "Completed", "the job has finished")
+    c.events.append(Event("Normal", "Succeeded", f"{msg}: the job is complete"))
+    return c.decision(SUCCEEDED)
+
+
+def _lost(c: Ctx, target: int) -> list[str]:
+    """Pods of the world that vanished while it changes (a leaving pod that ended may go)."""
+    present = {p.name for p in c.world}
+    return [name for r in range(min(c.found.replicas, target))
+            if (name := planning.pod_name_of(c.job, c.world_epoch, r)) not in present]
+
+
+def _ahead_pods(c: Ctx, target: int) -> list[dict[str, Any]]:
+    """The new replicas' pods of the next world that do not exist yet."""
+    if target <= c.found.replicas or c.creation_wait() > 0:
+        return []
+    job = dataclasses.replace(c.job, replicas=target)
+    present = {p.name for p in c.pods}
+    return [planning.pod(job, c.world_epoch + 1, r, c.owner, c.settings, None, c.table_version)
+            for r in range(c.found.replicas, target)
+            if planning.pod_name_of(job, c.world_epoch + 1, r) not in present]
+
+
+def _annotations(c: Ctx, drain_token: str, target: int) -> dict[str, dict[str, str]]:
+    want = {contract.ANNOTATION_DRAIN: drain_token, contract.ANNOTATION_DRAIN_REPLICAS: str(target)}
+    return {p.name: want for p in c.world if p.live
+            and (p.drain_token, p.raw.get("metadata", {}).get("annotations", {}).get(
+                contract.ANNOTATION_DRAIN_REPLICAS)) != (drain_token, str(target))}
+
+
+def _notify(c: Ctx, drain_token: str) -> tuple[str, str, str] | None:
+    first = planning.pod_name_of(c.job, c.world_epoch, 0)
+    pod = next((p for p in c.world if p.name == first and not p.terminated), None)
+    if pod is None or not pod.pod_ip:
+        return None
+    port = planning.world_port(c.job, contract.COORDINATOR_PORT, c.world_epoch)
+    return planning.coordinator_at(pod.pod_ip, port), drain_token, "rescale"
+
+
+def _abandon(c: Ctx, drain: dict[str, Any], why: str) -> Decision:
+    """The change in place cannot finish: replace the world as `recreate` would, from the
+    newest complete checkpoint (a failure counts against spec.maxRestarts as usual)."""
+    epoch = c.world_epoch
+    msg = f"{why}; replacing world {epoch} and its next world's pods (from the newest complete checkpoint)"
+    c.patch.update(phase=RESCALING, resumeStep=None, drain={
+        "reason": "Rescale", "step": REMOVING_OLD_WORLD, "token": drain["token"],
+        "requestedAt": drain["requestedAt"], "targetReplicas": drain["targetReplicas"], **rescaling.NOT_IN_PLACE})
+    c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, msg)
+    c.cond(conditions.READY, False, "InPlaceFailed", msg)
+    c.events.append(Event("Warning", "InPlaceFailed", msg))
+    every = [p.name for p in c.world + c.ahead if not p.deleting]
+    return c.decision(REMOVING_OLD_WORLD, delete=every, requeue_s=POLL_S / 2)
