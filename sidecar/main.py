@@ -133,13 +133,15 @@ class RequestWatcher:
 
     The slow, sure path (a kubelet refreshes the file on its sync period); the
     operator also asks the coordinator directly. A token present when the
-    sidecar starts belongs to its world (tokens name the world epoch) and counts:
+    sidecar starts belongs to its world (tokens name the world epoch) and counts (one that
+    names another world does not: a pod kept in place keeps its last world's annotation);
     the coordinator ignores a token it has seen.
     """
 
-    def __init__(self, server: serving.Server, podinfo_dir: Path | None) -> None:
+    def __init__(self, server: serving.Server, podinfo_dir: Path | None, world_epoch: int = 0) -> None:
         self._server = server
         self._dir = podinfo_dir
+        self._epoch = world_epoch
         self._seen: tuple[str, int] | None = None
         self._next_check = 0.0
 
@@ -151,7 +153,7 @@ class RequestWatcher:
         found = read_annotations(self._dir)
         token = found.get(DRAIN_ANNOTATION)
         replicas = _count(found.get(contract.ANNOTATION_DRAIN_REPLICAS))
-        if token and (token, replicas) != self._seen:
+        if token and (token, replicas) != self._seen and _token_world(token) in (None, self._epoch):
             self._seen = (token, replicas)
             reason = token.split("-")[0] or "drain"
             if replicas and self._server.member is not None:  # an in-place rescale (a newer count wins)
@@ -159,6 +161,14 @@ class RequestWatcher:
                 self._server.member.request_drain(token, reason, replicas=replicas)
             else:
                 self._server.request_drain(token, reason)
+
+
+def _token_world(token: str) -> int | None:
+    """The world a drain token names (`rescale-w3`: 3); None for a token that names none.
+    A pod kept through an in-place change still carries its last world's token: it asked
+    that world, not this one."""
+    _, sep, epoch = token.rpartition("-w")
+    return int(epoch) if sep and epoch.isdigit() else None
 
 
 def _count(value: object) -> int:
@@ -588,7 +598,7 @@ def serve_world(sidecar: Sidecar) -> tuple[int, contract.Report]:
                      [f.rank for f in server.feeds], settings.world_size, settings.socket_dir,
                      server.resume_step, server.total_steps, settings.world_epoch)
             tell_world(sidecar, membership.SERVING)
-            watcher = RequestWatcher(server, settings.podinfo_dir)
+            watcher = RequestWatcher(server, settings.podinfo_dir, settings.world_epoch)
             reporter = metrics.ProgressReporter(
                 server, sidecar.steps_per_epoch,
                 row_counts=lambda: {"filled_rows": reading.FILLED_ROWS[0],

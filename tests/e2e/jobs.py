@@ -110,7 +110,8 @@ def rescale_latency(cluster: Cluster, name: str, world: int, requested_at: float
     assert agreed is not None, f"world {world} of {name} never logged a drained checkpoint"
     r = Rescale(agreed - requested_at, first - requested_at)
     startup = [rec["startup"] for rec in records(log_dir, world + 1) if rec["event"] == "start"]
-    slowest = {k: max(s[k] for s in startup) for k in startup[0]} if startup else {}
+    # Kept ranks of an in-place change log their rejoin, new ones their imports: each phase's slowest.
+    slowest = {k: max(s.get(k, 0.0) for s in startup) for k in sorted({k for s in startup for k in s})}
     log(f"{name}: {what} latency: request -> world {world}'s agreed checkpoint {r.to_checkpoint:.1f} s, "
         f"-> world {world + 1}'s first batch {r.to_first_batch:.1f} s (its trainers' slowest start, s: {slowest})")
     return r
