@@ -355,7 +355,8 @@ def _iter_planned(
     budget = specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes")
     taken = takes.Takes(table, data.columns, requests(), max(1, budget // max(1, data.num_workers)),
                         clump=data.shuffle_clump_size,
-                        cpus=None if remote(data.uri) else max(1, cgroups.process_cpus() // data.num_workers))
+                        cpus=None if remote(data.uri) else max(1, cgroups.process_cpus() // data.num_workers),
+                        scans=not remote(data.uri))
     try:
         for (first, count), rows in taken:
             for i in range(count):

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +61,41 @@ SHARED_GAP_ROWS = 256
 apart or closer. Measured: 26,400 shuffled rows from spans of 1M, 4M, 16M and 50M rows of
 a 50M-row table took 35, 39, 57 and 120 ms."""
 
+# A scan of the whole table gathers the rows of many requests at once (`scan_rows`): lance
+# scans a narrow table ~150x faster a row than it takes one by id, so where the rows wanted
+# are many against the table's, a scan costs less than their takes. The costs (seconds, on
+# a 2-CPU machine, local disk; docs/architecture.md, "Rows/s as a table grows"):
+TAKE_ROW_S = 1.5e-6
+"""A take by row id, a row: 1.5 us (26,400 shuffled rows of 12 B from a 1M-row table, where
+they share pages; 2.1-4.1 us from a 50M-row table)."""
+TAKE_BYTE_S = 1.0e-9
+"""A take, a byte of its rows (960 rows of 64 KiB: 66-86 us a row)."""
+SCAN_ROW_S = 1.0e-8
+"""A scan with row ids, a row of the table (50M rows of 12 B: 0.39-0.56 s)."""
+SCAN_BYTE_S = 1.0e-10
+"""A scan, a byte of the table's rows (16,384 rows of 64 KiB: 6.6-9 us a row)."""
+GATHER_ROW_S = 1.5e-7
+"""Picking a row out of the scan and putting it where it was asked (a row of 12 B: the
+scan's gather of 2.4M rows of a 50M-row table took 0.54 s with the scan's 0.45 s)."""
+GATHER_BYTE_S = 3.0e-10
+"""Picking a row, a byte of it: copied twice."""
+SCAN_GAIN = 2.0
+"""A scan replaces takes only where it is estimated at least this many times cheaper."""
+SCAN_HELD_BYTES = 112 << 20
+"""What lance holds while it scans, whatever is gathered: its read-ahead of decoded
+batches (measured: a scan of 50M rows of 12 B peaked 96-104 MiB above the process's RSS
+with batches of 32-256K rows, 28 MiB on 1M rows)."""
+SCAN_HELD_PER_BYTE = 3.0
+"""A scan holds its gathered rows about three times at its peak: picked per batch, joined,
+then put in the order asked."""
+SCAN_HELD_PER_ROW = 40
+"""... and ~40 B a row of indexes (the ids sorted, where each was found, the order asked)."""
+SCAN_BATCH_BYTES = 4 << 20
+"""Bytes of a batch a scan asks lance for (rows and row ids): lancedb hands each batch over
+from its event loop's thread (a wake-up and a lock each), so 50M rows of 12 B in batches
+of 64K rows took 0.81 s, of 256K rows 0.68 s; at most SCAN_BATCH_ROWS."""
+SCAN_BATCH_ROWS = 1 << 18
+
 
 _END: Any = object()
 
@@ -85,6 +121,103 @@ def take_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None) -> pa.
             "changed under the reader, or its row ids are not stable")
     rows = got.drop_columns([ROW_ID]).take(pa.array(at))
     return rows.combine_chunks().to_batches(max_chunksize=max(1, len(ids)))[0]
+
+
+def _hits(found_ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(indexes into `wanted`, positions in `found_ids`) of the ids of sorted, unique
+    `wanted` that `found_ids` (a scanned batch's row ids) holds. A batch of one fragment's
+    rows in order (the usual one) is a range of row ids; any other is searched."""
+    n = len(found_ids)
+    first, last = int(found_ids[0]), int(found_ids[-1])
+    if last - first == n - 1:
+        lo, hi = int(np.searchsorted(wanted, first, "left")), int(np.searchsorted(wanted, last, "right"))
+        at = wanted[lo:hi] - first
+        if bool((found_ids[at] == wanted[lo:hi]).all()):
+            return np.arange(lo, hi), at
+    order = np.argsort(found_ids)
+    ordered = found_ids[order]
+    lo = int(np.searchsorted(wanted, ordered[0], "left"))
+    hi = int(np.searchsorted(wanted, ordered[-1], "right"))
+    at = np.searchsorted(ordered, wanted[lo:hi]).clip(0, n - 1)
+    hit = ordered[at] == wanted[lo:hi]
+    return np.arange(lo, hi)[hit], order[at[hit]]
+
+
+def _sorted(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, ids[order]): `ids` sorted, equal ids in the order given. Where the ids leave
+    room, each is packed with its index into one int64 and sorted by value, which numpy
+    does about 1.7x faster than an argsort (1.69M ids: 92 against 152 ms)."""
+    bits = max(1, (len(ids) - 1).bit_length())
+    if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < (1 << (62 - bits)):
+        keys = np.sort((ids << bits) | np.arange(len(ids), dtype=np.int64))
+        return keys & ((1 << bits) - 1), keys >> bits
+    order = np.argsort(ids, kind="stable")
+    return order, ids[order]
+
+
+def scan_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None,
+              row_bytes: float = 12.0) -> pa.RecordBatch:
+    """`take_rows` by one scan of the whole table: each scanned batch gives the rows of
+    `ids` it holds (found by row id, checked), then they are put in the order asked.
+    Cheaper than a take where `ids` are many against the table's rows (`scan_pays`). A row
+    the scan did not find is asked of `take_rows`, which says why it is missing.
+
+    Row ids are compared as int64 (lance's are far below 2^63; the same view on both sides
+    keeps any order consistent), which numpy sorts several times faster than uint64."""
+    query = table.search()
+    if columns:
+        query = query.select(list(columns))
+    batch_rows = int(min(SCAN_BATCH_ROWS, max(1024, SCAN_BATCH_BYTES // max(1.0, row_bytes + 8))))
+    batches = iter(query.with_row_id(True).limit(None).to_batches(batch_size=batch_rows))
+    first_batch = next(batches, None)  # lance reads ahead on its own threads while this sorts
+    asked = np.ascontiguousarray(ids).view(np.int64)
+    order, ordered = _sorted(asked)
+    first = np.ones(len(ordered), dtype=bool)  # the first of each run of one id (epochs may repeat one)
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    wanted = ordered[first]
+    where = np.full(len(wanted), -1, dtype=np.int64)
+    pieces: list[pa.RecordBatch] = []
+    filled = 0
+    for batch in itertools.chain([first_batch] if first_batch is not None else [], batches):
+        if not batch.num_rows or filled == len(wanted):
+            continue
+        index, at = _hits(batch.column(ROW_ID).to_numpy().view(np.int64), wanted)
+        if len(index):
+            pieces.append(batch.drop_columns([ROW_ID]).take(pa.array(at)))
+            where[index] = np.arange(filled, filled + len(index))
+            filled += len(index)
+    if filled != len(wanted) or bool((where < 0).any()):
+        return take_rows(table, ids, columns)
+    rows_at = np.empty(len(asked), dtype=np.int64)
+    rows_at[order] = where if len(wanted) == len(asked) else where[np.cumsum(first) - 1]
+    rows = pa.Table.from_batches(pieces).combine_chunks().take(pa.array(rows_at))
+    return rows.combine_chunks().to_batches(max_chunksize=max(1, len(ids)))[0]
+
+
+def scan_pays(rows: int, bytes_per_row: float, table_rows: int) -> bool:
+    """A scan of the table gathering `rows` rows costs SCAN_GAIN times less than their takes."""
+    take = rows * (TAKE_ROW_S + bytes_per_row * TAKE_BYTE_S)
+    scan = (table_rows * (SCAN_ROW_S + bytes_per_row * SCAN_BYTE_S)
+            + rows * (GATHER_ROW_S + bytes_per_row * GATHER_BYTE_S))
+    return scan * SCAN_GAIN <= take
+
+
+def scan_held(rows: int, bytes_per_row: float) -> float:
+    """What a scan gathering `rows` rows holds at its peak (SCAN_HELD_*)."""
+    return SCAN_HELD_BYTES + rows * (SCAN_HELD_PER_BYTE * bytes_per_row + SCAN_HELD_PER_ROW)
+
+
+def scan_window(budget_bytes: int, bytes_per_row: float, table_rows: int) -> int:
+    """Rows one scan gathers: as many as let it (`scan_held`) and its result, consumed
+    while the next scan runs, fit `budget_bytes`, and no more than make the scan's share
+    of a row's cost as small as its gather's; 0 where a scan of that many does not pay
+    (`scan_pays`: a wide row, a small budget, or a table too large for the budget)."""
+    room = (budget_bytes - SCAN_HELD_BYTES) / (
+        (SCAN_HELD_PER_BYTE + 1) * bytes_per_row + SCAN_HELD_PER_ROW)
+    enough = table_rows * (SCAN_ROW_S + bytes_per_row * SCAN_BYTE_S) / (
+        GATHER_ROW_S + bytes_per_row * GATHER_BYTE_S)
+    rows = int(min(room, max(1.0, enough)))
+    return rows if rows > 0 and scan_pays(rows, bytes_per_row, table_rows) else 0
 
 
 def held_bytes(rows: int, bytes_per_row: float, clump: int = 0) -> float:
@@ -144,11 +277,13 @@ class Takes(Generic[T]):
     On a large table, requests already drawn are taken together (`merged_rows`): lance
     reads a shuffled row with reads and decoding of its own unless its take holds rows
     near it, so a take of more rows costs less a row there (docs/architecture.md, "Rows/s
-    as a table grows"). Each request's rows still come back as one result of its own."""
+    as a table grows"). With `scans`, requests drawn are instead gathered by one scan of
+    the table where that costs less than their takes (`scan_window`, `scan_rows`). Each
+    request's rows still come back as one result of its own."""
 
     def __init__(self, table: Any, columns: Sequence[str] | None,
                  requests: Iterator[tuple[T, np.ndarray] | None], budget_bytes: int, *,
-                 clump: int = 0, cpus: int | None = 1) -> None:
+                 clump: int = 0, cpus: int | None = 1, scans: bool = False) -> None:
         self._table = table
         self._columns = list(columns) if columns else None
         self._requests = requests
@@ -158,8 +293,13 @@ class Takes(Generic[T]):
         self._row_bytes: float | None = None
         self._merged = 0
         """Rows to take at once (`merged_rows`), once a row's size is known."""
+        self._scans = scans
+        self._table_rows = 0
+        self._scanned = 0
+        """Rows to gather by one scan (`scan_window`), once a row's size is known; 0: takes."""
         self._running: collections.deque[
-            tuple[list[tuple[T, int]], int, concurrent.futures.Future[pa.RecordBatch]]] = collections.deque()
+            tuple[list[tuple[T, int]], float, concurrent.futures.Future[pa.RecordBatch]]] = collections.deque()
+        """(requests and their rows, bytes held while it runs, its result) of each take."""
         self._pending: collections.deque[tuple[T, np.ndarray]] = collections.deque()
         """Requests drawn from `requests` that are not taken yet."""
         self._ready: collections.deque[tuple[T, pa.RecordBatch]] = collections.deque()
@@ -174,16 +314,15 @@ class Takes(Generic[T]):
         assert self._row_bytes is not None
         return held_bytes(rows, self._row_bytes, self._clump)
 
-    def _fits(self, rows: int) -> bool:
-        """One more take of `rows` rows may start now (one always may when none runs)."""
+    def _fits(self, held: float) -> bool:
+        """One more take holding `held` bytes may start now (one always may when none runs)."""
         if not self._running:
             return True
         if len(self._running) >= self._cap:
             return False
         if self._row_bytes is None:
             return len(self._running) < FIRST_DEPTH
-        held = sum(self._held(n) for _, n, _ in self._running)
-        return held + self._held(rows) + self._consumed <= self._budget
+        return sum(h for _, h, _ in self._running) + held + self._consumed <= self._budget
 
     def _draw(self, *, cross: bool) -> bool:
         """Draw the next request into `_pending`; False when there is none to draw now.
@@ -205,23 +344,41 @@ class Takes(Generic[T]):
             return True
         return False
 
+    def _group(self, most: int) -> tuple[int, int]:
+        """(rows, requests) of the pending requests taken together: up to `most` rows, at
+        least one request; draws more (never across a barrier) to fill it."""
+        rows, count = len(self._pending[0][1]), 1
+        while rows < most and (count < len(self._pending) or self._draw(cross=False)):
+            more = len(self._pending[count][1])
+            if rows + more > most:
+                break
+            rows, count = rows + more, count + 1
+        return rows, count
+
     def _fill(self, *, cross: bool) -> None:
         while self._pending or self._draw(cross=cross):
-            most = self._merged
-            rows, count = len(self._pending[0][1]), 1
-            while rows < most and (count < len(self._pending) or self._draw(cross=False)):
-                more = len(self._pending[count][1])
-                if rows + more > most:
-                    break
-                rows, count = rows + more, count + 1
-            if not self._fits(rows):
+            scan = False
+            if self._scanned:
+                rows, count = self._group(self._scanned)
+                assert self._row_bytes is not None
+                scan = scan_pays(rows, self._row_bytes, self._table_rows)
+            if scan:
+                held = scan_held(rows, cast(float, self._row_bytes))
+            else:  # no scans, or too few rows drawn for one to pay (a barrier, the end)
+                rows, count = self._group(self._merged)
+                held = self._held(rows) if self._row_bytes is not None else 0.0
+            if not self._fits(held):
                 return
             group = [self._pending.popleft() for _ in range(count)]
             ids = group[0][1] if count == 1 else np.concatenate([ids for _, ids in group])
-            future = self._pool.submit(take_rows, self._table, ids, self._columns)
-            self._running.append(([(tag, len(ids)) for tag, ids in group], rows, future))
+            if scan:
+                future = self._pool.submit(scan_rows, self._table, ids, self._columns,
+                                           cast(float, self._row_bytes))
+            else:
+                future = self._pool.submit(take_rows, self._table, ids, self._columns)
+            self._running.append(([(tag, len(ids)) for tag, ids in group], held, future))
 
-    def _table_rows(self) -> int:
+    def _count_rows(self) -> int:
         """The table's rows (all of them: where rows sit, not which pass a filter); 0, and
         no merging, where the table cannot say."""
         try:
@@ -254,7 +411,10 @@ class Takes(Generic[T]):
         batch = future.result()
         if self._row_bytes is None and batch.num_rows:
             self._row_bytes = batch.nbytes / batch.num_rows
-            self._merged = merged_rows(self._budget, self._row_bytes, self._clump, self._table_rows())
+            self._table_rows = self._count_rows()
+            self._merged = merged_rows(self._budget, self._row_bytes, self._clump, self._table_rows)
+            if self._scans and self._table_rows:
+                self._scanned = scan_window(self._budget, self._row_bytes, self._table_rows)
         at = 0
         for tag, rows in asked:
             self._ready.append((tag, batch.slice(at, rows)))
