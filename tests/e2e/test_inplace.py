@@ -10,13 +10,23 @@ world size (tests/support/exactness.py) and no step is trained twice.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from tests.e2e.cluster import NS, Cluster, log, wait_for
-from tests.e2e.jobs import assert_exact, event_reasons, rescale_latency, scale, wait_phase
+from tests.e2e.jobs import assert_exact, event_reasons, rescale_latency, scale, wait_phase, wait_steps
 from tests.support.exactness import DRAINED, END
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def kill(cluster: Cluster, pod: str, container: str) -> None:
+    pid = cluster.kubelet.pid(NS, pod, container)
+    assert pid, f"no process for {pod}/{container}"
+    os.kill(pid, signal.SIGKILL)
+    log(f"SIGKILL {pod}/{container} (pid {pid})")
 
 
 def identities(cluster: Cluster, name: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
@@ -65,3 +75,33 @@ def test_an_in_place_rescale_4_to_2_to_3_keeps_the_pods_that_stay_and_is_exact(c
     for r in (down, up):  # the agreement's work, not checkpoint.timeoutSeconds running out
         assert 0 < r.to_checkpoint < r.to_first_batch < 60, (down, up)
     wait_for(lambda: event_reasons(cluster, name).count("RescaledInPlace") == 2, 30, "two RescaledInPlace events")
+
+
+def test_a_second_scale_during_a_change_in_place_and_a_coordinator_killed_in_one_end_exact(cluster: Cluster) -> None:
+    """`kubectl scale` 4 -> 2 and at once -> 3: the world ends with 3 replicas whichever count the
+    coordinator took first. Then 3 -> 2, and replica 0's sidecar (the coordinator) is killed while
+    the world drains: the world is restarted as a whole, from the newest complete checkpoint, and
+    the job still ends exact, never hung."""
+    name, epochs = "inplace-twice", 3
+    manifest = cluster.manifest(name, replicas=4, epochs=epochs, sleep_s=0.25, timeout_seconds=60)
+    manifest["spec"]["rescale"] = "inPlace"
+    trainer = manifest["spec"]["trainer"]["template"]["spec"]["containers"][0]
+    trainer["command"] = [*trainer["command"], "--in-place"]
+    cluster.apply(manifest)
+    wait_for(lambda: len(identities(cluster, name)) == 4, 90, "4 pods running")
+    wait_steps(cluster, name, 0, 5)
+    for replicas in (2, 3):
+        log(f"{name}: kubectl scale --replicas={replicas}")
+        cluster.kubectl("-n", NS, "scale", f"sj/{name}", f"--replicas={replicas}")
+    wait_for(lambda: (s := cluster.status(name)).get("replicas") == 3 and s.get("phase") == "Running"
+             and not s.get("drain"), 90, "the job to run 3 replicas")
+    world = cluster.status(name)["worldEpoch"]
+    log(f"{name}: world {world} runs 3 replicas")
+    wait_steps(cluster, name, world, 3)
+    cluster.kubectl("-n", NS, "scale", f"sj/{name}", "--replicas=2")
+    wait_for(lambda: (cluster.status(name).get("drain") or {}).get("askedAt"), 30, "the world to be asked to drain")
+    kill(cluster, f"{name}-r0", "splitfeed-sidecar")
+    status = wait_phase(cluster, name, "Succeeded", timeout=200)
+    summary = assert_exact(cluster, name, epochs)
+    assert summary.worlds[0].size == 4 and summary.worlds[-1].size == 2, summary
+    assert status["replicas"] == 2 and status.get("restarts", 0) <= 1, status
