@@ -6,7 +6,8 @@ Pure; one policy of the life cycle (`rescaling.drain_step` hands a drain marked
 1. `request`: status.drain first (reason Rescale, `inPlace`, target M), then the pods
    of replicas N..M-1 are created for world e+1 while world e still trains (their
    sidecars wait for world e+1's coordinator, their trainers import meanwhile).
-2. Once those pods run (or READY_WAIT_S after the request), world e is asked to drain
+2. Once those pods are Ready (their sidecar's readiness probe: every trainer imported
+   and said hello), or READY_WAIT_S after the request, world e is asked to drain
    with the count M (the `splitfeed.io/drain` and `splitfeed.io/drain-replicas`
    annotations, and a `drain_request` to its coordinator); `status.drain.askedAt`.
 3. Replica 0's sidecar starts world e+1's coordinator on the other port of a pair
@@ -49,7 +50,7 @@ from .decisions import (
 )
 
 READY_WAIT_S = 60.0
-"""How long a scale-up waits for its new pods to run before it asks the world to drain
+"""How long a scale-up waits for its new pods to be Ready before it asks the world to drain
 anyway (the new world then waits for them at its first step)."""
 LOOK_S = 0.5
 """How soon to look again while a change is under way: the operator learns the new world
@@ -82,7 +83,7 @@ def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> D
     answer = c.next_world
     if answer is not None and answer.get("world_epoch") == epoch + 1:
         return _changed(c, answer)
-    if _finished(c, target):
+    if _finished(c):
         return _finished_decision(c)
     failed = [p for p in c.world + c.ahead if p.failed]
     lost = _lost(c, target)
@@ -95,14 +96,16 @@ def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> D
                                   f"(checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds} after the "
                                   f"new pods' {READY_WAIT_S:g} s to start)")
     create = _ahead_pods(c, target)
-    ready = all(p.phase == RUNNING for p in c.ahead) and not create
+    # Every new replica's own pod (a same-named pod of an earlier world may still be going).
+    ready = all(any(p.replica == r and p.phase == RUNNING and p.ready for p in c.ahead)
+                for r in range(c.found.replicas, target))
     asking = bool(drain.get("askedAt")) or ready or c.now >= requested + datetime.timedelta(seconds=READY_WAIT_S)
     c.patch.update(phase=RESCALING, drain=drain)
     if not asking:
         c.cond(conditions.RESCALING, True, CHECKPOINT_REQUESTED,
                f"starting the pods of replicas {c.found.replicas}..{target - 1} for world {epoch + 1} "
-               f"while world {epoch} trains ({sum(p.phase == RUNNING for p in c.ahead)}/"
-               f"{max(0, target - c.found.replicas)} running)")
+               f"while world {epoch} trains ({sum(p.ready for p in c.ahead)}/"
+               f"{max(0, target - c.found.replicas)} ready: their trainers imported)")
         c.cond(conditions.READY, True, "AllPodsRunning", f"world {epoch} trains while its next world starts")
         return c.decision(CHECKPOINT_REQUESTED, create=create, requeue_s=LOOK_S)
     if not drain.get("askedAt"):
@@ -149,26 +152,26 @@ def _changed(c: Ctx, answer: dict[str, Any] | Any) -> Decision:
     return c.decision(RUNNING, create=create, delete=gone, label=label)
 
 
-def _finished(c: Ctx, target: int) -> bool:
-    """The next world ran the job to its end before the operator saw it serve (a short job)."""
-    staying = [p for p in c.world + c.ahead if p.replica is not None and p.replica < target]
-    if not staying or any(p.phase != SUCCEEDED for p in staying):
+def _finished(c: Ctx) -> bool:
+    """The job reached its last step during the change: the world ran to the end before it
+    drained (the request came late), or the next world did before the operator saw it serve."""
+    if not c.world or any(p.phase != SUCCEEDED or p.final_report is None for p in c.world):
         return False
-    reports = [p.final_report for p in staying]
-    if not all(reports):
-        return False
-    total = max(int(r.get("stepsPerEpoch") or 0) for r in reports if r) * c.job.data.epochs
-    return total > 0 and all(int(r.get("globalStep") or 0) >= total and not r.get("error") for r in reports if r)
+    reports = [p.final_report for p in c.world if p.final_report is not None]
+    ended = [r for r in reports if not r.get("drained")]
+    total = max(int(r.get("stepsPerEpoch") or 0) for r in reports) * c.job.data.epochs
+    return bool(ended) and total > 0 and all(int(r.get("globalStep") or 0) >= total and not r.get("error")
+                                             for r in ended)
 
 
 def _finished_decision(c: Ctx) -> Decision:
-    msg = f"world {c.world_epoch + 1} ran the job to its last step in place"
-    c.patch.update(phase=SUCCEEDED, drain=None, worldEpoch=c.world_epoch + 1)
+    msg = f"world {c.world_epoch} ran the job to its last step during a change in place"
+    c.patch.update(phase=SUCCEEDED, drain=None)
     c.cond(conditions.RESCALING, False, "JobFinished", msg)
     c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", msg)
     c.cond(conditions.READY, False, "Completed", "the job has finished")
     c.events.append(Event("Normal", "Succeeded", f"{msg}: the job is complete"))
-    return c.decision(SUCCEEDED)
+    return c.decision(SUCCEEDED, delete=[p.name for p in c.ahead if not p.stopped and not p.deleting])
 
 
 def _lost(c: Ctx, target: int) -> list[str]:

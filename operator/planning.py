@@ -297,11 +297,24 @@ def sidecar_container(
         "resources": copy.deepcopy(dict(job.sidecar.resources)),
         "terminationMessagePath": contract.TERMINATION_LOG,
         "terminationMessagePolicy": "File",
+        # Ready once every local rank's trainer has imported and said hello (membership.WAITING):
+        # an in-place scale-up asks the world to drain only then (operator/inplace.py).
+        "readinessProbe": {"exec": {"command": trainers_waiting(job)}, "periodSeconds": 1,
+                           "timeoutSeconds": 1},
         "securityContext": sidecar_security_context(job),
     }
     if settings.sidecar_mode == "native":
         container["restartPolicy"] = "Always"
     return container
+
+
+def trainers_waiting(job: specs.JobSpec) -> list[str]:
+    """A probe command: true once each local rank's trainer made its waiting file."""
+    files = [f"{contract.SOCKET_DIR}/{membership.WAITING.format(local_rank=r)}" for r in range(job.gpus_per_replica)]
+    command = ["test", "-e", files[0]]
+    for f in files[1:]:
+        command += ["-a", "-e", f]
+    return command
 
 
 def sidecar_security_context(job: specs.JobSpec) -> dict[str, Any]:

@@ -128,6 +128,12 @@ class Pod:
         return any(c.exit_code != 0 for c in self.containers if not c.init)
 
     @property
+    def ready(self) -> bool:
+        """Condition Ready=True: every container runs and passes its readiness probe (the
+        sidecar's says its trainers have imported and said hello)."""
+        return any(x.get("type") == "Ready" and x.get("status") == "True" for x in self.pod_conditions)
+
+    @property
     def terminated(self) -> bool:
         return self.phase in (SUCCEEDED, FAILED) or self.failed
 

@@ -54,7 +54,10 @@ Liberties a test double takes (and the only ones):
   the lines of test kubelets whose process is dead. The short name resolves
   from every namespace (there are no per-pod search domains). Writing
   /etc/hosts needs root, as CI has.
-- securityContext, resources, probes and ports are ignored; ConfigMap and
+- exec readiness probes run (periodSeconds, timeoutSeconds, initialDelaySeconds; paths
+  mapped as in commands); a container with one is ready only once it passed, and the
+  pod is Ready when every main and native-sidecar container is. Other probes,
+  securityContext, resources and ports are ignored; ConfigMap and
   Secret volumes are written once, when the pod starts.
 - A test may `hold(namespace, pod)` a pod: it is admitted (it has its IP and DNS
   name) but stays Pending, ContainerCreating, as during a slow image pull, until
@@ -297,6 +300,14 @@ class Container:
         self.last: dict[str, Any] | None = None  # lastState.terminated
         self.next_start = 0.0
         self.stopping = False
+        self.probe_ok: bool | None = None  # the readiness probe's last result (None: not run since the start)
+        self.next_probe = 0.0
+        self.host_path: Callable[[str], str] | None = None  # this start's path mapping, for probes
+        self.env: dict[str, str] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self.running and ("exec" not in (self.spec.get("readinessProbe") or {}) or self.probe_ok is True)
 
     @property
     def running(self) -> bool:
@@ -551,6 +562,7 @@ class Kubelet:
                 if run.volumes is not None:
                     self._refresh_downward(run)
                     self._advance(run)
+                    self._probe(run)
             self._write_status(run)
 
     # -- volumes ----------------------------------------------------------------------
@@ -735,6 +747,8 @@ class Kubelet:
                                       stderr=subprocess.STDOUT, start_new_session=True,
                                       preexec_fn=processes.die_with_parent(signal.SIGKILL))
         c.started_at = _now()
+        c.probe_ok, c.env = None, env
+        c.next_probe = time.monotonic() + float((c.spec.get("readinessProbe") or {}).get("initialDelaySeconds", 0))
         self.log(f"{run.namespace}/{run.name}/{c.name} started pid {c.proc.pid}: {argv}")
 
     def _command(self, run: PodRun, c: Container, term: Path) -> tuple[list[str], dict[str, str], str]:
@@ -793,8 +807,29 @@ class Kubelet:
             raise ValueError("no command: the test kubelet ignores images, so a container needs one")
         argv = [host_path(w) for w in words]
         argv[0] = self._executable(argv[0], env["PATH"])
+        c.host_path = host_path
         cwd = host_path(spec["workingDir"]) if spec.get("workingDir") else str(home)
         return argv, env, cwd
+
+    def _probe(self, run: PodRun) -> None:
+        """Run each due exec readiness probe, as the kubelet does, in the container's view."""
+        now = time.monotonic()
+        for c in run.containers:
+            probe = c.spec.get("readinessProbe") or {}
+            if "exec" not in probe or not c.running or c.host_path is None or now < c.next_probe:
+                continue
+            c.next_probe = now + float(probe.get("periodSeconds", 10))
+            try:
+                argv = [c.host_path(w) for w in probe["exec"]["command"]]
+                argv[0] = self._executable(argv[0], c.env.get("PATH", os.defpath))
+                done = subprocess.run(argv, env=c.env, capture_output=True,
+                                      timeout=float(probe.get("timeoutSeconds", 1)))
+                ok = done.returncode == 0
+            except (OSError, ValueError, subprocess.TimeoutExpired):  # a command that cannot run fails
+                ok = False
+            if ok != c.probe_ok:
+                self.log(f"{run.namespace}/{run.name}/{c.name} readiness probe: {'ready' if ok else 'not ready'}")
+            c.probe_ok = ok
 
     def _executable(self, name: str, path: str) -> str:
         base = os.path.basename(name)
@@ -845,7 +880,7 @@ class Kubelet:
             last = {"terminated": c.terminated}
         pid = c.proc.pid if c.proc is not None and not isinstance(c.proc, _Exited) else None
         return {"name": c.name, "image": c.spec.get("image", ""), "imageID": "",
-                "containerID": f"local://{pid}" if pid else "", "ready": c.running, "started": c.running,
+                "containerID": f"local://{pid}" if pid else "", "ready": c.ready, "started": c.running,
                 "restartCount": c.restarts, "state": state, "lastState": last}
 
     def _condition(self, run: PodRun, type_: str, ok: bool) -> dict[str, Any]:
@@ -859,7 +894,7 @@ class Kubelet:
     def _write_status(self, run: PodRun) -> None:
         inits = [c for c in run.containers if c.kind != "main"]
         mains = [c for c in run.containers if c.kind == "main"]
-        ready = run.phase == "Running" and all(c.running for c in mains)
+        ready = run.phase == "Running" and all(c.ready for c in mains + [c for c in inits if c.kind == "sidecar"])
         initialized = all(c.exit_code == 0 for c in inits if c.kind == "init") and run.volumes is not None
         status: dict[str, Any] = {
             "phase": run.phase, "hostIP": self.ip, "podIP": self.ip, "podIPs": [{"ip": self.ip}],

@@ -185,6 +185,34 @@ def test_a_pod_with_hostname_and_subdomain_is_reachable_by_its_cluster_dns_names
     cluster.kubectl("-n", NS, "delete", "service", "dns")
 
 
+def test_an_exec_readiness_probe_decides_when_the_container_and_the_pod_are_ready(cluster: Cluster) -> None:
+    """The probe runs in the container's view of its mounts; Ready follows it both ways."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ready", "namespace": NS},
+           "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "main", "image": "ignored", "command": ["sleep", "60"],
+                                    "readinessProbe": {"exec": {"command": ["test", "-e", "/flag/up"]},
+                                                       "periodSeconds": 1},
+                                    "volumeMounts": [{"name": "flag", "mountPath": "/flag"}]}],
+                    "volumes": [{"name": "flag", "emptyDir": {}}]}}
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(pod))
+
+    def ready() -> tuple[str | None, bool | None]:
+        status = cluster.get(f"/api/v1/namespaces/{NS}/pods/ready")["status"]
+        cond = next((c["status"] for c in status.get("conditions") or [] if c["type"] == "Ready"), None)
+        return cond, next((c["ready"] for c in status.get("containerStatuses") or []), None)
+    wait_for(lambda: cluster.get(f"/api/v1/namespaces/{NS}/pods/ready")["status"].get("phase") == "Running",
+             30, "pod ready running")
+    time.sleep(1.5)  # a probe or two
+    assert ready() == ("False", False)
+    run = next(r for r in cluster.kubelet.runs.values() if r.name == "ready")
+    assert run.volumes is not None
+    (run.volumes["flag"] / "up").touch()
+    wait_for(lambda: ready() == ("True", True), 10, "the probe to pass")
+    (run.volumes["flag"] / "up").unlink()
+    wait_for(lambda: ready() == ("False", False), 10, "the probe to fail again")
+    cluster.kubectl("-n", NS, "delete", "pod", "ready", "--wait=true", "--timeout=30s")
+
+
 def test_hosts_lines_of_a_dead_test_kubelet_are_dropped_and_others_kept() -> None:
     dead = 2 ** 22 + 12345  # above Linux's default pid_max: never a live process
     live = os.getpid()

@@ -55,6 +55,16 @@ def test_pods_are_named_by_replica_and_odd_worlds_use_the_other_ports():
     assert ports == {"rendezvous": 29500, "coordinator": 29501, "rendezvous-odd": 29510, "coordinator-odd": 29511}
 
 
+def test_the_sidecar_is_ready_once_every_local_ranks_trainer_said_hello():
+    one = planning.pod(Cluster(replicas=2, rescale="inPlace").job, 0, 0, OWNER, SETTINGS)
+    two = planning.pod(Cluster(replicas=2, gpusPerReplica=2, rescale="inPlace").job, 0, 0, OWNER, SETTINGS)
+    probes = [next(c for c in p["spec"]["initContainers"] if c["name"] == "splitfeed-sidecar")["readinessProbe"]
+              for p in (one, two)]
+    assert probes[0]["exec"]["command"] == ["test", "-e", "/var/run/splitfeed/trainer-0.waiting"]
+    assert probes[1]["exec"]["command"] == ["test", "-e", "/var/run/splitfeed/trainer-0.waiting", "-a",
+                                            "-e", "/var/run/splitfeed/trainer-1.waiting"]
+
+
 def test_a_scale_down_keeps_the_staying_pods_and_deletes_those_that_left_once_the_next_world_serves():
     c = in_place(4)
     kept = {n: c.pods[n] for n in ("resnet-r0", "resnet-r1")}
@@ -83,7 +93,7 @@ def test_a_scale_down_keeps_the_staying_pods_and_deletes_those_that_left_once_th
     assert not d.delete and not d.create and not d.label
 
 
-def test_a_scale_up_creates_the_new_pods_ahead_and_asks_only_once_they_run():
+def test_a_scale_up_creates_the_new_pods_ahead_and_asks_only_once_their_trainers_are_ready():
     c = in_place(2)
     c.scale(4)
     d = c.step()
@@ -95,6 +105,10 @@ def test_a_scale_up_creates_the_new_pods_ahead_and_asks_only_once_they_run():
     d = c.step()
     assert d.step == "CheckpointRequested" and not d.delete  # pods ahead of their world are not stale
     c.set_phase("Running", "resnet-r2", "resnet-r3")
+    d = c.step()
+    assert d.step == "CheckpointRequested" and d.notify is None  # running, but their trainers still import
+    for name in ("resnet-r2", "resnet-r3"):
+        c.pods[name]["status"]["conditions"] = [{"type": "Ready", "status": "True"}]  # the sidecar's probe passed
     d = c.step()
     assert d.step == "WaitingForCheckpoint" and d.notify_replicas == 4 and d.notify is not None
     assert sorted(d.annotate) == ["resnet-r0", "resnet-r1"]
@@ -196,3 +210,37 @@ def test_recreate_stays_the_default_and_names_pods_by_world():
     assert d.step == "CheckpointRequested" and not d.create and d.notify_replicas == 0
     assert sorted(c.pods) == ["resnet-w0-0", "resnet-w0-1"]
     assert isinstance(d, lifecycle.Decision)
+
+
+def test_a_job_that_ends_while_its_new_pods_start_succeeds_and_the_new_pods_go():
+    c = in_place(2)
+    c.scale(3)
+    c.step()
+    for name in ("resnet-r0", "resnet-r1"):
+        report = {"globalStep": 200, "stepsPerEpoch": 100, "drained": False, "agreedStep": None, "error": None}
+        c.pods[name]["status"] = {"phase": "Succeeded", "containerStatuses": [], "initContainerStatuses": [
+            {"name": "splitfeed-sidecar", "state": {"terminated": {"exitCode": 0, "message": json.dumps(report),
+                                                                  "finishedAt": ts(c.now)}}}]}
+    d = c.step()
+    assert c.status["phase"] == "Succeeded" and d.delete == ["resnet-r2"] and "drain" not in c.status
+    assert c.reason("Complete") == "AllPodsSucceeded"
+
+
+def test_a_new_replica_whose_name_an_earlier_pod_still_holds_is_waited_for_before_the_world_is_asked():
+    c = in_place(4)
+    c.scale(2)
+    c.step()
+    left(c, "resnet-r2", 30)
+    left(c, "resnet-r3", 30)
+    c.next_world = serves(1, 2, 30)
+    c.step(act=False)  # the leaving pods are deleted, but the kubelet has not removed them yet
+    c.next_world = None
+    c.pods["resnet-r2"]["metadata"]["deletionTimestamp"] = ts(c.now)
+    c.scale(3)
+    d = c.step()
+    assert not d.create and d.notify is None and not d.annotate  # resnet-r2 of world 0 is still there
+    assert "resnet-r3" not in c.pods  # not in any world: deleted
+    c.pods.pop("resnet-r2")  # the kubelet removed it
+    d = c.step()
+    assert [o["metadata"]["name"] for o in d.create] == ["resnet-r2"] and d.notify is None
+    assert c.pods["resnet-r2"]["metadata"]["labels"]["splitfeed.io/world-epoch"] == "2"
