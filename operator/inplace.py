@@ -165,13 +165,8 @@ def _finished(c: Ctx) -> bool:
 
 
 def _finished_decision(c: Ctx) -> Decision:
-    msg = f"world {c.world_epoch} ran the job to its last step during a change in place"
-    c.patch.update(phase=SUCCEEDED, drain=None)
-    c.cond(conditions.RESCALING, False, "JobFinished", msg)
-    c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", msg)
-    c.cond(conditions.READY, False, "Completed", "the job has finished")
-    c.events.append(Event("Normal", "Succeeded", f"{msg}: the job is complete"))
-    return c.decision(SUCCEEDED, delete=[p.name for p in c.ahead if not p.stopped and not p.deleting])
+    return rescaling.job_finished(c, f"world {c.world_epoch} ran the job to its last step during a change in place",
+                                  delete=[p.name for p in c.ahead if not p.stopped and not p.deleting])
 
 
 def _lost(c: Ctx, target: int) -> list[str]:

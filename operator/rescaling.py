@@ -211,13 +211,17 @@ def finished_first(c: Ctx) -> bool:
 
 def _job_finished(c: Ctx, drain: dict[str, Any]) -> Decision:
     epoch, reason = c.world_epoch, str(drain.get("reason") or "Rescale").lower()
-    msg = f"every pod of world {epoch} ran the job to its last step before the {reason} drain cut it"
+    return job_finished(c, f"every pod of world {epoch} ran the job to its last step before the {reason} drain cut it")
+
+
+def job_finished(c: Ctx, msg: str, delete: list[str] | None = None) -> Decision:
+    """The job reached its last step while a drain or change was under way: it is complete."""
     c.patch.update(phase=SUCCEEDED, drain=None)
     c.cond(conditions.RESCALING, False, "JobFinished", msg)
     c.cond(conditions.COMPLETE, True, "AllPodsSucceeded", msg)
     c.cond(conditions.READY, False, "Completed", "the job has finished")
     c.events.append(Event("Normal", "Succeeded", f"{msg}: the job is complete"))
-    return c.decision(SUCCEEDED)
+    return c.decision(SUCCEEDED, delete=delete or [])
 
 
 def _after_removal(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
