@@ -4,20 +4,21 @@ Pure helpers for the life cycle (`lifecycle`, `rescaling`, `restarting`): settin
 its status does not change (so an unchanged world produces an unchanged status
 and no patch), and sidecar termination messages (docs/pod-contract.md, "What the
 sidecar reports") become status.progress / status.lastCheckpoint, and after a
-drain the step the whole world agreed on (status.resumeStep).
+drain the step the whole world agreed on (status.resumeStep). A termination
+message is parsed here, once, into a `contract.SidecarReport` (`final_report`,
+`sidecar_reports`, which views.Pod calls); every other reader works on those.
 """
 
 from __future__ import annotations
 
-from splitfeed.trainer_client import contract
-
 import dataclasses
 import datetime
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import planning, redaction
+from splitfeed.trainer_client import contract
+
+from . import redaction
 
 # Condition types on a StreamingJob.
 VALIDATED = "Validated"
@@ -77,41 +78,38 @@ def set_condition(
     return out
 
 
-def sidecar_reports(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Parsed termination messages of the pod's sidecar (native or plain container)."""
+def _sidecar_statuses(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The pod's container statuses of its sidecar (a native sidecar's, or a plain container's)."""
     status = pod.get("status") or {}
-    found = []
-    for key in ("initContainerStatuses", "containerStatuses"):
-        for cs in status.get(key) or []:
-            if cs.get("name") != contract.SIDECAR_NAME:
-                continue
-            for state_key in ("state", "lastState"):
-                term = ((cs.get(state_key) or {}).get("terminated")) or {}
-                message = term.get("message")
-                if not message:
-                    continue
-                try:
-                    report = json.loads(message.strip().splitlines()[-1])
-                except (ValueError, IndexError):
-                    continue
-                if isinstance(report, dict):
-                    report["_finishedAt"] = term.get("finishedAt")
-                    found.append(report)
-    return found
+    return [cs for key in ("initContainerStatuses", "containerStatuses") for cs in status.get(key) or []
+            if cs.get("name") == contract.SIDECAR_NAME]
 
 
-def final_report(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+def _report(state: Mapping[str, Any] | None) -> contract.SidecarReport | None:
+    """The report in a container state's termination message, parsed once, with its `finishedAt`."""
+    term = (state or {}).get("terminated") or {}
+    message = term.get("message")
+    if not isinstance(message, str) or not message:
+        return None
+    finished = term.get("finishedAt")
+    return contract.SidecarReport.parse(message, finished_at=finished if isinstance(finished, str) else None)
+
+
+def sidecar_reports(pod: Mapping[str, Any]) -> list[contract.SidecarReport]:
+    """The reports of the pod's sidecar runs (current and last state); what is not a report is left out."""
+    return [r for cs in _sidecar_statuses(pod) for key in ("state", "lastState")
+            if (r := _report(cs.get(key))) is not None]
+
+
+def final_report(pod: Mapping[str, Any]) -> contract.SidecarReport | None:
     """The report of the sidecar's current, terminated run; None while it runs or without one.
 
     Only `state`, never `lastState`: an earlier run's report says nothing about
     what the sidecar that last served the pod's ranks committed.
     """
-    status = pod.get("status") or {}
-    for key in ("initContainerStatuses", "containerStatuses"):
-        for cs in status.get(key) or []:
-            if cs.get("name") == contract.SIDECAR_NAME and (cs.get("state") or {}).get("terminated"):
-                reports = sidecar_reports({"status": {key: [{**cs, "lastState": {}}]}})
-                return reports[0] if reports else None
+    for cs in _sidecar_statuses(pod):
+        if (cs.get("state") or {}).get("terminated"):
+            return _report(cs.get("state"))
     return None
 
 
@@ -127,30 +125,28 @@ class Agreement:
     """Why `step` is None, or which pods agreed; for events."""
 
 
-def agreement(pods: Sequence[Mapping[str, Any]], expected: Sequence[str]) -> Agreement:
+def agreement(finals: Mapping[str, contract.SidecarReport | None], expected: Sequence[str]) -> Agreement:
     """The step the world of `expected` pods drained at, if every one of them says the same.
 
+    `finals`: each present pod's final report (views.Pod.final_report) by pod name.
     One pod without a report, not drained, or with another step, and nothing is
     known for sure about its ranks: the next world must not be told an exact
     step that may be incomplete (its sidecars would fail on it), so it resumes
     from the newest complete checkpoint instead.
     """
-    by_name = {str((p.get("metadata") or {}).get("name")): p for p in pods}
     steps: dict[int, list[str]] = {}
     reasons: list[str] = []
     for name in expected:
-        pod = by_name.get(name)
-        report = final_report(pod) if pod is not None else None
-        if pod is None:
+        if name not in finals:
             return Agreement(None, None, f"pod {name} is gone, its ranks' checkpoint is unknown")
+        report = finals[name]
         if report is None:
             return Agreement(None, None, f"pod {name} left no sidecar report")
-        step = report.get("agreedStep")
-        if report.get("drained") is not True or not isinstance(step, int) or isinstance(step, bool):
+        if not report.drained or report.agreed_step is None:
             return Agreement(None, None, f"pod {name} did not drain at an agreed step")
-        steps.setdefault(step, []).append(name)
-        if isinstance(report.get("drainReason"), str):
-            reasons.append(report["drainReason"])
+        steps.setdefault(report.agreed_step, []).append(name)
+        if report.drain_reason is not None:
+            reasons.append(report.drain_reason)
     if not steps:
         return Agreement(None, None, "the world had no pods")
     if len(steps) > 1:
@@ -160,41 +156,33 @@ def agreement(pods: Sequence[Mapping[str, Any]], expected: Sequence[str]) -> Agr
     return Agreement(step, reasons[0] if reasons else None, f"all {len(expected)} pods drained at step {step}")
 
 
-def sidecar_error(pod: Mapping[str, Any], *, permanent_only: bool = False) -> str | None:
-    """The error the pod's sidecar exited with; with `permanent_only`, only one that
-    restarting cannot fix (the report's `permanent`, e.g. a missing table)."""
-    for report in sidecar_reports(pod):
-        if report.get("error") and (report.get("permanent") is True or not permanent_only):
-            return str(report["error"])
-    return None
+def sidecar_error(reports: Iterable[contract.SidecarReport], *, permanent_only: bool = False) -> str | None:
+    """The error a pod's sidecar exited with (its `reports`, views.Pod.reports); with `permanent_only`,
+    only one that restarting cannot fix (the report's `permanent`, e.g. a missing table)."""
+    return next((r.error for r in reports if r.error and (r.permanent or not permanent_only)), None)
 
 
-def progress(
-    pods: Sequence[Mapping[str, Any]], status: Mapping[str, Any]
-) -> dict[str, Any]:
+def progress(reports: Iterable[contract.SidecarReport], status: Mapping[str, Any]) -> dict[str, Any]:
     """status.progress / status.lastCheckpoint updates (only ever forward), and
-    status.data.tableVersion once a sidecar reported the version it pinned; or {}."""
+    status.data.tableVersion once a sidecar reported the version it pinned; or {}.
+    `reports`: every report of the job's pods (views.Pod.reports)."""
     out: dict[str, Any] = {}
     old_progress = status.get("progress") or {}
     old_ckpt = status.get("lastCheckpoint") or {}
     best_progress: dict[str, Any] | None = None
     best_ckpt: dict[str, Any] | None = None
-    for pod in pods:
-        for r in sidecar_reports(pod):
-            step = r.get("globalStep")
-            if isinstance(step, int) and step > (best_progress or old_progress).get("globalStep", -1):
-                best_progress = {"globalStep": step, "epoch": r.get("epoch"), "step": r.get("step"),
-                                 "stepsPerEpoch": r.get("stepsPerEpoch")}
-            version = r.get("tableVersion")
-            pinned = (status.get("data") or {}).get("tableVersion")
-            if isinstance(version, int) and not isinstance(version, bool) and pinned is None:
-                out["data"] = {**(status.get("data") or {}), "tableVersion": version}
-            ck = r.get("lastCheckpoint")
-            if isinstance(ck, dict) and isinstance(ck.get("step"), int):
-                if ck["step"] > (best_ckpt or old_ckpt).get("step", -1):
-                    best_ckpt = {k: ck.get(k) for k in ("step", "epoch", "worldSize")}
-                    if r.get("_finishedAt"):
-                        best_ckpt["time"] = r["_finishedAt"]
+    for r in reports:
+        if r.global_step is not None and r.global_step > (best_progress or old_progress).get("globalStep", -1):
+            best_progress = {"globalStep": r.global_step, "epoch": r.epoch, "step": r.step,
+                             "stepsPerEpoch": r.steps_per_epoch}
+        pinned = (status.get("data") or {}).get("tableVersion")
+        if r.table_version is not None and pinned is None:
+            out["data"] = {**(status.get("data") or {}), "tableVersion": r.table_version}
+        ck = r.last_checkpoint
+        if ck is not None and ck.step > (best_ckpt or old_ckpt).get("step", -1):
+            best_ckpt = {"step": ck.step, "epoch": ck.epoch, "worldSize": ck.world_size}
+            if r.finished_at:
+                best_ckpt["time"] = r.finished_at
     if best_progress:
         out["progress"] = {**old_progress, **{k: v for k, v in best_progress.items() if v is not None}}
     if best_ckpt:

@@ -14,7 +14,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client import messages, specs
 
 from . import admission, conditions, planning, redaction, views
 
@@ -82,7 +82,7 @@ class Ctx:
 
     def __init__(self, job: specs.JobSpec, status: Mapping[str, Any], pods: Sequence[views.Pod],
                  owner: planning.Owner, settings: planning.Settings, now: datetime.datetime,
-                 generation: int | None, next_world: Mapping[str, Any] | None = None) -> None:
+                 generation: int | None, next_world: messages.Status | None = None) -> None:
         self.job, self.status, self.owner, self.settings, self.now = job, status, owner, settings, now
         self.found = views.Status.parse(status)
         """The status as this decision found it (typed); `value` reads it as the patch leaves it."""
@@ -169,7 +169,7 @@ class Ctx:
         patch = {
             "allowedReplicas": admission.allowed_replicas(self.job),
             "selector": planning.selector_string(self.job.name),
-            **conditions.progress(views.raw(self.pods), self.status),
+            **conditions.progress((r for p in self.pods for r in p.reports), self.status),
             **self.patch,
             "conditions": self.conds,
         }

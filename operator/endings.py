@@ -106,11 +106,10 @@ def reached(c: Ctx, since: datetime.datetime | None) -> Reached | None:
     """k from every pod's sidecar report, else from status.progress polled after `since`; None
     while neither is known. Reports are exact (each sidecar counts what its ranks took); the
     live status is the slowest member's step, final once the trainers are gone."""
-    reports = [p.final_report for p in c.world]
     total = _total(c)
-    steps = [r.get("globalStep") for r in reports if r]
-    if c.world and len(steps) == len(c.world) and all(isinstance(s, int) for s in steps):
-        return Reached(min(int(s) for s in steps if isinstance(s, int)), total, "the sidecars' reports")
+    steps = [r.global_step for p in c.world if (r := p.final_report) is not None and r.global_step is not None]
+    if c.world and len(steps) == len(c.world):
+        return Reached(min(steps), total, "the sidecars' reports")
     progress = c.status.get("progress") or {}
     step, updated = progress.get("globalStep"), progress.get("updatedAt")
     if isinstance(step, int) and isinstance(updated, str) and since is not None:
@@ -125,7 +124,7 @@ def reached(c: Ctx, since: datetime.datetime | None) -> Reached | None:
 
 def _total(c: Ctx) -> int | None:
     """K: the job's global steps, from the reports' or the live status' steps per epoch."""
-    spe = max([int(r.get("stepsPerEpoch") or 0) for p in c.world if (r := p.final_report)]
+    spe = max([r.steps_per_epoch or 0 for p in c.world if (r := p.final_report)]
               + [int((c.status.get("progress") or {}).get("stepsPerEpoch") or 0)])
     return spe * c.job.data.epochs if spe > 0 else None
 
@@ -133,9 +132,11 @@ def _total(c: Ctx) -> int | None:
 def _reached_end(c: Ctx) -> bool:
     """Some sidecar's report, or the live status, says the job's last step was taken."""
     total = _total(c)
-    steps = [r.get("globalStep") for p in c.world if (r := p.final_report)]
-    steps.append((c.status.get("progress") or {}).get("globalStep"))
-    return total is not None and any(isinstance(s, int) and s >= total for s in steps)
+    steps = [r.global_step for p in c.world if (r := p.final_report) and r.global_step is not None]
+    live = (c.status.get("progress") or {}).get("globalStep")
+    if isinstance(live, int):
+        steps.append(live)
+    return total is not None and any(s >= total for s in steps)
 
 
 def _best(c: Ctx) -> Reached:

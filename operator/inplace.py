@@ -32,7 +32,7 @@ import dataclasses
 import datetime
 from typing import Any
 
-from splitfeed.trainer_client import contract
+from splitfeed.trainer_client import contract, messages
 
 from . import admission, conditions, planning, rescaling, restarting
 from .decisions import (
@@ -81,7 +81,7 @@ def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> D
         drain["targetReplicas"] = c.job.replicas  # a second scale during the change: ask for the newest
     target = int(drain["targetReplicas"])
     answer = c.next_world
-    if answer is not None and answer.get("world_epoch") == epoch + 1:
+    if answer is not None and answer.world_epoch == epoch + 1:
         return _changed(c, answer)
     if _finished(c):
         return _finished_decision(c)
@@ -127,10 +127,10 @@ def relabel(c: Ctx) -> dict[str, dict[str, str]]:
     return {p.name: {contract.LABEL_EPOCH: str(c.world_epoch)} for p in c.world if p.epoch != c.world_epoch}
 
 
-def _changed(c: Ctx, answer: dict[str, Any] | Any) -> Decision:
+def _changed(c: Ctx, answer: messages.Status) -> Decision:
     """The next world's coordinator serves: say so, move the kept pods on, delete those that left."""
     old, new = c.world_epoch, c.world_epoch + 1
-    replicas, resume = int(answer["replicas"]), int(answer["resume_step"])
+    replicas, resume = answer.replicas, answer.resume_step
     job = dataclasses.replace(c.job, replicas=replicas)
     kept = [p for p in c.world if p.replica is not None and p.replica < replicas]
     added = [p for p in c.ahead if p.replica is not None and p.replica < replicas]
@@ -158,10 +158,9 @@ def _finished(c: Ctx) -> bool:
     if not c.world or any(p.phase != SUCCEEDED or p.final_report is None for p in c.world):
         return False
     reports = [p.final_report for p in c.world if p.final_report is not None]
-    ended = [r for r in reports if not r.get("drained")]
-    total = max(int(r.get("stepsPerEpoch") or 0) for r in reports) * c.job.data.epochs
-    return bool(ended) and total > 0 and all(int(r.get("globalStep") or 0) >= total and not r.get("error")
-                                             for r in ended)
+    ended = [r for r in reports if not r.drained]
+    total = max(r.steps_per_epoch or 0 for r in reports) * c.job.data.epochs
+    return bool(ended) and total > 0 and all((r.global_step or 0) >= total and not r.error for r in ended)
 
 
 def _finished_decision(c: Ctx) -> Decision:

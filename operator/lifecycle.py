@@ -26,7 +26,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client import messages, specs
 
 from . import admission, conditions, endings, inplace, planning, rescaling, restarting, views
 from .decisions import (
@@ -58,7 +58,7 @@ def decide(
     settings: planning.Settings,
     now: datetime.datetime,
     generation: int | None = None,
-    next_world: Mapping[str, Any] | None = None,
+    next_world: messages.Status | None = None,
 ) -> Decision:
     """The next step for `job` (already parsed; its replica count may still be invalid).
     `next_world`: during an in-place change, the next world's coordinator's `status` answer."""

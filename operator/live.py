@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from splitfeed.trainer_client import contract, progress, specs, worlds
+from splitfeed.trainer_client import contract, messages, progress, specs, worlds
 
 from . import decisions, endings, kube, planning
 
@@ -154,7 +154,7 @@ class Poller:
                 timeline.agreed_at = saved
         return timeline
 
-    def observe(self, key: tuple[str, str], status: Mapping[str, Any], answer: Mapping[str, Any] | None,
+    def observe(self, key: tuple[str, str], status: Mapping[str, Any], answer: messages.Status | None,
                 now: datetime.datetime) -> tuple[dict[str, Any], list[decisions.Event]]:
         """Pure bookkeeping of one pass: the status patch and events it calls for."""
         patch: dict[str, Any] = {}
@@ -162,17 +162,16 @@ class Poller:
         epoch = int(status.get("worldEpoch") or 0)
         timeline = self._timeline(key, status, now)
         if timeline is not None and epoch == timeline.old_epoch and answer is not None \
-                and answer.get("drain_step") is not None and timeline.agreed_at is None:
+                and answer.drain_step is not None and timeline.agreed_at is None:
             timeline.agreed_at = now
-            timeline.old_step = max(timeline.old_step, int(answer["drain_step"]))
+            timeline.old_step = max(timeline.old_step, answer.drain_step)
         if answer is not None:
             live = progress.status_progress(answer, status.get("progress") or {}, epoch)
             if live is not None:
                 live["updatedAt"] = _iso(now)
                 patch["progress"] = live
-            step = answer.get("global_step")
-            resume = int(answer.get("resume_step") or 0)
-            if timeline is not None and epoch != timeline.old_epoch and isinstance(step, int) and step > resume:
+            step, resume = answer.global_step, answer.resume_step
+            if timeline is not None and epoch != timeline.old_epoch and step is not None and step > resume:
                 report = timeline.report(now, resume)
                 if timeline.reason == "Rescale":
                     patch["lastRescale"] = report

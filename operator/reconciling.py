@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from splitfeed.trainer_client import errors, worlds
+from splitfeed.trainer_client import errors, messages, worlds
 
 from . import admission, kube, lifecycle, planning, redaction
 
@@ -109,7 +109,7 @@ async def reconcile(ctx: Context, namespace: str, name: str, seen: Seen | None =
 
 
 def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[dict[str, Any]],
-                now: datetime.datetime, next_world: dict[str, Any] | None = None) -> lifecycle.Decision:
+                now: datetime.datetime, next_world: messages.Status | None = None) -> lifecycle.Decision:
     """Parse and decide: pure work, run in a worker thread."""
     meta, status = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
@@ -139,7 +139,7 @@ NEXT_WORLD_WAIT_S = 0.3
 """How long a look at a change in place waits for the next world's coordinator (it looks again soon)."""
 
 
-def _ask_next_world(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _ask_next_world(body: dict[str, Any], pods: list[dict[str, Any]]) -> messages.Status | None:
     """During a change in place: the next world's coordinator's `status` answer, once it serves
     (replica 0's pod, the port of the next world); None otherwise (operator/inplace.py)."""
     status = body.get("status") or {}

@@ -67,12 +67,11 @@ def world_drained(c: Ctx, drained: list[views.Pod], expected: list[str]) -> Deci
     one did), the next world starts at the agreed step; no restart is counted.
     """
     epoch = c.world_epoch
-    why = next((str(r["drainReason"]) for p in drained
-                if (r := p.final_report) and r.get("drainReason")), "unknown")
+    why = next((r.drain_reason for p in drained if (r := p.final_report) and r.drain_reason), "unknown")
     pending = [p for p in c.world if not p.terminated]
     if pending:
-        finished = [conditions.parse_timestamp(r["_finishedAt"]) for p in drained
-                    if (r := p.final_report) and r.get("_finishedAt")]
+        finished = [conditions.parse_timestamp(r.finished_at) for p in drained
+                    if (r := p.final_report) and r.finished_at]
         deadline = min(finished) + datetime.timedelta(seconds=c.job.checkpoint.timeout_seconds) \
             if finished else None
         if deadline is None or c.now < deadline:
@@ -82,7 +81,7 @@ def world_drained(c: Ctx, drained: list[views.Pod], expected: list[str]) -> Deci
                    "waiting for the others" + (f" until {conditions.timestamp(deadline)}" if deadline else ""))
             left = (deadline - c.now).total_seconds() if deadline else POLL_S
             return c.decision("WorldDraining", requeue_s=max(0.5, min(POLL_S, left)))
-    agreed = conditions.agreement(views.raw(c.world), expected) if not pending else conditions.Agreement(
+    agreed = conditions.agreement(views.final_reports(c.world), expected) if not pending else conditions.Agreement(
         None, None, f"{len(pending)} pods of world {epoch} had not stopped "
                     f"checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds} after the first")
     _choose_resume_step(c, agreed)
@@ -173,7 +172,7 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
             if done == len(c.world):
                 c.events.append(Event("Normal", "Drained", f"all {done} pods of world {epoch} finished"))
                 expected = [planning.pod_name_of(c.job, epoch, r) for r in range(c.found.replicas)]
-                _choose_resume_step(c, conditions.agreement(views.raw(c.world), expected))
+                _choose_resume_step(c, conditions.agreement(views.final_reports(c.world), expected))
             else:
                 c.patch["resumeStep"] = None
                 c.events.append(Event("Warning", "CheckpointTimeout",
@@ -202,11 +201,11 @@ def finished_first(c: Ctx) -> bool:
     Then the job is complete; a next world would train it again from the newest checkpoint."""
     if not c.world or len(c.world) < (c.found.replicas or 0) or not all(p.phase == SUCCEEDED for p in c.world):
         return False
-    reports = [p.final_report for p in c.world]
-    if not all(reports) or any(r.get("drained") for r in reports if r):
+    reports = [r for p in c.world if (r := p.final_report) is not None]
+    if len(reports) < len(c.world) or any(r.drained for r in reports):
         return False
-    total = max(int(r.get("stepsPerEpoch") or 0) for r in reports if r) * c.job.data.epochs
-    return total > 0 and all(int(r.get("globalStep") or 0) >= total for r in reports if r)
+    total = max(r.steps_per_epoch or 0 for r in reports) * c.job.data.epochs
+    return total > 0 and all((r.global_step or 0) >= total for r in reports)
 
 
 def _job_finished(c: Ctx, drain: dict[str, Any]) -> Decision:

@@ -87,12 +87,12 @@ def world_failed(c: Ctx, failed: list[views.Pod], lost: list[str]) -> Decision:
     """A lost rank stops every rank: restart the whole world, within spec.maxRestarts."""
     epoch, restarts = c.world_epoch, c.found.restarts
     why = "; ".join(
-        [f"pod {p.name} failed" + (f" ({err})" if (err := conditions.sidecar_error(p.raw)) else "")
+        [f"pod {p.name} failed" + (f" ({err})" if (err := conditions.sidecar_error(p.reports)) else "")
          for p in failed] + [f"pod {n} disappeared" for n in lost]
     )
     c.patch["resumeStep"] = None  # no agreed step: the next world's coordinator picks the newest complete one
     data_error = next(((p.name, err) for p in failed
-                       if (err := conditions.sidecar_error(p.raw, permanent_only=True))), None)
+                       if (err := conditions.sidecar_error(p.reports, permanent_only=True))), None)
     if data_error is not None:
         msg = (f"pod {data_error[0]} failed: {data_error[1]}; the data cannot feed this job, "
                "so restarting the world cannot help")

@@ -3,9 +3,10 @@
 Pure. The life cycle (`lifecycle`, `restarting`, `rescaling`) asks these views
 questions (has the pod failed, is its sidecar's report still on its way, which
 world is it in) instead of walking raw API mappings in each rule; the parsing of
-a raw pod, with its defaults for absent fields, happens here and only here. The
-raw mapping stays on the view for what reads whole objects (`conditions.progress`,
-`conditions.agreement`).
+a raw pod, with its defaults for absent fields, happens here and only here, its
+sidecar's termination reports included (typed `contract.SidecarReport`s, which
+`conditions.progress`, `conditions.agreement` and the rules read). The raw mapping
+stays on the view for what reads whole objects.
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ class Pod:
     """Its splitfeed.io/drain annotation."""
     containers: tuple[Container, ...]
     pod_conditions: tuple[Mapping[str, Any], ...]
-    final_report: Mapping[str, Any] | None
+    final_report: contract.SidecarReport | None
     """The sidecar's current, terminated run's report (conditions.final_report)."""
+    reports: tuple[contract.SidecarReport, ...]
+    """Every report of the sidecar's runs, current and last (conditions.sidecar_reports)."""
     raw: Mapping[str, Any]
 
     @classmethod
@@ -111,7 +114,7 @@ class Pod:
             pod_ip=status.get("podIP") or None,
             drain_token=(meta.get("annotations") or {}).get(contract.ANNOTATION_DRAIN),
             containers=_containers(status), pod_conditions=tuple(status.get("conditions") or []),
-            final_report=conditions.final_report(p), raw=p)
+            final_report=conditions.final_report(p), reports=tuple(conditions.sidecar_reports(p)), raw=p)
 
     @property
     def failed(self) -> bool:
@@ -151,7 +154,7 @@ class Pod:
     @property
     def drained(self) -> bool:
         """The sidecar exited saying every local rank committed the world's agreed drain step."""
-        return self.final_report is not None and self.final_report.get("drained") is True
+        return self.final_report is not None and self.final_report.drained
 
     @property
     def disruption(self) -> Mapping[str, Any] | None:
@@ -188,8 +191,9 @@ def parse_pods(pods: Sequence[Mapping[str, Any]]) -> list[Pod]:
     return [Pod.parse(p) for p in pods]
 
 
-def raw(pods: Sequence[Pod]) -> list[Mapping[str, Any]]:
-    return [p.raw for p in pods]
+def final_reports(pods: Sequence[Pod]) -> dict[str, contract.SidecarReport | None]:
+    """Each pod's final report by pod name (conditions.agreement)."""
+    return {p.name: p.final_report for p in pods}
 
 
 @dataclasses.dataclass(frozen=True)

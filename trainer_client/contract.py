@@ -5,14 +5,22 @@ annotations, container and volume names, paths, ports, the `SPLITFEED_*`
 environment, the sidecar's termination report and the trainer's stats record.
 The operator (which builds pods), the sidecar and `splitfeed local` (which build
 the same environment for local processes) and the trainer client import it, so
-it lives in the lowest layer and is pure: no I/O, standard library only.
+it lives in the lowest layer and is pure: no I/O, the standard library and the
+error tree only.
 docs/pod-contract.md describes the same names in prose; tests/unit/test_contract.py
 fails when the two drift apart.
 """
 
 from __future__ import annotations
 
-from typing import TypedDict
+import dataclasses
+import functools
+import json
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypedDict
+
+from .errors import ProtocolError
 
 # --- the custom resource -------------------------------------------------------
 GROUP = "splitfeed.io"
@@ -144,9 +152,9 @@ class LastCheckpoint(TypedDict):
 
 
 class Report(TypedDict, total=False):
-    """The sidecar's one JSON line in its termination log; the operator reads it from the
-    container's `state.terminated.message`. A sidecar that cannot start writes only some
-    fields (hence total=False); readers treat every field as optional."""
+    """The sidecar's one JSON line in its termination log, as the sidecar writes it; the operator
+    reads it from the container's `state.terminated.message` through `SidecarReport.parse`, never
+    by these keys. A sidecar that cannot start writes only some fields (hence total=False)."""
 
     globalStep: int
     epoch: int
@@ -168,6 +176,119 @@ class Report(TypedDict, total=False):
 
 REPORT_FIELDS: tuple[str, ...] = tuple(Report.__annotations__)
 LAST_CHECKPOINT_FIELDS: tuple[str, ...] = tuple(LastCheckpoint.__annotations__)
+
+
+def _wire_name(field: str) -> str:
+    """global_step -> globalStep: the report's JSON spelling of an attribute."""
+    head, *rest = field.split("_")
+    return head + "".join(word.title() for word in rest)
+
+
+@functools.cache
+def _hints(cls: type[Any]) -> dict[str, tuple[type, ...]]:
+    """Per wire field of dataclass `cls`: its attribute and the types its annotation allows."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) or (hints[f.name],)
+            for f in dataclasses.fields(cls) if f.metadata.get("wire", True)}
+
+
+def _build(cls: Any, where: str, raw: Any, **extra: Any) -> Any:
+    """A `cls` (a frozen dataclass) from the JSON object `raw`, each field checked against its annotation.
+
+    An absent field keeps its default (a sidecar that could not start writes few); a field
+    this version does not know is ignored (a newer sidecar may write more); a present field
+    of another type, or an absent one without a default, is a ProtocolError. A bool is not
+    an int; a nested dataclass is built the same way.
+    """
+    if not isinstance(raw, Mapping):
+        raise ProtocolError(f"{where} is not a JSON object")
+    out: dict[str, Any] = dict(extra)
+    for name, allowed in _hints(cls).items():
+        key = _wire_name(name)
+        if key not in raw:
+            continue
+        value = raw[key]
+        nested = next((t for t in allowed if dataclasses.is_dataclass(t)), None)
+        if nested is not None and isinstance(value, Mapping):
+            out[name] = _build(nested, f"{where}.{key}", value)
+        elif (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+            names = " | ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ProtocolError(f"{where}.{key} is {json.dumps(value)[:40]}, not {names}")
+        else:
+            out[name] = value
+    missing = [_wire_name(f.name) for f in dataclasses.fields(cls)
+               if f.name not in out and f.default is dataclasses.MISSING]
+    if missing:
+        raise ProtocolError(f"{where} has no {', '.join(missing)}")
+    return cls(**out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportedCheckpoint:
+    """A report's `lastCheckpoint`, typed (what the sidecar writes is a LastCheckpoint)."""
+
+    step: int
+    epoch: int | None = None
+    world_size: int | None = None
+    time: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SidecarReport:
+    """A sidecar's termination report as the operator reads it: parsed once (`parse`), validated, typed.
+
+    `Report` is what the sidecar writes; this is what a reader gets. Every field may be
+    absent from the text (a sidecar that cannot start writes only `globalStep`,
+    `lastCheckpoint`, `drained`, `agreedStep`, `error` and `permanent`): absent counts are
+    None, absent flags False. Attributes are the report's fields in snake case.
+    """
+
+    global_step: int | None = None
+    epoch: int | None = None
+    step: int | None = None
+    steps_per_epoch: int | None = None
+    last_checkpoint: ReportedCheckpoint | None = None
+    drained: bool = False
+    agreed_step: int | None = None
+    drain_reason: str | None = None
+    resume_step: int | None = None
+    table_version: int | None = None
+    error: str | None = None
+    permanent: bool = False
+    filled_rows: int = 0
+    skipped_rows: int = 0
+    finished_at: str | None = dataclasses.field(default=None, metadata={"wire": False})
+    """Not in the text: when the sidecar's container terminated (its state's `finishedAt`), set by
+    the reader that found the report."""
+
+    WIRE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    """The JSON fields `parse` reads (REPORT_FIELDS; tests/unit/test_contract.py keeps them equal)."""
+
+    @classmethod
+    def parse(cls, text: str, finished_at: str | None = None) -> SidecarReport | None:
+        """The report in a termination message (its last line); None without one, or for one
+        that is not a valid report (a ProtocolError says why in `from_text`)."""
+        try:
+            return cls.from_text(text, finished_at)
+        except ProtocolError:
+            return None
+
+    @classmethod
+    def from_text(cls, text: str, finished_at: str | None = None) -> SidecarReport:
+        """Like `parse`, but a ProtocolError says what is wrong with the text."""
+        lines = text.strip().splitlines()
+        if not lines:
+            raise ProtocolError("the termination message is empty")
+        try:
+            raw = json.loads(lines[-1])
+        except (ValueError, RecursionError) as exc:
+            raise ProtocolError(f"the termination message is not JSON: {str(exc)[:200]}") from None
+        report: SidecarReport = _build(cls, "report", raw, finished_at=finished_at)
+        return report
+
+
+SidecarReport.WIRE_FIELDS = tuple(
+    _wire_name(f.name) for f in dataclasses.fields(SidecarReport) if f.metadata.get("wire", True))
 
 
 class StatsRecord(TypedDict):

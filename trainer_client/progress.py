@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import stalls
+from . import messages, stalls
 from .errors import ProtocolError
 
 _SUMMED = ("rows", "rows_per_s", "wait_s", "wall_s")
@@ -56,7 +56,7 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def row_counts(answer: Mapping[str, Any], old: Mapping[str, Any], world_epoch: int) -> dict[str, Any]:
+def row_counts(answer: messages.Status, old: Mapping[str, Any], world_epoch: int) -> dict[str, Any]:
     """The ROW_COUNTS fields of status.progress: world `world_epoch`'s sums plus the totals
     of the worlds before it (`carried`, taken from `old` when the world changes).
 
@@ -68,29 +68,29 @@ def row_counts(answer: Mapping[str, Any], old: Mapping[str, Any], world_epoch: i
         carried = {"worldEpoch": world_epoch, **{k: int(old.get(k) or 0) for k in ROW_COUNTS.values()}}
     out: dict[str, Any] = {CARRIED: dict(carried)}
     for wire, key in ROW_COUNTS.items():
-        out[key] = max(int(old.get(key) or 0), int(carried.get(key) or 0) + int(answer.get(wire) or 0))
+        out[key] = max(int(old.get(key) or 0), int(carried.get(key) or 0) + int(getattr(answer, wire)))
     return out
 
 
-def status_progress(answer: Mapping[str, Any], old: Mapping[str, Any],
+def status_progress(answer: messages.Status, old: Mapping[str, Any],
                     world_epoch: int = 0) -> dict[str, Any] | None:
     """status.progress from a coordinator's `status` answer; None when no rank has taken a batch yet.
 
     globalStep only moves forward (the CRD says so, and a report of a world that
     ended may already be ahead); the row counts add up over the job's worlds.
     """
-    step = answer.get("global_step")
-    if int(answer.get("reporting") or 0) < int(answer.get("replicas") or 1):
+    step = answer.global_step
+    if answer.reporting < (answer.replicas or 1):
         return None  # the slowest member may be the one not heard from yet
-    if not isinstance(step, int) or step <= int(answer.get("resume_step") or 0) - 1:
+    if step is None or step <= answer.resume_step - 1:
         return None
-    spe = int(answer.get("steps_per_epoch") or 0)
+    spe = answer.steps_per_epoch
     step = max(step, int(old.get("globalStep", -1)))
     epoch, in_epoch = divmod(step, spe) if spe > 0 else (0, step)
-    summary = stalls.summarize(answer["buckets"], float(answer["wait_s"]), float(answer["wall_s"]))
+    summary = stalls.summarize(answer.buckets, float(answer.wait_s), float(answer.wall_s))
     out: dict[str, Any] = {
         "globalStep": step, "epoch": epoch, "step": in_epoch, "stepsPerEpoch": spe,
-        "rowsPerSecond": _round(float(answer["rows_per_s"]), 1),
+        "rowsPerSecond": _round(float(answer.rows_per_s), 1),
         "dataStallShare": _round(summary.stall_share, 3),
         "dataReady": {k: v for k, v in (("p50Seconds", _round(summary.p50_s, 6)),
                                         ("p95Seconds", _round(summary.p95_s, 6)),

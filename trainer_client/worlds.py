@@ -12,7 +12,6 @@ Blocking (a socket and a wait): the operator calls it from a worker thread
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -46,14 +45,15 @@ def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
 
 
 def request_status(address: str, timeout_s: float = 1.0,
-                   context: zmq.Context[Any] | None = None) -> dict[str, Any] | None:
+                   context: zmq.Context[Any] | None = None) -> messages.Status | None:
     """The coordinator's `status` answer (the world's progress, trainer_client.progress), or None.
 
     Same shape as `request_drain`: a fresh DEALER, one frame, a bounded wait; the
-    operator polls again at its next interval, so a lost answer costs nothing.
+    operator polls again at its next interval, so a lost answer costs nothing. The
+    answer is the validated message itself (messages.decode checked every field).
     """
     answer = _ask(address, messages.StatusRequest(), timeout_s, context)
-    return dataclasses.asdict(answer) if isinstance(answer, messages.Status) else None
+    return answer if isinstance(answer, messages.Status) else None
 
 
 def _ask(address: str, request: messages.Message, timeout_s: float,

@@ -8,7 +8,8 @@ import datetime
 import json
 
 from splitfeed.operator import lifecycle, planning
-from tests.support.builders import OWNER
+from splitfeed.trainer_client import messages
+from tests.support.builders import OWNER, status_answer
 from tests.support.memory_cluster import SETTINGS, Cluster, ts
 
 
@@ -36,9 +37,9 @@ def left(c: Cluster, pod: str, agreed: int) -> None:
                                  "exitCode": 0, "message": json.dumps(report), "finishedAt": ts(c.now)}}}]}
 
 
-def serves(epoch: int, replicas: int, resume: int) -> dict:
-    """The next world's coordinator's `status` answer (trainer_client.messages.Status's fields)."""
-    return {"world_epoch": epoch, "replicas": replicas, "resume_step": resume, "global_step": None}
+def serves(epoch: int, replicas: int, resume: int) -> messages.Status:
+    """The next world's coordinator's `status` answer before any rank took a batch (worlds.request_status)."""
+    return status_answer(world_epoch=epoch, replicas=replicas, reporting=0, resume_step=resume)
 
 
 def test_pods_are_named_by_replica_and_odd_worlds_use_the_other_ports():

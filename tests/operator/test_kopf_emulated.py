@@ -16,7 +16,7 @@ import kopf
 import pytest
 
 from splitfeed.operator import handlers, webhooks  # noqa: F401 (handlers registers)
-from tests.support.builders import manifest
+from tests.support.builders import manifest, status_answer
 from tests.support.emulated import (  # noqa: F401 (cluster: the fixture)
     JOBS,
     PODS,
@@ -158,7 +158,7 @@ async def test_a_rescale_the_status_timer_never_saw_is_still_timed(cluster, monk
         assert timeline.gone_at >= timeline.requested_at
         # The new world's first batch (the coordinator's answer) completes the report.
         patch, events = memo["live"].observe(("ns", "resnet"), job_of(cluster)["status"],
-                                             {"global_step": 4, "resume_step": 3}, timeline.gone_at)
+                                             status_answer(global_step=4, resume_step=3), timeline.gone_at)
         assert patch["lastRescale"]["fromReplicas"] == 2 and [e.reason for e in events] == [live.RESCALE_REPORT]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime
 
 from splitfeed.operator import live
-from splitfeed.trainer_client import contract, stalls
+from splitfeed.trainer_client import contract, messages
+from tests.support.builders import status_answer
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
 KEY = ("ml", "job")
@@ -15,10 +16,9 @@ def at(seconds: float) -> datetime.datetime:
     return T0 + datetime.timedelta(seconds=seconds)
 
 
-def answer(step: int, *, resume: int = 0, drain_step: int | None = None) -> dict:
-    return {"replicas": 2, "reporting": 2, "global_step": step, "steps_per_epoch": 20, "total_steps": 60,
-            "resume_step": resume, "rows": 100, "rows_per_s": 50.0, "wait_s": 1.0, "wall_s": 10.0,
-            "buckets": [0] * stalls.NUM_BUCKETS, "drain_step": drain_step}
+def answer(step: int, *, resume: int = 0, drain_step: int | None = None, filled_rows: int = 0) -> messages.Status:
+    return status_answer(global_step=step, steps_per_epoch=20, total_steps=60, resume_step=resume, rows=100,
+                         rows_per_s=50.0, wait_s=1.0, wall_s=10.0, drain_step=drain_step, filled_rows=filled_rows)
 
 
 def test_a_running_worlds_answer_becomes_status_progress():
@@ -102,10 +102,10 @@ def test_a_world_is_asked_every_interval_and_every_pass_while_it_rescales():
 
 def test_filled_rows_of_every_world_add_up_in_status_progress():
     poller = live.Poller()
-    patch, _ = poller.observe(KEY, {"worldEpoch": 0, "phase": "Running"}, {**answer(5), "filled_rows": 2}, at(0))
+    patch, _ = poller.observe(KEY, {"worldEpoch": 0, "phase": "Running"}, answer(5, filled_rows=2), at(0))
     assert patch["progress"]["filledRows"] == 2
     world1 = {"worldEpoch": 1, "phase": "Running", "progress": patch["progress"]}
-    patch, _ = poller.observe(KEY, world1, {**answer(9, resume=7), "filled_rows": 1}, at(30))
+    patch, _ = poller.observe(KEY, world1, answer(9, resume=7, filled_rows=1), at(30))
     assert patch["progress"]["filledRows"] == 3  # world 0's 2, carried, and world 1's 1
 
 

@@ -912,8 +912,9 @@ def test_the_pinned_table_version_is_recorded_once_and_given_to_the_next_world()
     pod = {"status": {"initContainerStatuses": [{"name": contract.SIDECAR_NAME, "state": {"terminated": {
         "exitCode": 0, "finishedAt": "2026-12-03T00:00:00Z",
         "message": json.dumps({"globalStep": 3, "tableVersion": 7})}}}]}}
-    assert conds.progress([pod], {})["data"] == {"tableVersion": 7}
-    assert "data" not in conds.progress([pod], {"data": {"tableVersion": 5}})  # pinned once
+    reports = conds.sidecar_reports(pod)
+    assert conds.progress(reports, {})["data"] == {"tableVersion": 7}
+    assert "data" not in conds.progress(reports, {"data": {"tableVersion": 5}})  # pinned once
     job = specs.parse_job(manifest(replicas=2), check_replicas=False)
     owner = planning.Owner("resnet", "uid-1")
     pods = [o for o in planning.world(job, 3, owner, planning.Settings(), 12, 7) if o["kind"] == "Pod"]

@@ -65,7 +65,7 @@ def test_drained_disrupted_and_restart_counts_come_from_the_status():
         "Succeeded", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}],
         initContainerStatuses=[{**terminated(contract.SIDECAR_NAME, 0, message=report), "restartCount": 2}],
         containerStatuses=[terminated("trainer", 0)]))
-    assert p.drained and p.final_report is not None and p.final_report["agreedStep"] == 12
+    assert p.drained and p.final_report is not None and p.final_report.agreed_step == 12
     assert p.disruption is not None and p.disruption["reason"] == "PreemptionByScheduler"
     assert [(c.name, c.init, c.restart_count) for c in p.containers] == [
         (contract.SIDECAR_NAME, True, 2), ("trainer", False, 0)]

@@ -149,7 +149,7 @@ def test_sidecar_metrics_and_the_coordinators_status_move_while_a_trainer_runs(
     assert value(second, "splitfeed_ring_slots", **rank) >= 1
     # The coordinator's status: the member's progress, a global step that moved on.
     assert status is not None and later is not None
-    assert later["reporting"] == later["replicas"] == 1
-    assert later["global_step"] > (status["global_step"] or 0), (status, later)
-    assert later["steps_per_epoch"] == 20 and later["total_steps"] == 40
-    assert sum(later["buckets"]) >= later["global_step"] - 1 > 0
+    assert later.reporting == later.replicas == 1
+    assert later.global_step is not None and later.global_step > (status.global_step or 0), (status, later)
+    assert later.steps_per_epoch == 20 and later.total_steps == 40
+    assert sum(later.buckets) >= later.global_step - 1 > 0

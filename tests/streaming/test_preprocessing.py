@@ -94,7 +94,7 @@ def test_fill_counts_substituted_rows_in_the_live_status_and_the_report(pods, ta
     with StreamClient(pod.socket_dir, 0, timeout_s=60) as client:
         batches = iter(client)
         next(batches)  # step 0 holds the filled row: the member's `progress` carries it
-        live = wait_for(lambda: (worlds.request_status(address, timeout_s=5) or {}).get("filled_rows"),
+        live = wait_for(lambda: getattr(worlds.request_status(address, timeout_s=5), "filled_rows", 0),
                         timeout=30, what="the coordinator's status counting the filled row")
         steps = 1 + sum(1 for _ in batches)
     assert live == 1

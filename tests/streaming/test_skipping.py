@@ -80,7 +80,7 @@ def test_skipped_rows_reach_the_live_status_and_the_report(pods, table_uri, plan
     pod = pods("pod", job(table_uri, plan["bad"]), replicas=1, replica=0, coordinator=address).start_process()
     with StreamClient(pod.socket_dir, 0, timeout_s=60) as client:
         got = {batch.global_step: batch["id"].tolist() for batch in client}
-        live = wait_for(lambda: (worlds.request_status(address, timeout_s=5) or {}).get("skipped_rows")
+        live = wait_for(lambda: getattr(worlds.request_status(address, timeout_s=5), "skipped_rows", None)
                         == plan["dropped"], timeout=30, what="the coordinator's status counting the skipped rows")
     assert live
     assert got == expected_steps(plan, 1, 0)

@@ -7,6 +7,7 @@ import datetime
 from typing import Any
 
 from splitfeed.operator import planning
+from splitfeed.trainer_client import messages, stalls
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
 
@@ -40,3 +41,13 @@ def pod_dict(pod: dict[str, Any], phase: str = "Pending", **extra_status: Any) -
     p = copy.deepcopy(pod)
     p["status"] = {"phase": phase, **extra_status}
     return p
+
+
+def status_answer(**fields: Any) -> messages.Status:
+    """A coordinator's `status` answer as worlds.request_status returns it: a world of 2 members
+    that both reported, before any batch, unless `fields` say otherwise."""
+    base: dict[str, Any] = dict(
+        replicas=2, reporting=2, global_step=None, steps_per_epoch=0, total_steps=0, resume_step=0, rows=0,
+        rows_per_s=0.0, wait_s=0.0, wall_s=0.0, buckets=[0] * stalls.NUM_BUCKETS, drain_step=None,
+        filled_rows=0, skipped_rows=0)
+    return messages.Status(**{**base, **fields})

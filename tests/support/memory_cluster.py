@@ -11,7 +11,7 @@ import pathlib
 import yaml
 
 from splitfeed.operator import lifecycle, planning
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client import messages, specs
 from tests.support.builders import OWNER, T0, manifest
 
 SETTINGS = planning.Settings()
@@ -59,7 +59,7 @@ class Cluster:
         self.others: dict[str, dict] = {}
         self.now = T0
         self.log: list[lifecycle.Decision] = []
-        self.next_world: dict | None = None
+        self.next_world: messages.Status | None = None
         """What the next world's coordinator answers `status` with (an in-place change), if it serves."""
 
     @property

@@ -5,6 +5,7 @@ file, module and function docs/*.md and README.md cite exists."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ import yaml
 from splitfeed.operator import planning
 from splitfeed.sidecar import local
 from splitfeed.trainer_client import client, contract, counters, specs
+from splitfeed.trainer_client.errors import ProtocolError
 from tests.support.builders import manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -234,3 +236,73 @@ def test_the_doc_checks_catch_what_drifts():
     assert [p for p in cited_paths(text) if not (ROOT / p).exists()] == ["operator/worlds.py"]
     assert unresolved_names(text) == ["ring.no_such_thing", "client.no_such_method", "metrics.noSuchValue",
                                       "sidecar/reading.py: gone"]
+
+
+# --- the report as the operator reads it (contract.SidecarReport) ---------------------------------
+
+FULL_REPORT: contract.Report = {
+    "globalStep": 121, "epoch": 1, "step": 21, "stepsPerEpoch": 100,
+    "lastCheckpoint": {"step": 100, "epoch": 1, "worldSize": 4, "time": "2026-01-01T12:00:00+00:00"},
+    "drained": True, "agreedStep": 121, "drainReason": "rescale", "resumeStep": 80, "tableVersion": 7,
+    "error": None, "permanent": False, "filledRows": 2, "skippedRows": 3,
+}
+
+
+def test_the_parser_reads_every_field_the_sidecar_writes():
+    assert contract.SidecarReport.WIRE_FIELDS == contract.REPORT_FIELDS
+    assert tuple(f.name for f in dataclasses.fields(contract.ReportedCheckpoint)) == (
+        "step", "epoch", "world_size", "time")
+
+
+def test_a_report_the_sidecar_wrote_parses_into_a_typed_report(tmp_path):
+    from splitfeed.sidecar import main
+
+    main.write_report(tmp_path / "termination-log", FULL_REPORT)
+    text = (tmp_path / "termination-log").read_text()
+    report = contract.SidecarReport.parse(text, finished_at="2026-01-01T12:00:05Z")
+    assert report == contract.SidecarReport(
+        global_step=121, epoch=1, step=21, steps_per_epoch=100,
+        last_checkpoint=contract.ReportedCheckpoint(step=100, epoch=1, world_size=4, time="2026-01-01T12:00:00+00:00"),
+        drained=True, agreed_step=121, drain_reason="rescale", resume_step=80, table_version=7, error=None,
+        permanent=False, filled_rows=2, skipped_rows=3, finished_at="2026-01-01T12:00:05Z")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.drained = False
+
+
+def test_the_reduced_report_of_a_sidecar_that_could_not_start_parses_with_defaults():
+    reduced = {"globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
+               "error": "the sidecar cannot start: OSError: boom", "permanent": False}
+    report = contract.SidecarReport.parse(json.dumps(reduced))
+    assert report is not None and report.error == "the sidecar cannot start: OSError: boom"
+    assert (report.global_step, report.last_checkpoint, report.drained, report.agreed_step) == (0, None, False, None)
+    assert (report.steps_per_epoch, report.table_version, report.drain_reason, report.finished_at) == (
+        None, None, None, None)
+    assert (report.permanent, report.filled_rows, report.skipped_rows) == (False, 0, 0)
+    assert contract.SidecarReport.parse("{}") == contract.SidecarReport()
+
+
+def test_the_last_line_of_the_message_is_the_report_and_unknown_fields_are_ignored():
+    text = "a log line\n" + json.dumps({"drained": True, "agreedStep": 12, "fromANewerSidecar": [1]}) + "\n"
+    report = contract.SidecarReport.parse(text)
+    assert report is not None and report.drained and report.agreed_step == 12
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "empty"),
+    ("not json", "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"globalStep": "12"}', "report.globalStep"),
+    ('{"globalStep": true}', "report.globalStep"),
+    ('{"agreedStep": 1.5}', "report.agreedStep"),
+    ('{"drained": 1}', "report.drained"),
+    ('{"error": 3}', "report.error"),
+    ('{"lastCheckpoint": [100]}', "report.lastCheckpoint"),
+    ('{"lastCheckpoint": {"epoch": 0}}', "report.lastCheckpoint has no step"),
+    ('{"lastCheckpoint": {"step": false}}', "report.lastCheckpoint.step"),
+    ('{"lastCheckpoint": {"step": 3, "worldSize": "4"}}', "report.lastCheckpoint.worldSize"),
+    ("[" * 100_000, "not JSON"),
+])
+def test_a_message_that_is_not_a_valid_report_is_none_and_says_why(text, why):
+    assert contract.SidecarReport.parse(text) is None
+    with pytest.raises(ProtocolError, match=re.escape(why)):
+        contract.SidecarReport.from_text(text)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from splitfeed.trainer_client import progress, stalls
+from splitfeed.trainer_client import messages, progress, stalls
 from splitfeed.trainer_client.errors import ProtocolError
 
 
@@ -58,13 +60,18 @@ def member(replica: int, step: int, **over: object) -> dict:
             "wait_s": 1.0, "wall_s": 4.0, "buckets": counts_at(b0_1=9), **over}
 
 
+def answered(members: list[dict], **world: object) -> messages.Status:
+    """The coordinator's `status` answer as the operator gets it (sidecar/agreement.py builds it the same way)."""
+    return messages.Status(**progress.world_status(members, **world))
+
+
 def test_the_world_moves_at_its_slowest_member_and_sums_the_rest():
     answer = progress.world_status([member(0, 27), member(1, 25)], replicas=2, total_steps=60, resume_step=10,
                                    drain_step=None)
     assert answer["global_step"] == 25
     assert answer["rows_per_s"] == 200.0 and answer["wait_s"] == 2.0 and answer["wall_s"] == 8.0
     assert answer["buckets"] == counts_at(b0_1=18)
-    status = progress.status_progress(answer, {})
+    status = progress.status_progress(messages.Status(**answer), {})
     assert status is not None
     assert (status["globalStep"], status["epoch"], status["step"], status["stepsPerEpoch"]) == (25, 1, 5, 20)
     assert status["dataStallShare"] == 0.25 and status["rowsPerSecond"] == 200.0
@@ -72,10 +79,9 @@ def test_the_world_moves_at_its_slowest_member_and_sums_the_rest():
 
 
 def test_no_progress_until_every_member_was_heard_and_never_backwards():
-    half = progress.world_status([member(0, 27)], replicas=2, total_steps=60, resume_step=0, drain_step=None)
+    half = answered([member(0, 27)], replicas=2, total_steps=60, resume_step=0, drain_step=None)
     assert progress.status_progress(half, {}) is None
-    whole = progress.world_status([member(0, 27), member(1, 27)], replicas=2, total_steps=60, resume_step=0,
-                                  drain_step=None)
+    whole = answered([member(0, 27), member(1, 27)], replicas=2, total_steps=60, resume_step=0, drain_step=None)
     assert progress.status_progress(whole, {"globalStep": 31})["globalStep"] == 31
 
 
@@ -90,16 +96,15 @@ def test_filled_rows_are_summed_over_the_world_and_carried_across_worlds():
     world0 = progress.world_status([member(0, 5, filled_rows=2, skipped_rows=1), member(1, 5, filled_rows=3)],
                                    replicas=2, total_steps=60, resume_step=0, drain_step=None)
     assert world0["filled_rows"] == 5 and world0["skipped_rows"] == 1
-    first = progress.status_progress(world0, {}, 0)
+    first = progress.status_progress(messages.Status(**world0), {}, 0)
     assert first is not None and first["filledRows"] == 5 and first["skippedRows"] == 1
     # The same world, one member not heard again yet: the total never goes back.
-    later = progress.world_status([member(0, 6, filled_rows=1), member(1, 6, filled_rows=3)], replicas=2,
-                                  total_steps=60, resume_step=0, drain_step=None)
+    later = answered([member(0, 6, filled_rows=1), member(1, 6, filled_rows=3)], replicas=2,
+                     total_steps=60, resume_step=0, drain_step=None)
     assert progress.status_progress(later, first, 0)["filledRows"] == 5
     # World 1 (a rescale to one replica) starts counting at 0: world 0's 5 are carried.
-    world1 = progress.world_status([member(0, 7, filled_rows=4)], replicas=1, total_steps=60, resume_step=5,
-                                   drain_step=None)
+    world1 = answered([member(0, 7, filled_rows=4)], replicas=1, total_steps=60, resume_step=5, drain_step=None)
     second = progress.status_progress(world1, first, 1)
     assert second["filledRows"] == 9 and second["carried"] == {"worldEpoch": 1, "filledRows": 5, "skippedRows": 1}
-    world1_more = {**world1, "filled_rows": 6}
+    world1_more = dataclasses.replace(world1, filled_rows=6)
     assert progress.status_progress(world1_more, second, 1)["filledRows"] == 11
