@@ -430,141 +430,191 @@ def provenance(data: specs.DataSpec, settings: SidecarSettings) -> dict[str, Any
                                   world_epoch=settings.world_epoch)
 
 
+@dataclasses.dataclass
+class _Opening:
+    """What `prepare` has opened so far. A failure part way keeps it: the coordinator goes on
+    answering its members, the member is closed, the trainers hear why."""
+
+    settings: SidecarSettings
+    storage_options: Mapping[str, str]
+    carried: Carried | None
+    job: specs.JobSpec | None = None
+    data: specs.DataSpec | None = None
+    rows: int = 0
+    steps_per_epoch: int = 1
+    stores: list[checkpoints.Store] = dataclasses.field(default_factory=list)
+    expect: dict[str, Any] = dataclasses.field(default_factory=dict)
+    coordinator: agreement.CoordinatorThread | None = None
+    member: agreement.Member | None = None
+    start_step: int = 0
+    member_version: int | None = None
+    """The table version the coordinator told this member to read."""
+    resume_state: dict[str, Any] | None = None
+    builder: planner.Planner | None = None
+    plan: plans.Source | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.data.epochs if self.data is not None else 0
+
+
 def prepare(settings: SidecarSettings, carried: Carried | None = None) -> Sidecar:
     """Load, open, agree on the resume step and bind. Bad input becomes `failure`, reported to trainers.
 
     `carried`: this sidecar served the world before, which changed in place; its plans and
     metrics go on. NotInWorld: a member whose replica the world no longer has.
     """
-    ranks = [settings.rank + i for i in range(settings.local_world_size)]
+    o = _Opening(settings, read_storage_options(settings.storage_options_dir), carried)
     instance = uuid.uuid4().hex[:12]
     failure: str | None = None
     permanent = False
-    job: specs.JobSpec | None = None
-    coordinator: agreement.CoordinatorThread | None = None
-    expect: dict[str, Any] = {}
-    member: agreement.Member | None = None
-    storage_options = read_storage_options(settings.storage_options_dir)
-    steps_per_epoch, total_steps, start_step = 1, 0, 0
-    data: specs.DataSpec | None = None
-    stores: list[checkpoints.Store] = []
-    resume_state: dict[str, Any] | None = None
-    builder: planner.Planner | None = None
-    plan: plans.Source | None = None
-    rows = 0
     try:
-        job = load_job(settings)
-        bind, address = coordinator_addresses(settings)
-        replica = replica_of(settings)
-        if replica == 0:
-            # The coordinator fixes, once for the world: the table version, and the resume step.
-            stores = job_stores(job, settings, storage_options)
-            data, rows, steps_per_epoch = _open(job, storage_options, choose_version(settings, stores), carried)
-            assert data.version is not None  # pin() sets the number
-            expect = provenance(data, settings)
-            stores = job_stores(job, settings, storage_options, expect)
-            resume_step = choose_resume_step(job, data, settings, stores, expect)
-            if stores:
-                stores[0].start_world(resume_step=resume_step)  # fences every older world
-            watermark = (agreement.Watermark(ranks=settings.world_size, steps_per_epoch=steps_per_epoch)
-                         if data.drops_rows else None)
-            coordinator = agreement.CoordinatorThread(
-                agreement.Coordinator(replicas=replicas_of(settings), total_steps=steps_per_epoch * data.epochs,
-                                      resume_step=resume_step, table_version=int(data.version),
-                                      watermark=watermark, world_epoch=settings.world_epoch),
-                bind)
-            address = address or coordinator.address
-            if carried is not None and carried.coordinator is not None:
-                carried.coordinator.close()  # the world before: every member committed its drain step
-                carried.coordinator = None
-        member = agreement.Member(address, replica, instance)
-        joined = member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)
-        start_step = joined.resume_step
-        if joined.replicas and joined.replicas * settings.local_world_size != settings.world_size:
-            if replica >= joined.replicas:
-                member.close()
-                raise NotInWorld(f"replica {replica} is not in world {settings.world_epoch} "
-                                 f"of {joined.replicas} replicas")
-            # Created for another count than the world's coordinator now runs: its count wins.
-            settings = dataclasses.replace(settings, world_size=joined.replicas * settings.local_world_size)
-            job = load_job(settings)
-        if replica != 0:
-            data, rows, steps_per_epoch = _open(job, storage_options, joined.table_version, carried)
-            expect = provenance(data, settings)
-            stores = job_stores(job, settings, storage_options, expect)
-        assert data is not None
-        total_steps = steps_per_epoch * data.epochs
-        resume_state = check_resume_step(data, stores, start_step, steps_per_epoch, expect)
-        if reading.reads_plans(data):
-            where = planner.location(data, stores[0].where if stores else None,
-                                     checkpoints.store_options(job, storage_options))
-            kept = carried.plan if carried is not None else None
-            plan = kept if kept is not None and kept.location.uri == where.uri else plans.Source(where)
-            if replica == 0 or not stores:  # the world's builder, or a sidecar on its own
-                epoch = min(start_step // steps_per_epoch, data.epochs - 1)
-                if carried is not None and carried.builder is not None and carried.builder.data == data:
-                    builder, carried.builder = carried.builder, None
-                    builder.ensure(epoch)
-                    builder.reached(epoch)
-                else:
-                    builder = planner.Planner(data, storage_options, where, rows=rows, private=not stores)
-                    builder.start(epoch)
+        _open_world(o, instance)
     except errors.UserError as exc:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
+    return _sidecar(o, instance, failure, permanent)
 
+
+def _open_world(o: _Opening, instance: str) -> None:
+    o.job = load_job(o.settings)
+    bind, address = coordinator_addresses(o.settings)
+    replica = replica_of(o.settings)
+    if replica == 0:
+        bound = _start_coordinator(o, bind)
+        address = address or bound  # a lone sidecar's coordinator: the port it was given
+    _join(o, address, replica, instance)
+    if replica != 0:
+        o.data, o.rows, o.steps_per_epoch = _open(o.job, o.storage_options, o.member_version, o.carried)
+        o.expect = provenance(o.data, o.settings)
+        o.stores = job_stores(o.job, o.settings, o.storage_options, o.expect)
+    assert o.data is not None
+    o.resume_state = check_resume_step(o.data, o.stores, o.start_step, o.steps_per_epoch, o.expect)
+    if reading.reads_plans(o.data):
+        _start_plans(o, builds=replica == 0 or not o.stores)  # the world's builder, or a sidecar on its own
+
+
+def _start_coordinator(o: _Opening, bind: str) -> str:
+    """Replica 0 fixes, once for the world, the table version and the resume step, and
+    coordinates the world's drains; the address its members join."""
+    assert o.job is not None
+    o.stores = job_stores(o.job, o.settings, o.storage_options)
+    o.data, o.rows, o.steps_per_epoch = _open(o.job, o.storage_options, choose_version(o.settings, o.stores),
+                                              o.carried)
+    assert o.data.version is not None  # pin() sets the number
+    o.expect = provenance(o.data, o.settings)
+    o.stores = job_stores(o.job, o.settings, o.storage_options, o.expect)
+    resume_step = choose_resume_step(o.job, o.data, o.settings, o.stores, o.expect)
+    if o.stores:
+        o.stores[0].start_world(resume_step=resume_step)  # fences every older world
+    watermark = (agreement.Watermark(ranks=o.settings.world_size, steps_per_epoch=o.steps_per_epoch)
+                 if o.data.drops_rows else None)
+    o.coordinator = agreement.CoordinatorThread(
+        agreement.Coordinator(replicas=replicas_of(o.settings), total_steps=o.total_steps,
+                              resume_step=resume_step, table_version=int(o.data.version),
+                              watermark=watermark, world_epoch=o.settings.world_epoch),
+        bind)
+    if o.carried is not None and o.carried.coordinator is not None:
+        o.carried.coordinator.close()  # the world before: every member committed its drain step
+        o.carried.coordinator = None
+    return str(o.coordinator.address)
+
+
+def _join(o: _Opening, address: str, replica: int, instance: str) -> None:
+    """Join the world's coordinator: its resume step, table version and size win."""
+    o.member = agreement.Member(address, replica, instance)
+    joined = o.member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)
+    o.start_step, o.member_version = joined.resume_step, joined.table_version
+    local = o.settings.local_world_size
+    if joined.replicas and joined.replicas * local != o.settings.world_size:
+        if replica >= joined.replicas:
+            o.member.close()
+            raise NotInWorld(f"replica {replica} is not in world {o.settings.world_epoch} "
+                             f"of {joined.replicas} replicas")
+        # Created for another count than the world's coordinator now runs: its count wins.
+        o.settings = dataclasses.replace(o.settings, world_size=joined.replicas * local)
+        o.job = load_job(o.settings)
+
+
+def _start_plans(o: _Opening, builds: bool) -> None:
+    """The epoch plans this sidecar reads (kept from the world before when they are the same),
+    and, where it builds them, the builder."""
+    assert o.job is not None and o.data is not None
+    where = planner.location(o.data, o.stores[0].where if o.stores else None,
+                             checkpoints.store_options(o.job, o.storage_options))
+    kept = o.carried.plan if o.carried is not None else None
+    o.plan = kept if kept is not None and kept.location.uri == where.uri else plans.Source(where)
+    if not builds:
+        return
+    epoch = min(o.start_step // o.steps_per_epoch, o.data.epochs - 1)
+    if o.carried is not None and o.carried.builder is not None and o.carried.builder.data == o.data:
+        o.builder, o.carried.builder = o.carried.builder, None
+        o.builder.ensure(epoch)
+        o.builder.reached(epoch)
+    else:
+        o.builder = planner.Planner(o.data, o.storage_options, where, rows=o.rows, private=not o.stores)
+        o.builder.start(epoch)
+
+
+def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -> Sidecar:
+    """The server over what was opened (or over the failure, which it reports to trainers)."""
+    settings, data, job, stores = o.settings, o.data, o.job, o.stores
     observed = metrics.SidecarMetrics(metrics.Labels(
         job=job.name if job else "", namespace=job.namespace if job else "",
         world=settings.world_epoch, replica=replica_of(settings)))
-
-    ledgers = SkipLedgers(data, steps_per_epoch, start_step, resume_state)
+    ledgers = SkipLedgers(data, o.steps_per_epoch, o.start_step, o.resume_state)
 
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]
         assert data is not None  # every worker opens the pinned version
         start, state = ledgers.resume_from(rank, first_step)
         batches = workers.iter_rank_batches(
-            data, storage_options, rank=rank, world_size=settings.world_size, start_global_step=start,
-            resume_state=state, ledger=ledgers.ledger(rank), plan=plan)
+            data, o.storage_options, rank=rank, world_size=settings.world_size, start_global_step=start,
+            resume_state=state, ledger=ledgers.ledger(rank), plan=o.plan)
         return observed.timed_batches(batches if start == first_step else iter_from(batches, first_step))
 
     def on_published(rank: int, step: int) -> None:
         ledgers.published(rank, step)
-        if builder is not None:
-            builder.reached(step // max(1, steps_per_epoch))  # the next epoch's plan is wanted
-
-    checkpoint = commit = None
-    if data is not None and stores:
-        world, st = settings.world_size, stores[0]
-
-        def write_checkpoint(rank: int, step: int) -> str:
-            return st.write(global_step=step, rank=rank, world_size=world, state=ledgers.state(rank, step))
-
-        def commit(rank: int, step: int) -> None:
-            st.commit(global_step=step, rank=rank, world_size=world)
-
-        checkpoint = observed.timed_checkpoint(write_checkpoint)
+        if o.builder is not None:
+            o.builder.reached(step // max(1, o.steps_per_epoch))  # the next epoch's plan is wanted
 
     def on_drain(step: int, next_replicas: int) -> None:
         if next_replicas > 0:  # trainers that stop at this drain get a next world (membership)
-            write_world(settings, membership.CHANGING, start_step)
+            write_world(settings, membership.CHANGING, o.start_step)
 
+    checkpoint, commit = _checkpointing(settings, stores if data is not None else [], ledgers, observed)
     server = serving.Server(
-        directory=settings.socket_dir, ranks=ranks, world_size=settings.world_size,
-        factory=factory, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-        start_step=start_step, resume_step=start_step,
+        directory=settings.socket_dir, ranks=[settings.rank + i for i in range(settings.local_world_size)],
+        world_size=settings.world_size, factory=factory, steps_per_epoch=o.steps_per_epoch,
+        total_steps=o.total_steps, start_step=o.start_step, resume_step=o.start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
-        member=member if failure is None else None, instance=instance,
+        member=o.member if failure is None else None, instance=instance,
         skipping=data is not None and data.drops_rows, on_published=on_published, on_drain=on_drain)
-    if failure is not None and member is not None:
-        member.close()
+    if failure is not None and o.member is not None:
+        o.member.close()
     observed.feeds = lambda: server.feeds
-    if carried is not None and carried.metrics is not None:
-        observed.take_over(carried.metrics)  # the endpoint goes on, now with this world's series
+    if o.carried is not None and o.carried.metrics is not None:
+        observed.take_over(o.carried.metrics)  # the endpoint goes on, now with this world's series
     elif settings.metrics_port is not None:
         observed.port = observed.serve(settings.metrics_port)
-    return Sidecar(server, settings, steps_per_epoch, failure, permanent, coordinator,
+    return Sidecar(server, settings, o.steps_per_epoch, failure, permanent, o.coordinator,
                    int(data.version) if data is not None and data.version is not None else None,
-                   observed, builder, plan, data, rows)
+                   observed, o.builder, o.plan, data, o.rows)
+
+
+def _checkpointing(settings: SidecarSettings, stores: list[checkpoints.Store], ledgers: SkipLedgers,
+                   observed: metrics.SidecarMetrics) -> tuple[Any, Any]:
+    """The server's checkpoint and commit calls into the job's store; (None, None) without one."""
+    if not stores:
+        return None, None
+    world, store = settings.world_size, stores[0]
+
+    def write_checkpoint(rank: int, step: int) -> str:
+        return store.write(global_step=step, rank=rank, world_size=world, state=ledgers.state(rank, step))
+
+    def commit(rank: int, step: int) -> None:
+        store.commit(global_step=step, rank=rank, world_size=world)
+
+    return observed.timed_checkpoint(write_checkpoint), commit
 
 
 def _open(job: specs.JobSpec, storage_options: Mapping[str, str], pinned: int | None,
