@@ -772,6 +772,23 @@ def write_report(path: Path | None, report: contract.Report) -> None:
         log.warning("cannot write the termination log: %s", exc)
 
 
+def adopt_world(settings: SidecarSettings, world: membership.World | None) -> SidecarSettings:
+    """The settings of the later world `world` names, when it is this pod's and still runs
+    (a sidecar restarted after its pod changed world in place); else `settings` as they are."""
+    if (world is None or world.epoch <= settings.world_epoch or world.rank != settings.rank
+            or world.state not in (membership.SERVING, membership.CHANGING)):
+        return settings
+    address = settings.coordinator
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        address = f"{host}:{membership.world_port(membership.base_port(int(port), settings.world_epoch), world.epoch)}"
+    log.info("this pod runs world %d (its world file), not world %d (its environment): joining world %d",
+             world.epoch, settings.world_epoch, world.epoch)
+    return dataclasses.replace(
+        settings, world_epoch=world.epoch, world_size=world.world_size, coordinator=address,
+        master_port=world.master_port, resume_step=None, resume="latest")
+
+
 def run(settings: SidecarSettings) -> int:
     """The `splitfeed sidecar` process: one world, or several when its world changes in place.
 
@@ -784,7 +801,11 @@ def run(settings: SidecarSettings) -> int:
     # lancedb's permutation builder, sized once before any thread reads the environment
     # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
     plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
-    with contextlib.suppress(OSError):  # a predecessor's word is not ours (a broken directory: prepare says)
+    # A sidecar the kubelet restarted in a pod kept through in-place changes has the environment
+    # of the world the pod was created for; the world file (in the pod's emptyDir) says which
+    # world the pod is in now. Otherwise a predecessor's word is not ours.
+    settings = adopt_world(settings, membership.read(settings.socket_dir))
+    with contextlib.suppress(OSError):  # (a broken directory: prepare says)
         (settings.socket_dir / membership.FILE).unlink(missing_ok=True)
     carried: Carried | None = None
     terms: list[float] = []

@@ -42,6 +42,11 @@ def world_port(base: int, epoch: int) -> int:
     return base + WORLD_PORT_STRIDE * (epoch % 2)
 
 
+def base_port(port: int, epoch: int) -> int:
+    """The even worlds' port of a job whose world `epoch` uses `port` (world_port's inverse)."""
+    return port - WORLD_PORT_STRIDE * (epoch % 2)
+
+
 def next_port(port: int, epoch: int) -> int:
     """World `epoch + 1`'s port, from world `epoch`'s (the inverse step of world_port)."""
     return port + WORLD_PORT_STRIDE if epoch % 2 == 0 else port - WORLD_PORT_STRIDE

@@ -160,3 +160,20 @@ def test_a_python_script_runs_next_in_an_interpreter_that_imported_torch_while_t
     assert [(r["epoch"], r["size"]) for r in runs] == [(0, "4"), (1, "3"), (2, "2")]
     assert [r["warm"] for r in runs] == [False, True, True]  # started ahead, torch imported
     assert all(r["argv"] == [str(script), "--lr", "1"] and r["file"] == str(script) for r in runs), runs
+
+
+def test_a_restarted_sidecar_joins_the_world_its_pod_is_in_not_the_one_it_was_created_for(tmp_path):
+    from splitfeed.sidecar.main import SidecarSettings, adopt_world
+
+    created = SidecarSettings(config=tmp_path / "c.json", socket_dir=tmp_path, rank=2, world_size=4, world_epoch=1,
+                              coordinator="tcp://job-r0.job:29511", master_port=29510, resume_step=7)
+    now = membership.World(epoch=4, state=membership.SERVING, rank=2, world_size=3, replicas=3,
+                           master_addr="job-r0.job", master_port=29500, resume_step=40)
+    adopted = adopt_world(created, now)
+    assert (adopted.world_epoch, adopted.world_size, adopted.coordinator, adopted.master_port, adopted.resume_step) \
+        == (4, 3, "tcp://job-r0.job:29501", 29500, None)
+    odd = adopt_world(created, membership.World(**{**as_dict(now), "epoch": 5, "master_port": 29510}))
+    assert (odd.coordinator, odd.master_port) == ("tcp://job-r0.job:29511", 29510)
+    for stale in ({"epoch": 1}, {"rank": 0}, {"state": membership.ENDED}, {"state": membership.LEFT}):
+        assert adopt_world(created, membership.World(**{**as_dict(now), **stale})) == created, stale
+    assert adopt_world(created, None) == created
