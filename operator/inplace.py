@@ -119,7 +119,7 @@ def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> D
            f"giving up at {conditions.timestamp(deadline)}")
     c.cond(conditions.READY, False, "Draining", f"world {epoch} drains to change in place")
     return c.decision(WAITING_FOR_CHECKPOINT, create=create, annotate=_annotations(c, drain["token"], target),
-                      notify=_notify(c, drain["token"]), notify_replicas=target, requeue_s=LOOK_S)
+                      notify=rescaling.notify(c, drain["token"], "Rescale"), notify_replicas=target, requeue_s=LOOK_S)
 
 
 def relabel(c: Ctx) -> dict[str, dict[str, str]]:
@@ -191,15 +191,6 @@ def _annotations(c: Ctx, drain_token: str, target: int) -> dict[str, dict[str, s
     return {p.name: want for p in c.world if p.live
             and (p.drain_token, p.raw.get("metadata", {}).get("annotations", {}).get(
                 contract.ANNOTATION_DRAIN_REPLICAS)) != (drain_token, str(target))}
-
-
-def _notify(c: Ctx, drain_token: str) -> tuple[str, str, str] | None:
-    first = planning.pod_name_of(c.job, c.world_epoch, 0)
-    pod = next((p for p in c.world if p.name == first and not p.terminated), None)
-    if pod is None or not pod.pod_ip:
-        return None
-    port = planning.world_port(c.job, contract.COORDINATOR_PORT, c.world_epoch)
-    return planning.coordinator_at(pod.pod_ip, port), drain_token, "rescale"
 
 
 def _abandon(c: Ctx, drain: dict[str, Any], why: str) -> Decision:

@@ -20,10 +20,10 @@ import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from splitfeed.trainer_client import contract, messages, progress, specs, worlds
+from splitfeed.trainer_client import messages, progress, specs, worlds
 
 from . import decisions, endings, kube, planning
 
@@ -57,19 +57,6 @@ def interval_s(body: Mapping[str, Any]) -> float:
     value = (body.get("spec") or {}).get("statusIntervalSeconds")
     return float(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 5 \
         else float(DEFAULT_INTERVAL_S)
-
-
-def coordinator_of(status: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> str | None:
-    """The running world's coordinator by replica 0's pod IP, or None while it has none."""
-    epoch = str(status.get("worldEpoch", ""))
-    for pod in pods:
-        labels = (pod.get("metadata") or {}).get("labels") or {}
-        if labels.get(contract.LABEL_EPOCH) == epoch and labels.get(contract.LABEL_REPLICA) == "0":
-            pod_status = pod.get("status") or {}
-            ip = pod_status.get("podIP")
-            if ip and pod_status.get("phase") in ("Pending", "Running"):
-                return planning.coordinator_at(str(ip))
-    return None
 
 
 @dataclasses.dataclass
@@ -207,10 +194,8 @@ class Poller:
         self.last[key] = time.monotonic()
         pods = await k.list_pods(namespace, name)
         epoch = status.get("worldEpoch")
-        if (body.get("spec") or {}).get("rescale") == specs.IN_PLACE and isinstance(epoch, int):
-            address = planning.in_place_coordinator(name, epoch, pods)  # by name: labels follow a change late
-        else:
-            address = coordinator_of(status, pods)
+        in_place = (body.get("spec") or {}).get("rescale") == specs.IN_PLACE
+        address = planning.coordinator_of(name, epoch, pods, in_place) if isinstance(epoch, int) else None
         answer = await asyncio.to_thread(worlds.request_status, address) if address else None
         patch, events = self.observe(key, status, answer, datetime.datetime.now(datetime.timezone.utc))
         if patch:

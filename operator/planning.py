@@ -242,15 +242,18 @@ def coordinator_at(pod_ip: str, port: int = contract.COORDINATOR_PORT) -> str:
     return f"tcp://{host}:{port}"
 
 
-def in_place_coordinator(job: str, world_epoch: int, pods: Sequence[Mapping[str, Any]]) -> str | None:
-    """Where world `world_epoch` of an in-place job coordinates: replica 0's pod (its name never
-    changes) at that world's port; None while the pod has no IP."""
-    name = pod_name(job, world_epoch, 0, in_place=True)
+def coordinator_of(job: str, world_epoch: int, pods: Sequence[Mapping[str, Any]],
+                   in_place: bool = False) -> str | None:
+    """World `world_epoch`'s coordinator: replica 0's pod, found by its name (a kept pod's world
+    label follows a change in place late), at that world's port; None while the pod has no IP
+    or has stopped."""
+    name = pod_name(job, world_epoch, 0, in_place)
+    port = membership.world_port(contract.COORDINATOR_PORT, world_epoch) if in_place else contract.COORDINATOR_PORT
     for p in pods:
         status = p.get("status") or {}
         if (p.get("metadata") or {}).get("name") == name and status.get("podIP") \
                 and status.get("phase") in ("Pending", "Running"):
-            return coordinator_at(str(status["podIP"]), membership.world_port(contract.COORDINATOR_PORT, world_epoch))
+            return coordinator_at(str(status["podIP"]), port)
     return None
 
 

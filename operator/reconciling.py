@@ -147,7 +147,7 @@ def _ask_next_world(body: dict[str, Any], pods: list[dict[str, Any]]) -> message
     epoch = status.get("worldEpoch")
     if not drain.get("inPlace") or not isinstance(epoch, int):
         return None
-    address = planning.in_place_coordinator(body["metadata"]["name"], epoch + 1, pods)
+    address = planning.coordinator_of(body["metadata"]["name"], epoch + 1, pods, in_place=True)
     return worlds.request_status(address, timeout_s=NEXT_WORLD_WAIT_S) if address else None
 
 

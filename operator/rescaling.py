@@ -116,10 +116,10 @@ def request_drain(c: Ctx, reason: str, target: int, why: str) -> Decision:
     c.cond(conditions.READY, False, "Draining", msg)
     c.events.append(Event("Normal", CHECKPOINT_REQUESTED, msg))
     return c.decision(CHECKPOINT_REQUESTED, annotate=_annotations(c, drain_token), requeue_s=POLL_S,
-                      notify=_notify(c, drain_token, reason))
+                      notify=notify(c, drain_token, reason))
 
 
-def _notify(c: Ctx, drain_token: str, reason: str) -> tuple[str, str, str] | None:
+def notify(c: Ctx, drain_token: str, reason: str) -> tuple[str, str, str] | None:
     """The fast path to the world's coordinator, once replica 0's pod has an IP and still runs."""
     first = planning.pod_name_of(c.job, c.world_epoch, 0)
     pod = next((p for p in c.world if p.name == first and not p.terminated), None)
@@ -192,7 +192,7 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
     left = (deadline - c.now).total_seconds()
     return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain["token"]),
                       requeue_s=max(0.5, min(POLL_S, left)),
-                      notify=_notify(c, drain["token"], str(drain.get("reason") or "rescale")))
+                      notify=notify(c, drain["token"], str(drain.get("reason") or "rescale")))
 
 
 def finished_first(c: Ctx) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from splitfeed.operator import live
+from splitfeed.operator import live, planning
 from splitfeed.trainer_client import contract, messages
 from tests.support.builders import status_answer
 
@@ -66,12 +66,13 @@ def test_steps_taken_past_the_new_worlds_resume_step_are_counted_as_redone():
 
 def test_the_coordinator_is_replica_0_of_the_running_world_by_pod_ip():
     def pod(epoch: int, replica: int, ip: str, phase: str = "Running") -> dict:
-        return {"metadata": {"labels": {contract.LABEL_EPOCH: str(epoch), contract.LABEL_REPLICA: str(replica)}},
+        return {"metadata": {"name": planning.pod_name("job", epoch, replica),
+                             "labels": {contract.LABEL_EPOCH: str(epoch), contract.LABEL_REPLICA: str(replica)}},
                 "status": {"podIP": ip, "phase": phase}}
 
     pods = [pod(0, 0, "10.0.0.1"), pod(1, 1, "10.0.0.3"), pod(1, 0, "10.0.0.2")]
-    assert live.coordinator_of({"worldEpoch": 1}, pods) == "tcp://10.0.0.2:29501"
-    assert live.coordinator_of({"worldEpoch": 1}, [pod(1, 0, "10.0.0.2", "Succeeded")]) is None
+    assert planning.coordinator_of("job", 1, pods) == "tcp://10.0.0.2:29501"
+    assert planning.coordinator_of("job", 1, [pod(1, 0, "10.0.0.2", "Succeeded")]) is None
 
 
 def test_a_drain_agreed_between_two_passes_is_dated_by_the_drained_checkpoint():
