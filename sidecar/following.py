@@ -36,13 +36,15 @@ class Coordination:
         self.world_complete: int | None = None
         """The newest step every rank of the world has committed."""
 
-    def request_drain(self, token: str, reason: str) -> None:
-        """Ask the world's coordinator for a drain (an annotation, SIGTERM, a trainer's SIGTERM)."""
+    def request_drain(self, token: str, reason: str, replicas: int = 0) -> None:
+        """Ask the world's coordinator for a drain (an annotation, SIGTERM, a trainer's SIGTERM);
+        `replicas` > 0: then change the world in place to that many (a newer count wins)."""
         if self.member is None:
             log.warning("drain requested (%s) but this sidecar has no coordinator", reason)
             return
-        log.info("asking the world to drain (%s, token %s)", reason, token)
-        self.member.request_drain(token, reason)
+        log.info("asking the world to drain (%s, token %s)%s", reason, token,
+                 f" and change in place to {replicas} replicas" if replicas else "")
+        self.member.request_drain(token, reason, replicas=replicas)
 
     def apply(self, publishers: Sequence[Publisher]) -> None:
         """What the coordinator said since the last call, applied to `publishers`."""

@@ -155,12 +155,7 @@ class RequestWatcher:
         replicas = _count(found.get(contract.ANNOTATION_DRAIN_REPLICAS))
         if token and (token, replicas) != self._seen and _token_world(token) in (None, self._epoch):
             self._seen = (token, replicas)
-            reason = token.split("-")[0] or "drain"
-            if replicas and self._server.member is not None:  # an in-place rescale (a newer count wins)
-                log.info("asking the world to change in place to %d replicas (token %s)", replicas, token)
-                self._server.member.request_drain(token, reason, replicas=replicas)
-            else:
-                self._server.request_drain(token, reason)
+            self._server.request_drain(token, token.split("-")[0] or "drain", replicas)
 
 
 def _token_world(token: str) -> int | None:

@@ -214,9 +214,9 @@ class Server:
         """The step, epoch, world size and time of this sidecar's last commit."""
         return self._answers.last_checkpoint
 
-    def request_drain(self, token: str, reason: str) -> None:
+    def request_drain(self, token: str, reason: str, replicas: int = 0) -> None:
         """Ask the world's coordinator for a drain (an annotation, SIGTERM, a trainer's SIGTERM)."""
-        self._coordination.request_drain(token, reason)
+        self._coordination.request_drain(token, reason, replicas)
 
     def _coordinate(self) -> None:
         self._coordination.apply([feed.publisher for feed in self.feeds])
