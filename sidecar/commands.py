@@ -9,11 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from splitfeed.trainer_client import errors, specs, topology
+from splitfeed.trainer_client import contract, errors, specs, topology
+
+if TYPE_CHECKING:
+    from . import plans
 
 AddParser = Callable[..., argparse.ArgumentParser]
+
+MANIFEST_HELP = "StreamingJob manifest (YAML/JSON)"
+STORAGE_OPTIONS_HELP = "one storage option per file"
 
 
 def load_manifest(path: str) -> dict[str, Any]:
@@ -54,7 +60,7 @@ def parse_job_file(path: str, replicas: int | None = None) -> specs.JobSpec:
 
 def plan(add_parser: AddParser, name: str) -> None:
     p = add_parser(name, help="show valid replica counts, splits per rank and steps per epoch")
-    p.add_argument("-f", "--file", required=True, help="StreamingJob manifest (YAML/JSON)")
+    p.add_argument("-f", "--file", required=True, help=MANIFEST_HELP)
     p.add_argument("--replicas", type=int, help="plan for this many replicas instead")
     p.add_argument("--read-table", action="store_true",
                    help="also open the table to count rows and steps per epoch (needs storage access)")
@@ -67,38 +73,59 @@ def plan(add_parser: AddParser, name: str) -> None:
 def _plan(args: argparse.Namespace) -> int:
     """Everything the manifest alone decides; the table only when asked (--read-table)."""
     job = parse_job_file(args.file, args.replicas)
-    w = job.world_size
-    data = job.data
-    print(f"job {job.name}: {job.replicas} replicas x {job.gpus_per_replica} GPUs = world size {w}")
-    print(f"valid replica counts: {job.allowed_replicas()}")
-    print(f"numSplits {data.num_splits}, numWorkers {data.num_workers}: "
-          f"{data.num_splits // w} splits per rank, "
-          f"{data.num_splits // (w * data.num_workers)} per worker")
-    print(f"batch: {data.global_batch_size} rows per global step, "
-          f"{topology.rank_batch_size(data.global_batch_size, w)} per rank, "
-          f"{topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)} per split")
+    for line in _layout_lines(job) + _preprocessing_lines(job.data):
+        print(line)
+    if not args.read_table:
+        print(f"table {job.data.table} at {job.data.uri}: not read (add --read-table for rows and steps per epoch)")
+        return 0
+    _print_table_plan(job, args.storage_options_dir)
+    return 0
+
+
+def _layout_lines(job: specs.JobSpec) -> list[str]:
+    """The world, its valid sizes, and each rank's splits and batch: topology math alone."""
+    w, data = job.world_size, job.data
+    lines = [
+        f"job {job.name}: {job.replicas} replicas x {job.gpus_per_replica} GPUs = world size {w}",
+        f"valid replica counts: {job.allowed_replicas()}",
+        f"numSplits {data.num_splits}, numWorkers {data.num_workers}: "
+        f"{data.num_splits // w} splits per rank, "
+        f"{data.num_splits // (w * data.num_workers)} per worker",
+        f"batch: {data.global_batch_size} rows per global step, "
+        f"{topology.rank_batch_size(data.global_batch_size, w)} per rank, "
+        f"{topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)} per split",
+    ]
     for rank in range(w):
         splits = topology.rank_splits(rank, w, data.num_splits)
-        print(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}")
+        lines.append(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}")
+    return lines
+
+
+def _preprocessing_lines(data: specs.DataSpec) -> list[str]:
+    """The transform, its threads and the sequence packing, as the manifest sets them (none: no lines)."""
+    lines = []
     if data.transform:
-        print(f"transform {data.transform} with {data.transform_kwargs or 'no arguments'}, "
-              f"onTransformError {data.on_transform_error}")
+        lines.append(f"transform {data.transform} with {data.transform_kwargs or 'no arguments'}, "
+                     f"onTransformError {data.on_transform_error}")
     if data.transform or data.pack_sequences is not None:
         threads = (f"{data.transform_parallelism}" if data.transform_parallelism is not None
                    else f"the sidecar's CPUs / {data.num_workers} (default)")
-        print(f"transform threads per loader process: {threads}; queue depth "
-              f"{data.transform_queue_depth} read batches per split")
+        lines.append(f"transform threads per loader process: {threads}; queue depth "
+                     f"{data.transform_queue_depth} read batches per split")
     pack = data.pack_sequences
     if pack is not None:
-        print(f"packing {pack.column!r} into blocks of {pack.block_size} tokens (eos {pack.eos_id}, "
-              f"pad {pack.pad_id}), {pack.blocks_per_epoch} blocks per epoch; a global step is "
-              f"{data.global_batch_size} blocks")
-    if not args.read_table:
-        print(f"table {data.table} at {data.uri}: not read (add --read-table for rows and steps per epoch)")
-        return 0
+        lines.append(f"packing {pack.column!r} into blocks of {pack.block_size} tokens (eos {pack.eos_id}, "
+                     f"pad {pack.pad_id}), {pack.blocks_per_epoch} blocks per epoch; a global step is "
+                     f"{data.global_batch_size} blocks")
+    return lines
+
+
+def _print_table_plan(job: specs.JobSpec, storage_options_dir: Path | None) -> None:
+    """What only the table says (rows, steps, read cost, packed blocks), printed as each is learnt."""
     from . import main, reading
 
-    options = plan_storage_options(data.uri, main.read_storage_options(args.storage_options_dir))
+    data = job.data
+    options = plan_storage_options(data.uri, main.read_storage_options(storage_options_dir))
     if data.transform:
         from . import preprocessing
 
@@ -106,26 +133,34 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"transform {data.transform}: imports here")
     table = reading.open_table(data, options)
     layout = reading.job_layout(table, data)
-    rows = layout.rows
-    print(f"table {data.table}: {rows} rows{' after filter' if data.filter else ''}, "
+    print(f"table {data.table}: {layout.rows} rows{' after filter' if data.filter else ''}, "
           f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
           f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
     if reading.reads_plans(data):
         from . import plans
 
         columns, row_bytes = reading.sample_row_bytes(table, data)
-        c = plans.cost(rows, data.num_splits, w, data.shuffle_clump_size, columns, row_bytes)
-        print(f"plan: {_size(c.plan_bytes)} per epoch (8 B a row), built once by replica 0's sidecar; "
-              f"each rank holds {_size(c.rank_ids_bytes)} of row ids (twice that as an epoch ends)")
-        print(f"reads: ~{c.requests:,} requests and ~{_size(c.read_bytes)} per epoch "
-              + (f"(shuffleClumpSize {data.shuffle_clump_size}: one request per clump per column)"
-                 if data.shuffle_clump_size > 1 else
-                 "(rows shuffled one by one: one request per row per column; shuffleClumpSize "
-                 "N reads N neighbouring rows at once)"))
+        cost = plans.cost(layout.rows, data.num_splits, job.world_size, data.shuffle_clump_size,
+                          columns, row_bytes)
+        for line in _read_cost_lines(cost, data.shuffle_clump_size):
+            print(line)
+    pack = data.pack_sequences
     if pack is not None:
         print(f"packing: {reading.blocks_per_epoch(table, data)} blocks per epoch"
               f"{' (auto: estimated by lancedb from epoch 0, fixed for the job)' if pack.blocks_per_epoch == 'auto' else ''}")
-    return 0
+
+
+def _read_cost_lines(cost: plans.Cost, shuffle_clump_size: int) -> list[str]:
+    """A plan's size and an epoch's reads (plans.cost), as `plan` says them."""
+    return [
+        f"plan: {_size(cost.plan_bytes)} per epoch (8 B a row), built once by replica 0's sidecar; "
+        f"each rank holds {_size(cost.rank_ids_bytes)} of row ids (twice that as an epoch ends)",
+        f"reads: ~{cost.requests:,} requests and ~{_size(cost.read_bytes)} per epoch "
+        + (f"(shuffleClumpSize {shuffle_clump_size}: one request per clump per column)"
+           if shuffle_clump_size > 1 else
+           "(rows shuffled one by one: one request per row per column; shuffleClumpSize "
+           "N reads N neighbouring rows at once)"),
+    ]
 
 
 def _size(n: float) -> str:
@@ -156,9 +191,10 @@ def sidecar(add_parser: AddParser, name: str) -> None:
     p.add_argument("--config", required=True, type=Path, help="job data config (JSON)")
     p.add_argument("--socket-dir", type=Path, help="default: $SPLITFEED_SOCKET_DIR")
     p.add_argument("--podinfo-dir", type=Path, help="downward-API volume with annotations")
-    p.add_argument("--storage-options-dir", type=Path, help="one storage option per file")
+    p.add_argument("--storage-options-dir", type=Path, help=STORAGE_OPTIONS_HELP)
     p.add_argument("--termination-log", type=Path, help="where to write the exit report")
-    p.add_argument("--resume", choices=["latest", "none"], help="default: $SPLITFEED_RESUME or latest")
+    p.add_argument("--resume", choices=contract.RESUMES,
+                   help=f"default: ${contract.RESUME_ENV} or {contract.RESUME_LATEST}")
     p.set_defaults(func=_sidecar)
 
 
@@ -177,14 +213,14 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 def local(add_parser: AddParser, name: str) -> None:
     p = add_parser(name, help="run a StreamingJob's ranks as local processes")
-    p.add_argument("-f", "--file", required=True, help="StreamingJob manifest (YAML/JSON)")
+    p.add_argument("-f", "--file", required=True, help=MANIFEST_HELP)
     p.add_argument("--replicas", type=int, help="override spec.replicas")
-    p.add_argument("--resume", choices=["latest", "none"], default="latest")
-    p.add_argument("--storage-options-dir", type=Path, help="one storage option per file")
+    p.add_argument("--resume", choices=contract.RESUMES, default=contract.RESUME_LATEST)
+    p.add_argument("--storage-options-dir", type=Path, help=STORAGE_OPTIONS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--scale-at", action="append", default=[], metavar="STEP:REPLICAS",
                    help="rescale live once global step STEP is reached (repeatable)")
-    p.add_argument("--rescale", choices=["recreate", "inPlace"], default="recreate",
+    p.add_argument("--rescale", choices=specs.RESCALES, default=specs.RECREATE,
                    help="how a rescale changes the world: new processes for every replica (recreate), "
                         "or the ones that stay keep running (inPlace; trainers run under `splitfeed run`)")
     p.add_argument("command", nargs=argparse.REMAINDER,
@@ -202,4 +238,4 @@ def _local(args: argparse.Namespace) -> int:
     scale_at = [launching.parse_scale_at(text) for text in args.scale_at]
     return launching.run(job, command=command or None, resume=args.resume,
                          storage_options_dir=args.storage_options_dir, progress=not args.quiet,
-                         scale_at=scale_at, in_place=args.rescale == "inPlace")
+                         scale_at=scale_at, in_place=args.rescale == specs.IN_PLACE)

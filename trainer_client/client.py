@@ -189,7 +189,7 @@ class StreamClient:
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self._dir = socket_directory(socket_dir)
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0") if local_rank is None else local_rank)
+        self.local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") if local_rank is None else local_rank)
         self._channel = Channel(context or zmq.Context.instance(), self._dir, self.local_rank,
                                 timeout_s=timeout_s, heartbeat_s=heartbeat_s)
         self._taker = taking.Taker(self._dir, self.local_rank, as_tensors=as_tensors)

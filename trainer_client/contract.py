@@ -93,6 +93,11 @@ METRICS_PORT_ENV = "SPLITFEED_METRICS_PORT"
 
 LOCAL_JOB_UID = "local"
 """SPLITFEED_JOB_UID in `splitfeed local`: runs of one job file resume each other."""
+RESUMES = ("latest", "none")
+"""SPLITFEED_RESUME's values: from the newest complete checkpoint, or from global step 0."""
+RESUME_LATEST, RESUME_NONE = RESUMES
+LOOPBACK = "127.0.0.1"
+"""MASTER_ADDR of a world on one machine (the default), and where `splitfeed local` binds."""
 
 Env = dict[str, str]
 
@@ -121,7 +126,7 @@ def rank_env(
 
 
 def sidecar_env(
-    *, coordinator: str, job_uid: str, resume_step: int | None, resume: str = "latest",
+    *, coordinator: str, job_uid: str, resume_step: int | None, resume: str = RESUME_LATEST,
     table_version: int | None = None, config_checksum: str | None = None,
 ) -> Env:
     """What only the sidecar gets on top of `rank_env`: where the world starts, who it works for.
