@@ -601,6 +601,13 @@ def take_positions(block: pa.RecordBatch) -> tuple[pa.RecordBatch, Passed | None
     return block.replace_schema_metadata(rest or None), passed
 
 
+def _put_positions(block: pa.RecordBatch, passed: Passed) -> pa.RecordBatch:
+    """`block` carrying what its step passed in its POSITIONS_KEY metadata (`take_positions` reads it)."""
+    found = {"at": sorted(passed.at.items()), "skipped": passed.skipped}
+    metadata = {**(block.schema.metadata or {}), POSITIONS_KEY: json.dumps(found).encode()}
+    return block.replace_schema_metadata(metadata)
+
+
 def split_starts(data: specs.DataSpec, splits: Sequence[int], pos: positions.Position,
                  state: Mapping[str, Any] | None) -> list[int]:
     """Where each split of `splits` resumes in the epoch of `pos` under skip: 0 at an epoch
@@ -648,19 +655,8 @@ def _iter_skipping(
         pos = positions.position_of(global_step, spe)
         starts = split_starts(data, splits, pos, state)
         state = None  # only the first epoch resumes mid-way
-        dataset = _streaming_dataset(
-            table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
-            transform=guarded, blocks=None,
-        )
-        # lancedb's round-robin stops at the first split that runs dry, and under Guarded
-        # that is the first whose rows run out: resumed at unequal positions, a split
-        # started early would lose its last rows. Every split resumes at the lowest of
-        # their positions (rows before a split's own are read again and passed over),
-        # so they still run out together.
         floor = min(starts, default=0)
-        if pos.step:
-            dataset.load_state_dict(_skip_state(data, pos, splits, [floor] * m))
-        rows_iter = iter(dataset)
+        rows_iter = _skipping_rows(table, data, splits, pos, floor, guarded)
         try:
             epoch_steps = _skipping_epoch(rows_iter, data, splits, starts, cycles, pos.epoch,
                                           name, floor)
@@ -671,16 +667,35 @@ def _iter_skipping(
                 if taken is None:
                     break  # a split of these ran dry: this epoch ends here
                 rows, at, skipped = taken
-                block = preprocessing.collate(rows, name)
-                passed = {"at": sorted(at.items()), "skipped": skipped}
-                metadata = {**(block.schema.metadata or {}), POSITIONS_KEY: json.dumps(passed).encode()}
-                yield global_step, block.replace_schema_metadata(metadata)
+                yield global_step, _put_positions(preprocessing.collate(rows, name), Passed(at, skipped))
                 global_step += 1
             global_step = (pos.epoch + 1) * spe
         finally:
             close = getattr(rows_iter, "close", None)
             if close is not None:
                 close()
+
+
+def _skipping_rows(
+    table: Any, data: specs.DataSpec, splits: Sequence[int], pos: positions.Position, floor: int,
+    guarded: preprocessing.Guarded,
+) -> Iterator[Any]:
+    """lancedb's guarded rows of these splits in the epoch of `pos`, every split from `floor`.
+
+    lancedb's round-robin stops at the first split that runs dry, and under Guarded
+    that is the first whose rows run out: resumed at unequal positions, a split
+    started early would lose its last rows. Every split resumes at the lowest of
+    their positions, `floor` (rows before a split's own are read again and passed
+    over), so they still run out together.
+    """
+    m = len(splits)
+    dataset = _streaming_dataset(
+        table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
+        transform=guarded, blocks=None,
+    )
+    if pos.step:
+        dataset.load_state_dict(_skip_state(data, pos, splits, [floor] * m))
+    return iter(dataset)
 
 
 def _skip_state(data: specs.DataSpec, pos: positions.Position, splits: Sequence[int],

@@ -318,19 +318,8 @@ def _iter_in_processes(
     skipping = data.drops_rows
     try:
         for worker in range(data.num_workers):
-            receiver, sender = context.Pipe(duplex=False)
-            conns.append(receiver)
-            process = context.Process(
-                target=_worker_main,
-                args=(sender, data, storage_options, rank, world_size, worker, start, stop, state, plan),
-                name=f"splitfeed-loader-{rank}-{worker}",
-                daemon=True,
-            )
-            try:
-                process.start()
-            finally:
-                sender.close()  # the worker holds the only writer now: its death reads as EOF
-            processes.append(process)
+            _start_worker(context, conns, processes, f"splitfeed-loader-{rank}-{worker}",
+                          (data, storage_options, rank, world_size, worker, start, stop, state, plan))
         expected = start
 
         def receive(worker: int) -> tuple[int, int, memoryview]:
@@ -340,29 +329,72 @@ def _iter_in_processes(
             frames = [receive(worker) for worker in range(len(conns))]
             if skipping:
                 frames = _aligned(frames, receive)
-            kinds = {kind for kind, _, _ in frames}
-            if kinds == {_END}:
+            step = _frames_step(frames, expected, skipping, rank)
+            if step is None:
                 return
-            steps = [step for _, step, _ in frames]
-            if kinds != {_BLOCK} or (steps != [expected] * len(frames) and not (
-                    skipping and len(set(steps)) == 1 and steps[0] > expected)):
-                raise errors.SidecarFailed(
-                    f"loader workers of rank {rank} disagree at step {expected}: "
-                    f"frames {[kind for kind, _, _ in frames]}, steps {steps}"
-                )
-            expected = steps[0]
-            blocks, at, skipped = [], {}, 0
-            for _, _, payload in frames:
-                block, passed = reading.take_positions(_from_ipc(payload))
-                blocks.append(block)
-                if passed is not None:
-                    at.update(passed.at)
-                    skipped += passed.skipped
-            if ledger is not None and at:
-                ledger[expected] = reading.Passed(at, skipped)
-            yield expected, batching.interleave(blocks, cycles)
-            expected += 1
+            batch, passed = _merge(frames, cycles)
+            if ledger is not None and passed is not None:
+                ledger[step] = passed
+            yield step, batch
+            expected = step + 1
     finally:
         for conn in conns:
             conn.close()
         _stop(processes)
+
+
+def _start_worker(
+    context: Any,
+    conns: list[multiprocessing.connection.Connection],
+    processes: list[multiprocessing.process.BaseProcess],
+    name: str,
+    args: tuple[Any, ...],
+) -> None:
+    """Start one loader worker, `_worker_main(sender, *args)`; its pipe's read end goes
+    into `conns` before it starts and the process into `processes` once it runs, so the
+    caller's cleanup closes and stops whatever exists when a start fails."""
+    receiver, sender = context.Pipe(duplex=False)
+    conns.append(receiver)
+    process = context.Process(
+        target=_worker_main,
+        args=(sender, *args),
+        name=name,
+        daemon=True,
+    )
+    try:
+        process.start()
+    finally:
+        sender.close()  # the worker holds the only writer now: its death reads as EOF
+    processes.append(process)
+
+
+def _frames_step(frames: list[tuple[int, int, memoryview]], expected: int, skipping: bool,
+                 rank: int) -> int | None:
+    """The step every worker's frame holds (under skip it may be past `expected`: steps
+    not every worker has are gone); None when all of them ended. Raises SidecarFailed
+    when they disagree."""
+    kinds = {kind for kind, _, _ in frames}
+    if kinds == {_END}:
+        return None
+    steps = [step for _, step, _ in frames]
+    if kinds != {_BLOCK} or (steps != [expected] * len(frames) and not (
+            skipping and len(set(steps)) == 1 and steps[0] > expected)):
+        raise errors.SidecarFailed(
+            f"loader workers of rank {rank} disagree at step {expected}: "
+            f"frames {[kind for kind, _, _ in frames]}, steps {steps}"
+        )
+    return steps[0]
+
+
+def _merge(frames: list[tuple[int, int, memoryview]],
+           cycles: int) -> tuple[pa.RecordBatch, reading.Passed | None]:
+    """One step's worker blocks as the rank's batch (batching.interleave), and what their
+    splits passed together (None but under skip)."""
+    blocks, at, skipped = [], {}, 0
+    for _, _, payload in frames:
+        block, passed = reading.take_positions(_from_ipc(payload))
+        blocks.append(block)
+        if passed is not None:
+            at.update(passed.at)
+            skipped += passed.skipped
+    return batching.interleave(blocks, cycles), (reading.Passed(at, skipped) if at else None)
