@@ -21,9 +21,11 @@ install: $(STAMP)
 envtest:
 	@bash tests/envtest/build.sh
 
+# tests/isolate.sh: each run in a network namespace of its own, so that two runs side by
+# side never share the test kubelet's pod ports or /etc/hosts names.
 test: install
 	KUBEBUILDER_ASSETS="$$(bash tests/envtest/build.sh | tail -n 1)" \
-		$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+		bash tests/isolate.sh $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 demo: install
 	$(PY) examples/demo.py
@@ -44,7 +46,7 @@ sync-crd: install
 
 e2e: install
 	KUBEBUILDER_ASSETS="$$(bash tests/envtest/build.sh | tail -n 1)" \
-		$(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
+		bash tests/isolate.sh $(PY) -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
 
 # Real pods in a kind cluster; needs Docker. Not part of `make test`.
 e2e-kind: install

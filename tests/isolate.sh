@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs a command (the test suite) in a network and mount namespace of its own, where
+# this machine allows it, so that two test runs on one machine never meet.
+#
+# Why: the test kubelet (tests/e2e/kubelet.py) runs every pod as a process on the host
+# network, where a pod's fixed ports (29500-29511, 29502) are the host's, and it writes
+# the cluster DNS names of pods into /etc/hosts. Two runs side by side (two checkouts,
+# CI beside a developer's run) would bind each other's ports and overwrite each other's
+# names. Here each run gets its own loopback, an address that is not loopback (Endpoints
+# reject 127.0.0.0/8) with a default route through it, and a private copy of /etc/hosts.
+# Nothing inside the suite needs the outside network: dependencies and the control-plane
+# binaries are installed before it starts.
+#
+# Where the namespace cannot be made (not root, no unshare or ip), the command runs as it
+# is, with a note: one run at a time on that machine.
+set -euo pipefail
+
+ADDRESS=10.254.0.1
+
+if [[ "${SPLITFEED_ISOLATED:-}" != 1 ]]; then
+    if [[ $EUID -eq 0 ]] && command -v unshare >/dev/null && command -v ip >/dev/null \
+            && unshare --net --mount true 2>/dev/null; then
+        exec unshare --net --mount --fork env SPLITFEED_ISOLATED=1 bash "$0" "$@"
+    fi
+    echo "tests/isolate.sh: no network namespace here (needs root, unshare and ip):" \
+         "running on the host network, so run one test suite at a time on this machine" >&2
+    exec "$@"
+fi
+
+mount --make-rprivate /
+ip link set lo up
+ip addr add "$ADDRESS/32" dev lo
+ip route add default dev lo src "$ADDRESS"
+hosts="$(mktemp)"
+cp /etc/hosts "$hosts"
+mount --bind "$hosts" /etc/hosts
+status=0
+"$@" || status=$?
+umount /etc/hosts
+rm -f "$hosts"
+exit "$status"
