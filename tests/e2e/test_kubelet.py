@@ -102,13 +102,12 @@ def test_a_native_sidecar_starts_before_the_main_container_and_stops_after_it(
                                     "volumeMounts": [{"name": "w", "mountPath": "/w"}]}],
                     "volumes": [{"name": "w", "emptyDir": {}}]}}
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def synced_to_an_end() -> bool:
             kubelet._sync_pod(json.loads(json.dumps(pod)))  # status writes 404: no such pod object
-            run = kubelet.runs["00000000-native"]
-            if run.phase in ("Succeeded", "Failed"):
-                break
-            time.sleep(0.05)
+            return kubelet.runs["00000000-native"].phase in ("Succeeded", "Failed")
+
+        wait_for(synced_to_an_end, 20, "the native-sidecar pod to end", interval=0.05)
+        run = kubelet.runs["00000000-native"]
         assert run.phase == "Succeeded"
         assert run.volumes is not None
         assert (run.volumes["w"] / "order").read_text().split() == ["side", "main", "side-stopped"]
