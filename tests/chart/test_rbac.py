@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from splitfeed.operator import handlers, planning  # noqa: F401 (handlers registers)
 from splitfeed.trainer_client import contract, specs
@@ -77,14 +78,13 @@ def request_grant(method: str, path: str, params: Any) -> Grant | None:
     return group, resource, verb
 
 
-@pytest.fixture(scope="module")
-def recorded() -> set[Grant]:
-    return set()
+_RECORDED: set[Grant] = set()
+"""Filled once per test run by the first test that asks for `recorded`, whichever it is."""
 
 
-@pytest.mark.asyncio
-@pytest.mark.timeout(90)
-async def test_record_what_kopf_and_the_operator_ask_of_the_api(cluster, recorded):  # noqa: F811
+async def _record(cluster: Any) -> set[Grant]:  # noqa: F811
+    """Every (group, resource, verb) Kopf and the operator ask of the API through one job's
+    life (create, rescale, a failed world, success), with peering on."""
     cluster.objects["kopf.dev/v1/clusterkopfpeerings", None, "splitfeed"] = {
         "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
         "metadata": {"name": "splitfeed", "resourceVersion": "1"}}
@@ -102,17 +102,32 @@ async def test_record_what_kopf_and_the_operator_ask_of_the_api(cluster, recorde
         await until(lambda: "resnet-w2-0" in pods_of(cluster), what="world 2 after a failure")
         cluster.objects[PODS, "ns", "resnet-w2-0"].patch({"status": {"phase": "Succeeded"}})
         await until(lambda: phase(cluster) == "Succeeded", what="Succeeded")
+    found: set[Grant] = set()
     for request in cluster:
         grant = request_grant(str(request.method.value if hasattr(request.method, "value") else request.method),
                               request.url.path, request.params)
         if grant is not None:
-            recorded.add(grant)
+            found.add(grant)
+    return found
+
+
+@pytest_asyncio.fixture()
+async def recorded(cluster: Any) -> set[Grant]:  # noqa: F811
+    """The recording (`_record`), made by the first test of the run that needs it: no test
+    depends on another having run first."""
+    if not _RECORDED:
+        _RECORDED.update(await _record(cluster))
+    return _RECORDED
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_the_recording_holds_kopfs_watch_and_the_operators_pod_deletes(recorded):
     assert ("splitfeed.io", "streamingjobs", "watch") in recorded  # Kopf's
     assert ("", "pods", "delete") in recorded  # ours
 
 
 def needed(recorded: set[Grant]) -> set[Grant]:
-    assert recorded, "test_record_what_kopf_and_the_operator_ask_of_the_api did not run first"
     found = client_calls(ROOT / "operator" / "kube.py") | recorded
     owner_ref = next(o for o in planning.world(specs.parse_job(manifest()), 0, OWNER, planning.Settings())
                      if o["kind"] == "Pod")["metadata"]["ownerReferences"][0]
@@ -141,12 +156,14 @@ def roles(objs: list[dict[str, Any]]) -> dict[tuple[str, str | None], set[Grant]
             for o in objs if o["kind"] in ("Role", "ClusterRole")}
 
 
+@pytest.mark.timeout(90)
 def test_cluster_mode_grants_exactly_what_the_code_uses(recorded):
     namespaced, cluster_scoped, lease = split(needed(recorded), peering=False, sar=False)
     objs = objects()
     assert roles(objs) == {("ClusterRole", None): namespaced | cluster_scoped, ("Role", "leader"): lease}
 
 
+@pytest.mark.timeout(90)
 def test_peering_and_the_permission_check_add_exactly_their_grants(recorded):
     namespaced, cluster_scoped, lease = split(needed(recorded), peering=True, sar=True)
     values = {**SCENARIOS["hardened-webhook"], "leaderElection": {"enabled": True}}
@@ -154,6 +171,7 @@ def test_peering_and_the_permission_check_add_exactly_their_grants(recorded):
 
 
 @pytest.mark.parametrize("peering", [False, True])
+@pytest.mark.timeout(90)
 def test_namespace_mode_grants_the_namespaced_part_in_each_namespace(recorded, peering):
     namespaced, cluster_scoped, lease = split(needed(recorded), peering=peering, sar=False, cluster_mode=False)
     objs = objects({**SCENARIOS["namespace-list"], "peering": {"enabled": peering, "name": "splitfeed"}})
