@@ -42,7 +42,7 @@ class SidecarSettings:
     """Global rank of this pod's first local rank."""
     world_size: int = 1
     local_world_size: int = 1
-    resume: str = "latest"
+    resume: str = contract.RESUME_LATEST
     resume_step: int | None = None
     """The world's resume step, chosen by the operator (SPLITFEED_RESUME_STEP); None: the coordinator chooses."""
     replica: int | None = None
@@ -61,7 +61,7 @@ class SidecarSettings:
     termination_log: Path | None = None
     metrics_port: int | None = None
     """Where /metrics is served (SPLITFEED_METRICS_PORT; 0: any free port); None: not at all."""
-    master_addr: str = "127.0.0.1"
+    master_addr: str = contract.LOOPBACK
     master_port: int = contract.MASTER_PORT
     """The trainers' rendezvous (MASTER_ADDR, MASTER_PORT): told to them again in a world changed in place."""
 
@@ -75,7 +75,7 @@ class SidecarSettings:
             "rank": int(env.get(contract.RANK, "0")),
             "world_size": int(env.get(contract.WORLD_SIZE, "1")),
             "local_world_size": int(env.get(contract.LOCAL_WORLD_SIZE, "1")),
-            "resume": env.get(contract.RESUME_ENV, "latest"),
+            "resume": env.get(contract.RESUME_ENV, contract.RESUME_LATEST),
             "resume_step": int(env[contract.RESUME_STEP_ENV]) if env.get(contract.RESUME_STEP_ENV) else None,
             "replica": int(env[contract.NODE_RANK]) if env.get(contract.NODE_RANK) else None,
             "coordinator": env.get(contract.COORDINATOR_ENV) or None,
@@ -191,7 +191,7 @@ def coordinator_addresses(settings: SidecarSettings) -> tuple[str, str]:
             raise errors.UserError(
                 "SPLITFEED_COORDINATOR is not set: a world of several replicas needs replica 0's "
                 "coordinator address (the operator and `splitfeed local` set it)")
-        return "tcp://127.0.0.1:*", ""
+        return f"tcp://{contract.LOOPBACK}:*", ""
     host, sep, port = settings.coordinator.rpartition(":")
     if not settings.coordinator.startswith("tcp://") or not sep or not port.isdigit():
         raise errors.UserError(f"SPLITFEED_COORDINATOR={settings.coordinator!r} is not tcp://HOST:PORT")
@@ -225,7 +225,7 @@ def choose_resume_step(job: specs.JobSpec, data: specs.DataSpec, settings: Sidec
     if settings.resume_step is not None:
         log.info("resuming at global step %d, as the operator recorded", settings.resume_step)
         return settings.resume_step
-    if settings.resume == "none" or not stores:
+    if settings.resume == contract.RESUME_NONE or not stores:
         return 0
     found = checkpoints.newest(stores, reading.merge_states, expect=expect,
                                accept=lambda s: positions.position_from_state(data, s))
@@ -781,7 +781,7 @@ def adopt_world(settings: SidecarSettings, world: membership.World | None) -> Si
              world.epoch, settings.world_epoch, world.epoch)
     return dataclasses.replace(
         settings, world_epoch=world.epoch, world_size=world.world_size, coordinator=address,
-        master_port=world.master_port, resume_step=None, resume="latest")
+        master_port=world.master_port, resume_step=None, resume=contract.RESUME_LATEST)
 
 
 def run(settings: SidecarSettings) -> int:
@@ -792,42 +792,10 @@ def run(settings: SidecarSettings) -> int:
     second SIGTERM, or SIGINT, stops at once. A sidecar that got SIGTERM ends after
     the drain, even where the world goes on in place without it.
     """
-    serving.tune_interpreter()
-    # lancedb's permutation builder, sized once before any thread reads the environment
-    # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
-    plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
-    # A sidecar the kubelet restarted in a pod kept through in-place changes has the environment
-    # of the world the pod was created for; the world file (in the pod's emptyDir) says which
-    # world the pod is in now. Otherwise a predecessor's word is not ours.
-    settings = adopt_world(settings, membership.read(settings.socket_dir))
-    with contextlib.suppress(OSError):  # (a broken directory: prepare says)
-        (settings.socket_dir / membership.FILE).unlink(missing_ok=True)
+    settings = _set_up_process(settings)
     carried: Carried | None = None
-    terms: list[float] = []
-    current: list[Sidecar] = []
-
-    def act_on_terms() -> None:
-        """What the SIGTERMs so far ask of the world now served (none yet: once it serves)."""
-        if not terms or not current:
-            return
-        sidecar = current[0]
-        if (len(terms) > 1 or sidecar.failure is not None or sidecar.server.member is None
-                or ending.trainers_gone(sidecar.server)):  # no trainer is left to drain (issue 21)
-            sidecar.server.stopping.set()
-        else:
-            sidecar.server.preempt_requested = True
-
-    def on_term(*_: object) -> None:
-        terms.append(time.monotonic())
-        act_on_terms()
-
-    def on_int(*_: object) -> None:
-        terms.extend([time.monotonic()] * 2)
-        if current:
-            current[0].server.stopping.set()
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_int)
+    signals = Signals()
+    signals.install()
     while True:
         try:
             sidecar = prepare(settings, carried)
@@ -837,15 +805,13 @@ def run(settings: SidecarSettings) -> int:
             return 0
         except Exception as exc:  # not bad input (prepare reports that): a bug or a broken host
             log.exception("the sidecar cannot start")
-            write_report(settings.termination_log, {
-                "globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
-                "error": f"the sidecar cannot start: {type(exc).__name__}: {exc}", "permanent": False})
+            write_report(settings.termination_log,
+                         _worldless_report(f"the sidecar cannot start: {type(exc).__name__}: {exc}"))
             return 2
-        current[:] = [sidecar]
-        act_on_terms()  # a SIGTERM while it prepared: ask the world to drain as soon as it serves
+        signals.serving(sidecar)
         try:
             code, report = serve_world(sidecar)
-            following = next_world(sidecar, report, stopping=bool(terms)) if code == 0 else None
+            following = next_world(sidecar, report, stopping=signals.termed()) if code == 0 else None
         except BaseException:
             serving.flush(sidecar.server.context)
             raise
@@ -858,6 +824,74 @@ def run(settings: SidecarSettings) -> int:
         carried, settings = carry(sidecar, report), following  # the world file says CHANGING (on_drain)
 
 
+def _set_up_process(settings: SidecarSettings) -> SidecarSettings:
+    """Once per process, before its first world: the interpreter and lancedb's pool tuned,
+    and the settings of the world this pod is in now (its world file's, not a predecessor's)."""
+    serving.tune_interpreter()
+    # lancedb's permutation builder, sized once before any thread reads the environment
+    # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
+    plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
+    # A sidecar the kubelet restarted in a pod kept through in-place changes has the environment
+    # of the world the pod was created for; the world file (in the pod's emptyDir) says which
+    # world the pod is in now. Otherwise a predecessor's word is not ours.
+    settings = adopt_world(settings, membership.read(settings.socket_dir))
+    with contextlib.suppress(OSError):  # (a broken directory: prepare says)
+        (settings.socket_dir / membership.FILE).unlink(missing_ok=True)
+    return settings
+
+
+class Signals:
+    """What SIGTERM and SIGINT ask of the world this process serves now (`run` installs them).
+
+    The first SIGTERM asks the world to drain (once it serves); a second one, or SIGINT,
+    stops at once, as does a SIGTERM that finds nothing to drain.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        """When each SIGTERM came (SIGINT counts twice)."""
+        self.current: Sidecar | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self.on_term)
+        signal.signal(signal.SIGINT, self.on_int)
+
+    def termed(self) -> bool:
+        """Whether this process was asked to end: it then ends after the world it serves."""
+        return bool(self.times)
+
+    def serving(self, sidecar: Sidecar) -> None:
+        """`sidecar` serves now: a SIGTERM while it prepared asks its world to drain as soon as it serves."""
+        self.current = sidecar
+        self.act()
+
+    def act(self) -> None:
+        """What the SIGTERMs so far ask of the world now served (none yet: once it serves)."""
+        sidecar = self.current
+        if not self.times or sidecar is None:
+            return
+        if (len(self.times) > 1 or sidecar.failure is not None or sidecar.server.member is None
+                or ending.trainers_gone(sidecar.server)):  # no trainer is left to drain (issue 21)
+            sidecar.server.stopping.set()
+        else:
+            sidecar.server.preempt_requested = True
+
+    def on_term(self, *_: object) -> None:
+        self.times.append(time.monotonic())
+        self.act()
+
+    def on_int(self, *_: object) -> None:
+        self.times.extend([time.monotonic()] * 2)
+        if self.current is not None:
+            self.current.server.stopping.set()
+
+
+def _worldless_report(error: str | None) -> contract.Report:
+    """The report of a sidecar that served no world here: nothing served, nothing drained."""
+    return {"globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
+            "error": error, "permanent": False}
+
+
 def _leave(settings: SidecarSettings, carried: Carried | None) -> None:
     """A pod that is not in its world any more ends cleanly: its last world's report (it
     drained there), its plans closed, and the world file tells its trainer to stop."""
@@ -867,9 +901,7 @@ def _leave(settings: SidecarSettings, carried: Carried | None) -> None:
         if carried.coordinator is not None:
             carried.coordinator.close()
     write_world(settings, membership.LEFT)
-    report: contract.Report = carried.report if carried is not None else {
-        "globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
-        "error": None, "permanent": False}
+    report = carried.report if carried is not None else _worldless_report(None)
     write_report(settings.termination_log, report)
 
 
