@@ -196,10 +196,9 @@ def check_replicas(job: specs.JobSpec, replicas: int) -> None:
 def with_defaults(manifest: Mapping[str, Any], sidecar: Mapping[str, Any]) -> dict[str, Any]:
     """The manifest with the operator's sidecar defaults filled in where the job is silent."""
     out = dict(manifest)
-    spec = dict(out.get("spec") or {})
-    if sidecar and isinstance(spec.get("sidecar", {}), Mapping):
-        spec["sidecar"] = {**sidecar, **(spec.get("sidecar") or {})}
-        out["spec"] = spec
+    spec = out.get("spec") or {}
+    if sidecar and isinstance(spec, Mapping) and isinstance(spec.get("sidecar", {}), Mapping):
+        out["spec"] = {**spec, "sidecar": {**sidecar, **(spec.get("sidecar") or {})}}
     return out
 
 

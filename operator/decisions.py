@@ -73,8 +73,8 @@ def is_terminal(status: Mapping[str, Any]) -> bool:
     return phase == SUCCEEDED or (phase == FAILED and conditions.is_true(conds, conditions.VALIDATED))
 
 
-def token(reason: str, epoch: int) -> str:
-    return f"{reason.lower()}-w{epoch}"
+token = views.drain_token
+"""The splitfeed.io/drain annotation's value for a drain of a world (reason, epoch)."""
 
 
 class Ctx:
@@ -92,7 +92,7 @@ class Ctx:
         self.next_world = next_world
         """In place: the `status` answer of the next world's coordinator, once it serves."""
         self.world = [p for p in self.pods if self.epoch is not None and (p.epoch == self.epoch or self._kept(p))]
-        changing = job.in_place and bool((status.get("drain") or {}).get("inPlace"))
+        changing = job.in_place and self.found.drain is not None and self.found.drain.in_place
         self.ahead = [p for p in self.pods if changing and self.epoch is not None and p.epoch == self.epoch + 1]
         """Pods created ahead for the world that follows in place (a scale-up's new replicas)."""
         self.stale = [p for p in self.pods if p not in self.world and p not in self.ahead]

@@ -30,7 +30,7 @@ from splitfeed.trainer_client import contract
 
 import dataclasses
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import conditions, planning, views
@@ -73,12 +73,10 @@ def ranks_of(c: Ctx, pods: Sequence[views.Pod]) -> str:
     per = c.job.gpus_per_replica
     out = []
     for p in sorted(pods, key=lambda p: p.name):
-        try:
-            replica = int((p.raw.get("metadata") or {}).get("labels", {}).get(contract.LABEL_REPLICA))
-        except (TypeError, ValueError):
+        if p.replica is None:
             out.append(f"pod {p.name}")
             continue
-        first = replica * per
+        first = p.replica * per
         out.append(f"rank {first}" if per == 1 else f"ranks {first}-{first + per - 1}")
         out[-1] += f" (pod {p.name})"
     return ", ".join(out)
@@ -110,22 +108,17 @@ def reached(c: Ctx, since: datetime.datetime | None) -> Reached | None:
     steps = [r.global_step for p in c.world if (r := p.final_report) is not None and r.global_step is not None]
     if c.world and len(steps) == len(c.world):
         return Reached(min(steps), total, "the sidecars' reports")
-    progress = c.status.get("progress") or {}
-    step, updated = progress.get("globalStep"), progress.get("updatedAt")
-    if isinstance(step, int) and isinstance(updated, str) and since is not None:
-        try:
-            fresh = conditions.parse_timestamp(updated) > since
-        except ValueError:
-            fresh = False
-        if fresh:
-            return Reached(step, total, f"the world's live status at {updated}")
+    live = c.found.progress
+    step, updated = live.global_step, live.updated_at
+    if step is not None and updated is not None and since is not None and updated > since:
+        return Reached(step, total, f"the world's live status at {conditions.timestamp(updated)}")
     return None
 
 
 def _total(c: Ctx) -> int | None:
     """K: the job's global steps, from the reports' or the live status' steps per epoch."""
     spe = max([r.steps_per_epoch or 0 for p in c.world if (r := p.final_report)]
-              + [int((c.status.get("progress") or {}).get("stepsPerEpoch") or 0)])
+              + [c.found.progress.steps_per_epoch])
     return spe * c.job.data.epochs if spe > 0 else None
 
 
@@ -133,8 +126,8 @@ def _reached_end(c: Ctx) -> bool:
     """Some sidecar's report, or the live status, says the job's last step was taken."""
     total = _total(c)
     steps = [r.global_step for p in c.world if (r := p.final_report) and r.global_step is not None]
-    live = (c.status.get("progress") or {}).get("globalStep")
-    if isinstance(live, int):
+    live = c.found.progress.global_step
+    if live is not None:
         steps.append(live)
     return total is not None and any(s >= total for s in steps)
 
@@ -241,7 +234,7 @@ def returned_then_failed(c: Ctx, failed: Sequence[views.Pod], lost: Sequence[str
                 "the same step. Not restarted: the same code would stop the same way")
 
 
-def condition_waiting(status: dict[str, Any]) -> bool:
+def condition_waiting(status: Mapping[str, Any]) -> bool:
     """The world's trainers returned and the operator waits for the step reached (live.Poller.due)."""
     ready = conditions.get(status.get("conditions") or [], conditions.READY) or {}
     return ready.get("reason") == TRAINERS_STOPPED and ready.get("status") == "False"

@@ -34,7 +34,7 @@ from typing import Any
 
 from splitfeed.trainer_client import contract, messages
 
-from . import admission, conditions, planning, rescaling, restarting
+from . import admission, conditions, planning, rescaling, restarting, views
 from .decisions import (
     CHECKPOINT_REQUESTED,
     POLL_S,
@@ -57,16 +57,16 @@ LOOK_S = 0.5
 from its coordinator, so the sooner it looks, the sooner the status says so."""
 
 
-def changing(drain: dict[str, Any]) -> bool:
+def changing(drain: views.Drain) -> bool:
     """status.drain is a change in place still under way (not one that fell back to a replacement)."""
-    return bool(drain.get("inPlace")) and drain.get("step") in (CHECKPOINT_REQUESTED, WAITING_FOR_CHECKPOINT)
+    return drain.in_place and drain.step in (CHECKPOINT_REQUESTED, WAITING_FOR_CHECKPOINT)
 
 
 def request(c: Ctx, target: int) -> Decision:
     """spec.replicas changed: record the change, create the new replicas' pods now."""
     epoch = c.world_epoch
-    drain = {"reason": "Rescale", "step": CHECKPOINT_REQUESTED, "token": token("Rescale", epoch),
-             "requestedAt": conditions.timestamp(c.now), "targetReplicas": target, "inPlace": True}
+    drain = views.Drain(reason="Rescale", step=CHECKPOINT_REQUESTED, token=token("Rescale", epoch),
+                        requested_at=c.now, target_replicas=target, in_place=True)
     c.patch.update(phase=RESCALING)
     msg = (f"replicas {c.found.replicas} -> {target} in place: world {epoch}'s pods of replicas "
            f"0..{min(c.found.replicas, target) - 1} stay and change world at the agreed step")
@@ -74,12 +74,15 @@ def request(c: Ctx, target: int) -> Decision:
     return step(c, drain, None)
 
 
-def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
+def step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -> Decision:
     """One look at a change in place: done, failed, timed out, or waiting (and asking)."""
     epoch = c.world_epoch
-    if problem is None and not c.job.suspend and c.job.replicas != drain.get("targetReplicas"):
-        drain["targetReplicas"] = c.job.replicas  # a second scale during the change: ask for the newest
-    target = int(drain["targetReplicas"])
+    target = drain.target_replicas
+    if problem is None and not c.job.suspend and c.job.replicas != target:
+        target = c.job.replicas  # a second scale during the change: ask for the newest
+    elif target is None:
+        target = c.found.replicas  # lost, and no valid count to ask for: the world keeps its own
+    drain = dataclasses.replace(drain, target_replicas=target, requested_at=rescaling.requested_at(c, drain))
     answer = c.next_world
     if answer is not None and answer.world_epoch == epoch + 1:
         return _changed(c, answer)
@@ -89,7 +92,7 @@ def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> D
     lost = _lost(c, target)
     if failed or lost:  # the world is restarted as a whole (the next world's pods go with it)
         return restarting.world_failed(c, failed, lost)
-    requested = conditions.parse_timestamp(drain["requestedAt"])
+    requested = rescaling.requested_at(c, drain)
     deadline = requested + datetime.timedelta(seconds=c.job.checkpoint.timeout_seconds + READY_WAIT_S)
     if c.now >= deadline:
         return _abandon(c, drain, f"world {epoch + 1} did not start in place by {conditions.timestamp(deadline)} "
@@ -99,8 +102,8 @@ def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> D
     # Every new replica's own pod (a same-named pod of an earlier world may still be going).
     ready = all(any(p.replica == r and p.phase == RUNNING and p.ready for p in c.ahead)
                 for r in range(c.found.replicas, target))
-    asking = bool(drain.get("askedAt")) or ready or c.now >= requested + datetime.timedelta(seconds=READY_WAIT_S)
-    c.patch.update(phase=RESCALING, drain=drain)
+    asking = drain.asked_at is not None or ready or c.now >= requested + datetime.timedelta(seconds=READY_WAIT_S)
+    c.patch.update(phase=RESCALING, drain=drain.patch())
     if not asking:
         c.cond(conditions.RESCALING, True, CHECKPOINT_REQUESTED,
                f"starting the pods of replicas {c.found.replicas}..{target - 1} for world {epoch + 1} "
@@ -108,18 +111,18 @@ def step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> D
                f"{max(0, target - c.found.replicas)} ready: their trainers imported)")
         c.cond(conditions.READY, True, "AllPodsRunning", f"world {epoch} trains while its next world starts")
         return c.decision(CHECKPOINT_REQUESTED, create=create, requeue_s=LOOK_S)
-    if not drain.get("askedAt"):
-        drain["askedAt"] = conditions.timestamp(c.now)
+    if drain.asked_at is None:
+        drain = dataclasses.replace(drain, asked_at=c.now)
         c.events.append(Event("Normal", CHECKPOINT_REQUESTED,
                               f"asked world {epoch} to drain and go on in place with {target} replicas "
-                              f"(token {drain['token']})"))
-    drain["step"] = WAITING_FOR_CHECKPOINT
+                              f"(token {drain.token})"))
+    c.patch["drain"] = dataclasses.replace(drain, step=WAITING_FOR_CHECKPOINT).patch()
     c.cond(conditions.RESCALING, True, WAITING_FOR_CHECKPOINT,
            f"world {epoch} drains; world {epoch + 1} follows in place with {target} replicas; "
            f"giving up at {conditions.timestamp(deadline)}")
     c.cond(conditions.READY, False, "Draining", f"world {epoch} drains to change in place")
-    return c.decision(WAITING_FOR_CHECKPOINT, create=create, annotate=_annotations(c, drain["token"], target),
-                      notify=rescaling.notify(c, drain["token"], "Rescale"), notify_replicas=target, requeue_s=LOOK_S)
+    return c.decision(WAITING_FOR_CHECKPOINT, create=create, annotate=_annotations(c, drain.token, target),
+                      notify=rescaling.notify(c, drain.token, "Rescale"), notify_replicas=target, requeue_s=LOOK_S)
 
 
 def relabel(c: Ctx) -> dict[str, dict[str, str]]:
@@ -189,18 +192,18 @@ def _ahead_pods(c: Ctx, target: int) -> list[dict[str, Any]]:
 def _annotations(c: Ctx, drain_token: str, target: int) -> dict[str, dict[str, str]]:
     want = {contract.ANNOTATION_DRAIN: drain_token, contract.ANNOTATION_DRAIN_REPLICAS: str(target)}
     return {p.name: want for p in c.world if p.live
-            and (p.drain_token, p.raw.get("metadata", {}).get("annotations", {}).get(
-                contract.ANNOTATION_DRAIN_REPLICAS)) != (drain_token, str(target))}
+            and (p.drain_token, p.drain_replicas) != (drain_token, str(target))}
 
 
-def _abandon(c: Ctx, drain: dict[str, Any], why: str) -> Decision:
+def _abandon(c: Ctx, drain: views.Drain, why: str) -> Decision:
     """The change in place cannot finish: replace the world as `recreate` would, from the
     newest complete checkpoint (a failure counts against spec.maxRestarts as usual)."""
     epoch = c.world_epoch
     msg = f"{why}; replacing world {epoch} and its next world's pods (from the newest complete checkpoint)"
     c.patch.update(phase=RESCALING, resumeStep=None, drain={
-        "reason": "Rescale", "step": REMOVING_OLD_WORLD, "token": drain["token"],
-        "requestedAt": drain["requestedAt"], "targetReplicas": drain["targetReplicas"], **rescaling.NOT_IN_PLACE})
+        "reason": "Rescale", "step": REMOVING_OLD_WORLD, "token": drain.token,
+        "requestedAt": conditions.timestamp(rescaling.requested_at(c, drain)),
+        "targetReplicas": drain.target_replicas, **rescaling.NOT_IN_PLACE})
     c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, msg)
     c.cond(conditions.READY, False, "InPlaceFailed", msg)
     c.events.append(Event("Warning", "InPlaceFailed", msg))

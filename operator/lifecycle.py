@@ -69,9 +69,9 @@ def decide(
         return c.decision("Finished", delete=[p.name for p in c.world if not p.stopped and not p.deleting])
     problem = _validate(c)
     drain = rescaling.drain_of(c)
-    if drain and inplace.changing(drain):
+    if drain is not None and inplace.changing(drain):
         return inplace.step(c, drain, problem)
-    if drain:
+    if drain is not None:
         return rescaling.drain_step(c, drain, problem)
     if c.epoch is None or c.found.phase == SUSPENDED:
         return _idle_step(c, problem)

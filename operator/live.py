@@ -25,7 +25,7 @@ from typing import Any
 
 from splitfeed.trainer_client import messages, progress, specs, worlds
 
-from . import decisions, endings, kube, planning
+from . import decisions, endings, kube, planning, views
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Poller:
     def take_redone(self, key: tuple[str, str]) -> int:
         return self.redone.pop(key, 0)
 
-    def track(self, key: tuple[str, str], status: Mapping[str, Any], now: datetime.datetime) -> None:
+    def track(self, key: tuple[str, str], status: views.Status, now: datetime.datetime) -> None:
         """A rescale's marks from one look at the job's status, the reconciler's or this poller's.
 
         The reconciler's looks matter: a drain agreed and a new world started within one
@@ -118,25 +118,23 @@ class Poller:
         """
         self._timeline(key, status, now)
 
-    def _timeline(self, key: tuple[str, str], status: Mapping[str, Any], now: datetime.datetime
+    def _timeline(self, key: tuple[str, str], status: views.Status, now: datetime.datetime
                   ) -> Timeline | None:
-        drain = status.get("drain") or {}
-        epoch = int(status.get("worldEpoch") or 0)
+        drain, epoch = status.drain, status.world_epoch or 0
         timeline = self.rescales.get(key)
-        reason = str(drain.get("reason") or "")
-        if (reason == "Rescale" or reason in REPLACEMENTS) and timeline is None:
-            requested = _parse(drain.get("requestedAt")) or now
+        reason = (drain.reason if drain is not None else None) or ""
+        if drain is not None and (reason == "Rescale" or reason in REPLACEMENTS) and timeline is None:
             timeline = self.rescales[key] = Timeline(
-                from_replicas=int(status.get("replicas") or 0), to_replicas=int(drain.get("targetReplicas") or 0),
-                requested_at=requested, old_epoch=epoch, reason=reason)
-        old_step = int((status.get("progress") or {}).get("globalStep") or 0)
+                from_replicas=status.replicas, to_replicas=drain.target_replicas or 0,
+                requested_at=drain.requested_at or now, old_epoch=epoch, reason=reason)
+        old_step = status.progress.global_step or 0
         if timeline is not None and epoch == timeline.old_epoch:
             timeline.old_step = max(timeline.old_step, old_step)
         elif timeline is not None and timeline.gone_at is None:
             timeline.gone_at = now  # the operator moved on to the next world
         if timeline is not None and timeline.agreed_at is None:
             # A drain agreed and saved within one pass is seen in the drained pods' reports instead.
-            saved = _parse((status.get("lastCheckpoint") or {}).get("time"))
+            saved = status.saved_at
             if saved is not None and saved >= timeline.requested_at:
                 timeline.agreed_at = saved
         return timeline
@@ -146,14 +144,15 @@ class Poller:
         """Pure bookkeeping of one pass: the status patch and events it calls for."""
         patch: dict[str, Any] = {}
         events: list[decisions.Event] = []
-        epoch = int(status.get("worldEpoch") or 0)
-        timeline = self._timeline(key, status, now)
+        found = views.Status.parse(status)
+        epoch = found.world_epoch or 0
+        timeline = self._timeline(key, found, now)
         if timeline is not None and epoch == timeline.old_epoch and answer is not None \
                 and answer.drain_step is not None and timeline.agreed_at is None:
             timeline.agreed_at = now
             timeline.old_step = max(timeline.old_step, answer.drain_step)
         if answer is not None:
-            live = progress.status_progress(answer, status.get("progress") or {}, epoch)
+            live = progress.status_progress(answer, found.progress.raw, epoch)
             if live is not None:
                 live["updatedAt"] = _iso(now)
                 patch["progress"] = live
@@ -174,10 +173,10 @@ class Poller:
 
     def due(self, key: tuple[str, str], body: Mapping[str, Any]) -> bool:
         """Time to ask this job's world: every interval, or every pass while a rescale is under way."""
-        status = body.get("status") or {}
-        if status.get("phase") not in LIVE_PHASES:
+        status = views.Job.parse(body).status
+        if status.phase not in LIVE_PHASES:
             return False
-        if status.get("drain") or key in self.rescales or endings.condition_waiting(status):
+        if status.drain is not None or key in self.rescales or endings.condition_waiting(status.raw):
             return True  # a rescale's timeline; the step trainers that returned reached
         return time.monotonic() - self.last.get(key, -1e9) >= interval_s(body)
 
@@ -187,17 +186,17 @@ class Poller:
         body = await k.get_job(namespace, name)
         if body is None:
             return {}, []
-        status = body.get("status") or {}
         key = (namespace, name)
         if not self.due(key, body):
             return {}, []
         self.last[key] = time.monotonic()
+        status = views.Job.parse(body).status
         pods = await k.list_pods(namespace, name)
-        epoch = status.get("worldEpoch")
+        epoch = status.world_epoch
         in_place = (body.get("spec") or {}).get("rescale") == specs.IN_PLACE
-        address = planning.coordinator_of(name, epoch, pods, in_place) if isinstance(epoch, int) else None
+        address = planning.coordinator_of(name, epoch, pods, in_place) if epoch is not None else None
         answer = await asyncio.to_thread(worlds.request_status, address) if address else None
-        patch, events = self.observe(key, status, answer, datetime.datetime.now(datetime.timezone.utc))
+        patch, events = self.observe(key, status.raw, answer, datetime.datetime.now(datetime.timezone.utc))
         if patch:
             await k.patch_job_status(namespace, name, patch)
         return patch, events

@@ -22,7 +22,7 @@ from typing import Any
 
 from splitfeed.trainer_client import errors, messages, worlds
 
-from . import admission, kube, lifecycle, planning, redaction
+from . import admission, kube, lifecycle, planning, redaction, views
 
 MAX_STEPS = 5
 """Steps taken at once while each one changes something and none waits on pods."""
@@ -64,7 +64,7 @@ def _changes(d: lifecycle.Decision) -> bool:
     return bool(d.status or d.create or d.annotate or d.delete or d.label)
 
 
-Seen = Callable[[dict[str, Any], datetime.datetime], None]
+Seen = Callable[[views.Status, datetime.datetime], None]
 """Told of each read of the job's status as it is made (a rescale's timeline, operator/live.py)."""
 
 
@@ -75,13 +75,14 @@ async def reconcile(ctx: Context, namespace: str, name: str, seen: Seen | None =
         for _ in range(MAX_STEPS + MAX_CONFLICTS):
             body = await ctx.kube.get_job(namespace, name)
             outcome.body = body
-            if body is None or body["metadata"].get("deletionTimestamp"):
+            job = views.Job.parse(body) if body is not None else None
+            if job is None or job.deleting:
                 return outcome  # deletion: the garbage collector removes the world
             if seen is not None:  # at once: a status this pass is about to replace still counts
-                seen(body.get("status") or {}, _now())
-            decision, uids = await _decide(ctx, body)
+                seen(job.status, _now())
+            decision, uids = await _decide(ctx, job)
             try:
-                await _apply(ctx, body, decision, uids)
+                await _apply(ctx, job, decision, uids)
             except kube.Conflict:
                 # The job changed since it was read: nothing was applied. Decide again on what is there now.
                 conflicts += 1
@@ -108,30 +109,28 @@ async def reconcile(ctx: Context, namespace: str, name: str, seen: Seen | None =
         return outcome
 
 
-def _decide_now(settings: planning.Settings, body: dict[str, Any], pods: list[dict[str, Any]],
+def _decide_now(settings: planning.Settings, job: views.Job, pods: list[dict[str, Any]],
                 now: datetime.datetime, next_world: messages.Status | None = None) -> lifecycle.Decision:
     """Parse and decide: pure work, run in a worker thread."""
-    meta, status = body["metadata"], body.get("status") or {}
-    generation = meta.get("generation")
+    status, generation = job.status.raw, job.generation
     try:
-        job = admission.parse(body, settings.sidecar_defaults)
+        spec = admission.parse(job.raw, settings.sidecar_defaults)
     except admission.Rejected as exc:
         return lifecycle.rejected(status, exc, now=now, generation=generation)
-    owner = planning.Owner(name=meta["name"], uid=meta["uid"])
-    return lifecycle.decide(job, status, pods, owner=owner, settings=settings, now=now, generation=generation,
+    owner = planning.Owner(name=job.name, uid=job.uid)
+    return lifecycle.decide(spec, status, pods, owner=owner, settings=settings, now=now, generation=generation,
                             next_world=next_world)
 
 
-async def _decide(ctx: Context, body: dict[str, Any]) -> tuple[lifecycle.Decision, dict[str, str]]:
+async def _decide(ctx: Context, job: views.Job) -> tuple[lifecycle.Decision, dict[str, str]]:
     """The decision, and the UIDs of the pods it saw (a delete removes exactly those)."""
-    meta = body["metadata"]
-    pods = await ctx.kube.list_pods(meta["namespace"], meta["name"])
+    pods = await ctx.kube.list_pods(job.namespace, job.name)
     uids = {str(p["metadata"]["name"]): str(p["metadata"].get("uid")) for p in pods
             if (p["metadata"].get("uid"))}
     # A socket and a short wait: a worker thread, like the planning below.
-    answer = await asyncio.to_thread(_ask_next_world, body, pods)
+    answer = await asyncio.to_thread(_ask_next_world, job, pods)
     # Planning a world of many pods is CPU work: never on Kopf's event loop.
-    decision = await asyncio.to_thread(_decide_now, ctx.settings, body, pods, _now(), answer)
+    decision = await asyncio.to_thread(_decide_now, ctx.settings, job, pods, _now(), answer)
     return decision, uids
 
 
@@ -139,15 +138,13 @@ NEXT_WORLD_WAIT_S = 0.3
 """How long a look at a change in place waits for the next world's coordinator (it looks again soon)."""
 
 
-def _ask_next_world(body: dict[str, Any], pods: list[dict[str, Any]]) -> messages.Status | None:
+def _ask_next_world(job: views.Job, pods: list[dict[str, Any]]) -> messages.Status | None:
     """During a change in place: the next world's coordinator's `status` answer, once it serves
     (replica 0's pod, the port of the next world); None otherwise (operator/inplace.py)."""
-    status = body.get("status") or {}
-    drain = status.get("drain") or {}
-    epoch = status.get("worldEpoch")
-    if not drain.get("inPlace") or not isinstance(epoch, int):
+    drain, epoch = job.status.drain, job.status.world_epoch
+    if drain is None or not drain.in_place or epoch is None:
         return None
-    address = planning.coordinator_of(body["metadata"]["name"], epoch + 1, pods, in_place=True)
+    address = planning.coordinator_of(job.name, epoch + 1, pods, in_place=True)
     return worlds.request_status(address, timeout_s=NEXT_WORLD_WAIT_S) if address else None
 
 
@@ -165,26 +162,26 @@ async def _record_refusal(ctx: Context, namespace: str, name: str,
     body = await ctx.kube.get_job(namespace, name)
     if body is None:
         return lifecycle.Decision(step="Gone")
-    meta = body["metadata"]
+    job = views.Job.parse(body)
     try:
-        job = admission.parse(body, ctx.settings.sidecar_defaults)
+        spec = admission.parse(body, ctx.settings.sidecar_defaults)
     except admission.Rejected as exc:
-        return lifecycle.rejected(body.get("status") or {}, exc, now=_now(), generation=meta.get("generation"))
-    d = lifecycle.creation_failed(job, body.get("status") or {}, failure, settings=ctx.settings, now=_now(),
-                                  generation=meta.get("generation"))
+        return lifecycle.rejected(job.status.raw, exc, now=_now(), generation=job.generation)
+    d = lifecycle.creation_failed(spec, job.status.raw, failure, settings=ctx.settings, now=_now(),
+                                  generation=job.generation)
     try:
-        await ctx.kube.patch_job_status(namespace, name, d.status, meta.get("resourceVersion"))
+        await ctx.kube.patch_job_status(namespace, name, d.status, job.resource_version)
     except kube.Conflict:
         log.info("%s/%s: the job changed; the refusal is recorded at the next attempt", namespace, name)
     return d
 
 
-async def _apply(ctx: Context, body: dict[str, Any], d: lifecycle.Decision, uids: dict[str, str]) -> None:
+async def _apply(ctx: Context, job: views.Job, d: lifecycle.Decision, uids: dict[str, str]) -> None:
     """Status first (only onto the version decided on), then objects, then the coordinator;
     each call is idempotent. Raises kube.Conflict before anything is done, or _Refused."""
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    namespace, name = job.namespace, job.name
     if d.status:
-        await ctx.kube.patch_job_status(namespace, name, d.status, body["metadata"].get("resourceVersion"))
+        await ctx.kube.patch_job_status(namespace, name, d.status, job.resource_version)
     for obj in d.create:
         try:
             await ctx.kube.create(obj)

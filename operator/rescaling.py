@@ -19,7 +19,7 @@ from splitfeed.trainer_client import contract
 
 import dataclasses
 import datetime
-from typing import Any, Literal
+from typing import Literal
 
 from . import admission, conditions, planning, views
 from .decisions import (
@@ -133,26 +133,31 @@ def _annotations(c: Ctx, drain_token: str) -> dict[str, dict[str, str]]:
             for p in c.world if p.live and p.drain_token != drain_token}
 
 
-def drain_of(c: Ctx) -> dict[str, Any] | None:
-    """status.drain, or its reconstruction from the Rescaling condition.
+def drain_of(c: Ctx) -> views.Drain | None:
+    """status.drain (parsed with the status), or its reconstruction from the Rescaling condition.
 
     The reconstruction keeps a rescale going on a cluster whose CRD schema prunes
     status.drain: the step is the condition's reason, the request time its
     lastTransitionTime (it stays True for the whole drain).
     """
-    if c.status.get("drain"):
-        return dict(c.status["drain"])
+    if c.found.drain is not None:
+        return c.found.drain
     cond = conditions.get(c.conds, conditions.RESCALING)
     if c.found.phase != RESCALING or not cond or cond.get("status") != "True":
         return None
     reason = "Suspend" if c.job.suspend else "Rescale"
-    return {"reason": reason, "step": cond.get("reason"), "token": token(reason, c.world_epoch),
-            "requestedAt": cond.get("lastTransitionTime") or conditions.timestamp(c.now),
-            "targetReplicas": c.job.replicas}
+    return views.Drain(reason=reason, step=cond.get("reason"), token=token(reason, c.world_epoch),
+                       requested_at=views.parse_time(cond.get("lastTransitionTime")) or c.now,
+                       target_replicas=c.job.replicas)
 
 
-def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
-    epoch, step = c.world_epoch, drain.get("step")
+def requested_at(c: Ctx, drain: views.Drain) -> datetime.datetime:
+    """When the drain was asked for; now for one whose status lost it (the next write keeps it)."""
+    return drain.requested_at or c.now
+
+
+def drain_step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -> Decision:
+    epoch, step = c.world_epoch, drain.step
     if step == STARTING_NEW_WORLD:
         return _finish_start(c, drain)
     if not c.world:
@@ -163,8 +168,9 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
         return _after_removal(c, drain, problem)
     if step != REMOVING_OLD_WORLD and finished_first(c):
         return _job_finished(c, drain)
-    deadline = conditions.parse_timestamp(drain["requestedAt"]) + datetime.timedelta(
-        seconds=c.job.checkpoint.timeout_seconds)
+    requested = requested_at(c, drain)
+    drain = dataclasses.replace(drain, requested_at=requested)  # written back below: a lost time is fixed once
+    deadline = requested + datetime.timedelta(seconds=c.job.checkpoint.timeout_seconds)
     done = sum(p.terminated for p in c.world)
     timed_out = c.now >= deadline
     if step == REMOVING_OLD_WORLD or done == len(c.world) or timed_out:
@@ -179,20 +185,18 @@ def drain_step(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None
                     f"{done}/{len(c.world)} pods of world {epoch} finished within "
                     f"checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds}; removing the world, "
                     "the next one resumes from the newest complete checkpoint (no status.resumeStep)"))
-        drain["step"] = REMOVING_OLD_WORLD
-        c.patch["drain"] = drain
+        c.patch["drain"] = dataclasses.replace(drain, step=REMOVING_OLD_WORLD).patch()
         c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, f"deleting the pods of world {epoch}")
         live = [p.name for p in c.world if not p.deleting]
         return c.decision(REMOVING_OLD_WORLD, delete=live, requeue_s=POLL_S / 2)
-    drain["step"] = WAITING_FOR_CHECKPOINT
-    c.patch["drain"] = drain
+    c.patch["drain"] = dataclasses.replace(drain, step=WAITING_FOR_CHECKPOINT).patch()
     c.cond(conditions.RESCALING, True, WAITING_FOR_CHECKPOINT,
            f"{done}/{len(c.world)} pods of world {epoch} have checkpointed and exited; "
            f"giving up at {conditions.timestamp(deadline)}")
     left = (deadline - c.now).total_seconds()
-    return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain["token"]),
+    return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain.token),
                       requeue_s=max(0.5, min(POLL_S, left)),
-                      notify=notify(c, drain["token"], str(drain.get("reason") or "rescale")))
+                      notify=notify(c, drain.token, drain.reason or "rescale"))
 
 
 def finished_first(c: Ctx) -> bool:
@@ -208,8 +212,8 @@ def finished_first(c: Ctx) -> bool:
     return total > 0 and all((r.global_step or 0) >= total for r in reports)
 
 
-def _job_finished(c: Ctx, drain: dict[str, Any]) -> Decision:
-    epoch, reason = c.world_epoch, str(drain.get("reason") or "Rescale").lower()
+def _job_finished(c: Ctx, drain: views.Drain) -> Decision:
+    epoch, reason = c.world_epoch, (drain.reason or "Rescale").lower()
     return job_finished(c, f"every pod of world {epoch} ran the job to its last step before the {reason} drain cut it")
 
 
@@ -223,10 +227,10 @@ def job_finished(c: Ctx, msg: str, delete: list[str] | None = None) -> Decision:
     return c.decision(SUCCEEDED, delete=delete or [])
 
 
-def _after_removal(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | None) -> Decision:
+def _after_removal(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -> Decision:
     """The old world is gone: stop (suspend) or start the next world."""
     epoch = c.world_epoch
-    if drain.get("step") != REMOVING_OLD_WORLD:
+    if drain.step != REMOVING_OLD_WORLD:
         c.patch["resumeStep"] = None  # the pods vanished before their reports were read
     if c.job.suspend:
         c.patch.update(phase=SUSPENDED, replicas=0, worldSize=0, drain=None)
@@ -234,7 +238,7 @@ def _after_removal(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | 
         c.cond(conditions.READY, False, "Suspended", "spec.suspend is true; no pods run")
         c.events.append(Event("Normal", "Suspended", f"world {epoch} drained and removed"))
         return c.decision("Suspended")
-    wait = c.seconds_until("nextRestartAt") if drain.get("reason") == "Restart" else 0.0
+    wait = c.seconds_until("nextRestartAt") if drain.reason == "Restart" else 0.0
     if wait > 0:
         at = c.status["nextRestartAt"]
         c.patch["phase"] = RESCALING
@@ -243,19 +247,18 @@ def _after_removal(c: Ctx, drain: dict[str, Any], problem: admission.Rejected | 
                f"(back-off after restart {c.found.restarts}, {c.budget()})")
         c.cond(conditions.READY, False, "BackingOff", f"waiting until {at} before starting world {epoch + 1}")
         return c.decision("BackingOff", requeue_s=min(wait, 30.0))
-    target = c.job.replicas if problem is None else int(drain.get("targetReplicas") or 0)
+    target = c.job.replicas if problem is None else (drain.target_replicas or 0)
     try:
         admission.check_replicas(c.job, target)
     except admission.Rejected:
-        target = int(c.found.replicas or drain.get("targetReplicas") or 1)
-    drain["step"] = STARTING_NEW_WORLD
-    drain["targetReplicas"] = target
-    c.patch.update(phase=RESCALING, drain=drain)
+        target = c.found.replicas or drain.target_replicas or 1
+    c.patch.update(phase=RESCALING,
+                   drain=dataclasses.replace(drain, step=STARTING_NEW_WORLD, target_replicas=target).patch())
     c.cond(conditions.RESCALING, True, STARTING_NEW_WORLD, f"starting world {epoch + 1} with {target} replicas")
-    return start_world(c, epoch + 1, target, drain.get("reason", "Rescale").lower())
+    return start_world(c, epoch + 1, target, (drain.reason or "Rescale").lower())
 
 
-def _finish_start(c: Ctx, drain: dict[str, Any]) -> Decision:
+def _finish_start(c: Ctx, drain: views.Drain) -> Decision:
     """The new world's objects were requested: ensure they exist, then say Running."""
     epoch, replicas = c.world_epoch, c.found.replicas
     present = {p.name for p in c.world}
@@ -263,7 +266,7 @@ def _finish_start(c: Ctx, drain: dict[str, Any]) -> Decision:
         o for o in c.world_objects(epoch, replicas)
         if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     reason = {"Restart": "WorldRestarted", "Disrupted": "WorldRestarted", "Suspend": "Resumed",
-              "WorldDrained": "WorldReplaced"}.get(drain.get("reason", ""), "RescaleComplete")
+              "WorldDrained": "WorldReplaced"}.get(drain.reason or "", "RescaleComplete")
     world_size = dataclasses.replace(c.job, replicas=replicas).world_size
     msg = f"world {epoch} runs {replicas} replicas (worldSize {world_size})"
     c.patch.update(phase=RUNNING, drain=None)

@@ -1,12 +1,15 @@
-"""Pods and a StreamingJob's status, parsed once into small typed views.
+"""Pods, a StreamingJob and its status, parsed once into small typed views.
 
-Pure. The life cycle (`lifecycle`, `restarting`, `rescaling`) asks these views
-questions (has the pod failed, is its sidecar's report still on its way, which
-world is it in) instead of walking raw API mappings in each rule; the parsing of
-a raw pod, with its defaults for absent fields, happens here and only here, its
-sidecar's termination reports included (typed `contract.SidecarReport`s, which
-`conditions.progress`, `conditions.agreement` and the rules read). The raw mapping
-stays on the view for what reads whole objects.
+Pure. The life cycle (`lifecycle`, `restarting`, `rescaling`, `inplace`) asks these
+views questions (has the pod failed, is its sidecar's report still on its way, which
+world is it in, which drain is under way) instead of walking raw API mappings in each
+rule; the parsing of a raw pod or status, with its defaults for absent fields, happens
+here and only here, its sidecar's termination reports included (typed
+`contract.SidecarReport`s, which `conditions.progress`, `conditions.agreement` and the
+rules read). `reconciling` and `live` read a StreamingJob through `Job`; its spec has
+one parser, `specs.parse_job`. The raw mapping stays on the view for what reads whole
+objects. The status is still written as a JSON merge patch (`Drain.patch` for
+status.drain), in the wire format the CRD declares.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class Pod:
     pod_ip: str | None
     drain_token: str | None
     """Its splitfeed.io/drain annotation."""
+    drain_replicas: str | None
+    """Its splitfeed.io/drain-replicas annotation (a drain that changes the world in place)."""
     containers: tuple[Container, ...]
     pod_conditions: tuple[Mapping[str, Any], ...]
     final_report: contract.SidecarReport | None
@@ -105,6 +110,7 @@ class Pod:
     def parse(cls, p: Mapping[str, Any]) -> Pod:
         meta = p.get("metadata") or {}
         status = p.get("status") or {}
+        annotations = meta.get("annotations") or {}
         return cls(
             name=str(meta.get("name")), phase=str(status.get("phase") or PENDING),
             epoch=_epoch(meta.get("labels") or {}), replica=_label_int(meta.get("labels") or {}, contract.LABEL_REPLICA),
@@ -112,7 +118,8 @@ class Pod:
             deleting=bool(meta.get("deletionTimestamp")),
             restart_policy=str((p.get("spec") or {}).get("restartPolicy") or "Always"),
             pod_ip=status.get("podIP") or None,
-            drain_token=(meta.get("annotations") or {}).get(contract.ANNOTATION_DRAIN),
+            drain_token=annotations.get(contract.ANNOTATION_DRAIN),
+            drain_replicas=annotations.get(contract.ANNOTATION_DRAIN_REPLICAS),
             containers=_containers(status), pod_conditions=tuple(status.get("conditions") or []),
             final_report=conditions.final_report(p), reports=tuple(conditions.sidecar_reports(p)), raw=p)
 
@@ -196,6 +203,97 @@ def final_reports(pods: Sequence[Pod]) -> dict[str, contract.SidecarReport | Non
     return {p.name: p.final_report for p in pods}
 
 
+def drain_token(reason: str, epoch: int) -> str:
+    """The splitfeed.io/drain annotation's value for a drain of world `epoch` (decisions.token)."""
+    return f"{reason.lower()}-w{epoch}"
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def parse_time(value: Any) -> datetime.datetime | None:
+    """An RFC 3339 time with its zone; anything else reads as absent."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = conditions.parse_timestamp(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Drain:
+    """status.drain: the drain under way, the life cycle's resumable state (rescaling, inplace).
+
+    A field that is absent or of the wrong type reads as None (the rules say what
+    stands in for it, and write it back); the token defaults to the one the world's
+    epoch and reason give, the only one the operator ever writes. `patch` is the
+    status.drain merge patch that writes this view: what it read, with every field
+    the view holds set over it, so an unchanged drain is an unchanged status.
+    """
+
+    reason: str | None
+    """Rescale, Suspend, Restart, Disrupted or WorldDrained."""
+    step: str | None
+    """CheckpointRequested, WaitingForCheckpoint, RemovingOldWorld or StartingNewWorld."""
+    token: str
+    """The splitfeed.io/drain annotation put on the world's pods."""
+    requested_at: datetime.datetime | None
+    target_replicas: int | None
+    """The next world's replicas."""
+    in_place: bool = False
+    """A rescale that keeps the pods that stay (operator/inplace.py)."""
+    asked_at: datetime.datetime | None = None
+    """In place: when the world was asked to drain (after the new pods started)."""
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Any, epoch: int) -> Drain | None:
+        """None when no drain is under way (absent, empty, or not a mapping)."""
+        if not isinstance(raw, Mapping) or not raw:
+            return None
+        reason = _text(raw.get("reason"))
+        return cls(reason=reason, step=_text(raw.get("step")),
+                   token=_text(raw.get("token")) or drain_token(reason or "Rescale", epoch),
+                   requested_at=parse_time(raw.get("requestedAt")), target_replicas=_count(raw.get("targetReplicas")),
+                   in_place=raw.get("inPlace") is True, asked_at=parse_time(raw.get("askedAt")), raw=raw)
+
+    def patch(self) -> dict[str, Any]:
+        """The status.drain merge patch (the CRD's wire form) that writes this view."""
+        held = {"reason": self.reason, "step": self.step, "token": self.token,
+                "requestedAt": conditions.timestamp(self.requested_at) if self.requested_at else None,
+                "targetReplicas": self.target_replicas, "inPlace": True if self.in_place else None,
+                "askedAt": conditions.timestamp(self.asked_at) if self.asked_at else None}
+        return {**self.raw, **{k: v for k, v in held.items() if v is not None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """status.progress as the live poller last wrote it (operator/live.py); absent fields read as unknown."""
+
+    global_step: int | None = None
+    """The slowest member's step, as the world's coordinator last said."""
+    steps_per_epoch: int = 0
+    updated_at: datetime.datetime | None = None
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The whole of it: the next status.progress is written over it (trainer_client.progress)."""
+
+    @classmethod
+    def parse(cls, raw: Any) -> Progress:
+        if not isinstance(raw, Mapping):
+            return cls()
+        step = raw.get("globalStep")
+        return cls(global_step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+                   steps_per_epoch=_count(raw.get("stepsPerEpoch")) or 0,
+                   updated_at=parse_time(raw.get("updatedAt")), raw=raw)
+
+
 @dataclasses.dataclass(frozen=True)
 class Status:
     """The fields of a StreamingJob's status that the life cycle reads as it found them."""
@@ -205,10 +303,49 @@ class Status:
     replicas: int
     restarts: int
     raw: Mapping[str, Any]
+    drain: Drain | None = None
+    """status.drain: None while no drain is under way."""
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    saved_at: datetime.datetime | None = None
+    """status.lastCheckpoint.time: when the newest checkpoint a sidecar reported was saved."""
 
     @classmethod
     def parse(cls, status: Mapping[str, Any]) -> Status:
         epoch = status.get("worldEpoch")
-        return cls(phase=status.get("phase"), world_epoch=epoch if isinstance(epoch, int) else None,
+        world_epoch = epoch if isinstance(epoch, int) else None
+        saved = status.get("lastCheckpoint")
+        return cls(phase=status.get("phase"), world_epoch=world_epoch,
                    replicas=int(status.get("replicas") or 0), restarts=int(status.get("restarts") or 0),
-                   raw=status)
+                   raw=status, drain=Drain.parse(status.get("drain"), world_epoch or 0),
+                   progress=Progress.parse(status.get("progress")),
+                   saved_at=parse_time(saved.get("time")) if isinstance(saved, Mapping) else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A StreamingJob as read from the API: who it is, and its status (typed).
+
+    The spec has one parser, `specs.parse_job` (through `admission.parse`, with the
+    operator's sidecar defaults): it reads `raw`, which stays on the view for it and
+    for Kopf's event posting.
+    """
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int | None
+    resource_version: str | None
+    deleting: bool
+    """metadata.deletionTimestamp is set: the garbage collector removes the world."""
+    status: Status
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Job:
+        meta = body.get("metadata") or {}
+        generation = meta.get("generation")
+        return cls(name=str(meta.get("name") or ""), namespace=str(meta.get("namespace") or "default"),
+                   uid=str(meta.get("uid") or ""),
+                   generation=generation if isinstance(generation, int) and not isinstance(generation, bool) else None,
+                   resource_version=_text(meta.get("resourceVersion")), deleting=bool(meta.get("deletionTimestamp")),
+                   status=Status.parse(body.get("status") or {}), raw=body)

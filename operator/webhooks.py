@@ -64,10 +64,18 @@ async def validate_job(body: kopf.Body, memo: kopf.Memo, old: Any = None, operat
                 f"{userinfo.get('username')} may not create pods in namespace {job.namespace}: the operator "
                 "creates a StreamingJob's pods on its creator's behalf, so creating or changing one needs "
                 "that permission too", code=403)
-    changed_template = operation != "UPDATE" or not old or (
-        (old.get("spec") or {}).get("trainer") != (body.get("spec") or {}).get("trainer"))
-    if hook.dry_run_pods and changed_template:
+    if hook.dry_run_pods and (operation != "UPDATE" or _template_changed(old, job, defaults)):
         await _dry_run(client, job, memo["ctx"].settings)
+
+
+def _template_changed(old: Any, job: specs.JobSpec, defaults: Any) -> bool:
+    """spec.trainer differs from the old object's (one that no longer parses counts as changed)."""
+    if not old:
+        return True
+    try:
+        return admission.parse(old, defaults).trainer != job.trainer
+    except admission.Rejected:
+        return True
 
 
 async def _dry_run(client: kube.Kube, job: Any, settings: planning.Settings) -> None:

@@ -288,6 +288,18 @@ async def test_the_webhooks_refuse_order_changes_and_stops_without_a_store(clust
         assert not denied["allowed"] and "set spec.checkpoint.uri" in denied["status"]["message"]
 
 
+def test_a_pod_is_dry_run_again_only_when_the_parsed_trainer_template_changed():
+    from splitfeed.operator import webhooks
+
+    job = admission.review_job(manifest())
+    assert not webhooks._template_changed(manifest(replicas=6), job, {})  # a scale: the same template
+    other = manifest()
+    other["spec"]["trainer"]["template"]["spec"]["containers"][0]["image"] = "other:1"
+    assert webhooks._template_changed(other, job, {})
+    assert webhooks._template_changed(None, job, {})  # a new job
+    assert webhooks._template_changed({"spec": "not a spec"}, job, {})  # an old object that no longer parses
+
+
 # --- bounds: the CRD's maxima, applied again here ----------------------------------------
 
 def crd_spec_schema() -> dict:

@@ -146,6 +146,23 @@ def test_a_second_scale_during_the_change_asks_for_the_newest_count_and_the_coor
     assert sorted(c.pods) == ["resnet-r0", "resnet-r1", "resnet-r2"]
 
 
+def test_a_change_whose_target_and_request_time_were_lost_keeps_the_worlds_count_and_still_times_out():
+    c = in_place(4)
+    c.scale(2)
+    c.step()
+    c.scale(5)  # an invalid count: the change goes on with the one it has, here none
+    del c.status["drain"]["targetReplicas"]
+    c.status["drain"]["requestedAt"] = "garbage"
+    seen = c.now
+    d = c.step()
+    assert d.step == "WaitingForCheckpoint" and c.status["drain"]["requestedAt"] == ts(seen)
+    assert d.notify_replicas == 4 and c.status["drain"]["targetReplicas"] == 4
+    c.now = seen + datetime.timedelta(seconds=60 + 60)  # checkpoint.timeoutSeconds + the new pods' time
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and [e.reason for e in d.events] == ["InPlaceFailed"]
+    assert "inPlace" not in c.status["drain"] and c.status["drain"]["requestedAt"] == ts(seen)
+
+
 def test_the_coordinators_count_wins_over_the_spec_when_the_drain_was_committed_first():
     c = in_place(4)
     c.scale(2)

@@ -420,6 +420,40 @@ def test_without_status_drain_in_the_schema_the_conditions_carry_the_drain(suspe
         assert (c.status["phase"], c.status["worldEpoch"], len(c.pods)) == ("Running", 1, 8)
 
 
+@pytest.mark.parametrize("lost", [None, "yesterday", "2026-01-01T12:00:00"], ids=["absent", "garbage", "no-zone"])
+def test_a_drain_whose_request_time_and_token_were_lost_times_out_from_when_it_was_seen(lost):
+    c = Cluster().running()
+    c.scale(8)
+    c.step()
+    c.status["drain"].pop("token")
+    if lost is None:
+        c.status["drain"].pop("requestedAt")
+    else:
+        c.status["drain"]["requestedAt"] = lost
+    c.now += datetime.timedelta(seconds=30)
+    seen = c.now
+    d = c.step()
+    assert d.step == "WaitingForCheckpoint"
+    assert c.status["drain"]["requestedAt"] == ts(seen)  # written back: the deadline stays put
+    assert c.status["drain"]["token"] == "rescale-w0" and d.annotate == {}  # the token the pods carry
+    c.now = seen + datetime.timedelta(seconds=59)
+    assert c.step().step == "WaitingForCheckpoint"
+    c.now = seen + datetime.timedelta(seconds=60)
+    d = c.step()
+    assert d.step == "RemovingOldWorld" and [e.reason for e in d.events] == ["CheckpointTimeout"]
+    c.step(), c.step()
+    assert (c.status["phase"], c.status["worldEpoch"], c.status["replicas"]) == ("Running", 1, 8)
+
+
+def test_an_invalid_count_during_a_drain_whose_target_was_lost_keeps_the_worlds_count():
+    c = draining(8)
+    c.status["drain"]["targetReplicas"] = "eight"
+    c.scale(5)
+    c.set_phase("Succeeded")
+    assert [c.step().step for _ in range(3)] == ["RemovingOldWorld", "StartingNewWorld", "Running"]
+    assert (c.status["worldEpoch"], c.status["replicas"], len(c.pods)) == (1, 4, 4)
+
+
 # --- the agreed step: where the next world resumes (docs/agreement.md) ----------------------
 
 def drained_report(c: Cluster, pod: str, *, agreed: int | None = 7, drained: bool = True,

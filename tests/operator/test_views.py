@@ -1,7 +1,8 @@
-"""Pods parsed once (operator/views.py): what the life cycle asks of a pod, from raw API objects."""
+"""Pods, a StreamingJob and its status parsed once (operator/views.py): what the life cycle asks, from raw API objects."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 
@@ -84,3 +85,73 @@ def test_the_status_view_reads_what_it_finds():
     found = views.Status.parse({"phase": "Running", "worldEpoch": 2, "replicas": 4})
     assert (found.phase, found.world_epoch, found.replicas, found.restarts) == ("Running", 2, 4, 0)
     assert views.Status.parse({}).world_epoch is None
+
+
+# --- status.drain, parsed once with the status -----------------------------------------------
+
+DRAIN = {"reason": "Rescale", "step": "WaitingForCheckpoint", "token": "rescale-w2",
+         "requestedAt": "2026-01-01T12:00:00Z", "targetReplicas": 3, "inPlace": True,
+         "askedAt": "2026-01-01T12:00:30Z"}
+
+
+def test_no_drain_is_under_way_when_status_drain_is_absent_empty_or_not_an_object():
+    for status in ({}, {"drain": None}, {"drain": {}}, {"drain": "Rescale"}, {"drain": [DRAIN]}):
+        assert views.Status.parse({"worldEpoch": 2, **status}).drain is None, status
+
+
+def test_a_drain_reads_every_field_and_writes_back_exactly_what_it_read():
+    drain = views.Status.parse({"worldEpoch": 2, "drain": DRAIN}).drain
+    assert drain is not None
+    assert (drain.reason, drain.step, drain.token, drain.target_replicas, drain.in_place) == (
+        "Rescale", "WaitingForCheckpoint", "rescale-w2", 3, True)
+    assert drain.requested_at == datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.timezone.utc)
+    assert drain.asked_at == datetime.datetime(2026, 1, 1, 12, 0, 30, tzinfo=datetime.timezone.utc)
+    assert drain.patch() == DRAIN  # an unchanged drain is an unchanged status: no patch
+
+
+def test_a_malformed_drain_field_reads_as_absent_and_the_token_is_the_worlds():
+    raw = {"reason": "Suspend", "step": 7, "requestedAt": "yesterday", "targetReplicas": "3",
+           "inPlace": "yes", "askedAt": "2026-01-01T12:00:00"}  # no zone: not a time the operator wrote
+    drain = views.Status.parse({"worldEpoch": 4, "drain": raw}).drain
+    assert drain is not None
+    assert (drain.reason, drain.step, drain.token, drain.requested_at, drain.target_replicas, drain.in_place,
+            drain.asked_at) == ("Suspend", None, "suspend-w4", None, None, False, None)
+    assert views.Status.parse({"drain": {"targetReplicas": -1}}).drain.target_replicas is None
+    assert views.Status.parse({"drain": {"targetReplicas": True}}).drain.target_replicas is None
+
+
+def test_a_changed_drain_writes_its_fields_over_what_it_read():
+    drain = views.Drain.parse({**DRAIN, "requestedAt": "yesterday"}, 2)
+    assert drain is not None
+    now = datetime.datetime(2026, 1, 2, 8, tzinfo=datetime.timezone.utc)
+    changed = dataclasses.replace(drain, step="RemovingOldWorld", requested_at=now, target_replicas=5)
+    assert changed.patch() == {**DRAIN, "step": "RemovingOldWorld", "requestedAt": "2026-01-02T08:00:00Z",
+                               "targetReplicas": 5}
+    fresh = views.Drain(reason="Rescale", step="CheckpointRequested", token="rescale-w0", requested_at=now,
+                        target_replicas=2)
+    assert fresh.patch() == {"reason": "Rescale", "step": "CheckpointRequested", "token": "rescale-w0",
+                             "requestedAt": "2026-01-02T08:00:00Z", "targetReplicas": 2}
+
+
+def test_the_live_progress_and_last_checkpoint_read_as_typed_values():
+    found = views.Status.parse({"progress": {"globalStep": 41, "stepsPerEpoch": 20, "updatedAt": "2026-01-01T12:00:00Z",
+                                             "filledRows": 3},
+                                "lastCheckpoint": {"step": 40, "time": "2026-01-01T11:59:00Z"}})
+    assert (found.progress.global_step, found.progress.steps_per_epoch) == (41, 20)
+    assert found.progress.updated_at == datetime.datetime(2026, 1, 1, 12, tzinfo=datetime.timezone.utc)
+    assert found.progress.raw["filledRows"] == 3
+    assert found.saved_at == datetime.datetime(2026, 1, 1, 11, 59, tzinfo=datetime.timezone.utc)
+    odd = views.Status.parse({"progress": {"globalStep": "41", "updatedAt": 5}, "lastCheckpoint": "x"})
+    assert (odd.progress.global_step, odd.progress.steps_per_epoch, odd.progress.updated_at, odd.saved_at) == (
+        None, 0, None, None)
+
+
+def test_a_streamingjob_reads_as_who_it_is_and_its_status():
+    job = views.Job.parse({"metadata": {"name": "resnet", "namespace": "ml", "uid": "u-1", "generation": 3,
+                                        "resourceVersion": "41", "deletionTimestamp": "2026-01-01T12:00:00Z"},
+                           "status": {"worldEpoch": 1, "drain": DRAIN}})
+    assert (job.name, job.namespace, job.uid, job.generation, job.resource_version, job.deleting) == (
+        "resnet", "ml", "u-1", 3, "41", True)
+    assert job.status.world_epoch == 1 and job.status.drain is not None and job.status.drain.in_place
+    bare = views.Job.parse({"metadata": {"name": "resnet"}})
+    assert (bare.generation, bare.resource_version, bare.deleting, bare.status.drain) == (None, None, False, None)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from splitfeed.operator import lifecycle, reconciling
+from splitfeed.operator import lifecycle, reconciling, views
 from splitfeed.trainer_client import worlds
 from splitfeed.trainer_client import messages
 from tests.support.waiting import wait_for
@@ -139,7 +139,7 @@ def test_the_reconciler_sends_a_decisions_notify_after_its_status_and_annotation
                            annotate={"resnet-w0-0": {"splitfeed.io/drain": "rescale-w0"}},
                            notify=(router.address, "rescale-w0", "rescale"))
     body = {"metadata": {"namespace": "ns", "name": "resnet", "resourceVersion": "41"}}
-    asyncio.run(reconciling._apply(ctx, body, d, {}))
+    asyncio.run(reconciling._apply(ctx, views.Job.parse(body), d, {}))
     assert kube.calls == ["status@41", "annotate resnet-w0-0"]
     # Recorded before the stand-in answers, but a loaded machine may keep its thread past the
     # caller's one-second wait for the answer (best effort by design): wait for the record.
