@@ -37,8 +37,8 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
                    "(defaults for jobs that name none: $SPLITFEED_SIDECAR_IMAGE, _SHM_SIZE, _PREFETCH_BATCHES)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
     p.add_argument("--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    p.add_argument("--metrics-port", type=int, default=8090, metavar="PORT",
-                   help="serve Prometheus /metrics on this port (default 8090; 0: off)")
+    p.add_argument("--metrics-port", type=int, default=configs.METRICS_PORT, metavar="PORT",
+                   help=f"serve Prometheus /metrics on this port (default {configs.METRICS_PORT}; 0: off)")
     peer = p.add_mutually_exclusive_group()
     peer.add_argument("--peering", default="splitfeed", metavar="NAME",
                       help="Kopf peering object keeping a single active operator (default: splitfeed)")

@@ -10,6 +10,10 @@ import dataclasses
 
 from . import planning
 
+METRICS_PORT = 8090
+"""The command line's default /metrics port (metrics.DEFAULT_PORT): here, where importing it
+costs nothing, because every `splitfeed` command builds the operator's argument parser."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Webhook:
@@ -88,4 +92,4 @@ class OperatorConfig:
     timeouts: ApiTimeouts = dataclasses.field(default_factory=ApiTimeouts)
     metrics_port: int | None = None
     """The operator's /metrics port (operator/metrics.py); None: not served. The
-    command line's default is 8090; an operator run in-process (tests) serves none."""
+    command line's default is METRICS_PORT; an operator run in-process (tests) serves none."""

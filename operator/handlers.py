@@ -29,7 +29,7 @@ API_RETRY_S = 5.0
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     config: configs.OperatorConfig = memo.get("config") or configs.OperatorConfig()
-    prefix = "splitfeed.io"
+    prefix = contract.GROUP  # Kopf's own annotations and finalizer live under the API group
     settings.persistence.finalizer = f"{prefix}/kopf-finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(

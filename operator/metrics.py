@@ -14,9 +14,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from . import configs
+
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8090
+DEFAULT_PORT = configs.METRICS_PORT
 RESCALE_BUCKETS_S = (5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
 REASONS = {
     "RescaleComplete": "rescales",
