@@ -23,7 +23,7 @@ import zmq.utils.monitor
 from splitfeed.trainer_client import errors, messages, progress
 from splitfeed.trainer_client.messages import (
     Agreed, Reach, CommitAt, Complete, CommittedWorld, DrainAck, DrainRequest, Error, Freeze, Frozen, Join, Joined, Progress,
-    Status, StatusRequest,
+    StatusRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class Coordinator:
         """The committed drain step, once fixed."""
         self.commits: dict[int, set[int]] = {}
         self.complete_step: int | None = None
-        self.progress: dict[int, dict[str, Any]] = {}
+        self.progress: dict[int, Progress] = {}
         """Each member's last `progress` (live status; docs/observability.md)."""
         self.next_replicas = 0
         """Replicas of the world that follows this one in place (0: it is replaced, or none)."""
@@ -337,18 +337,18 @@ class Coordinator:
             del self.commits[old]
         return [Out(EVERY, Complete(step=step))]
 
-    def on_progress(self, message: dict[str, Any]) -> list[Out]:
+    def on_progress(self, message: Progress) -> list[Out]:
         """A member's counts; kept for `status_request`, answered with nothing."""
-        replica = message["replica"]
+        replica = message.replica
         if not 0 <= replica < self.replicas:
             raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
         self.progress[replica] = progress.checked(message)
         return []
 
     def on_status_request(self, peer: bytes) -> list[Out]:
-        return [Out(peer, Status(**progress.world_status(
+        return [Out(peer, progress.world_status(
             list(self.progress.values()), replicas=self.replicas, total_steps=self.total_steps,
-            resume_step=self.resume_step, drain_step=self.step, world_epoch=self.world_epoch)))]
+            resume_step=self.resume_step, drain_step=self.step, world_epoch=self.world_epoch))]
 
     def _freeze(self) -> list[Out]:
         self.phase = FREEZING
@@ -417,7 +417,7 @@ class CoordinatorThread:
             case CommittedWorld():
                 return c.on_committed(message.replica, message.step)
             case Progress():
-                return c.on_progress(dataclasses.asdict(message))
+                return c.on_progress(message)
             case StatusRequest():
                 return c.on_status_request(peer)
             case _:

@@ -24,31 +24,31 @@ CARRIED = "carried"
 before `worldEpoch`, to which that world's live sums are added."""
 
 
-def checked(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A member's `progress` message with its histogram checked (the protocol checks the rest)."""
-    buckets = message["buckets"]
+def checked(message: messages.Progress) -> messages.Progress:
+    """A member's `progress` message, its histogram checked (messages.decode checked the rest)."""
+    buckets = message.buckets
     if len(buckets) != stalls.NUM_BUCKETS or not all(
             isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in buckets):
         raise ProtocolError(f"progress.buckets must be {stalls.NUM_BUCKETS} non-negative integers")
-    return {k: v for k, v in message.items() if k not in ("v", "type")}
+    return message
 
 
-def world_status(members: Sequence[Mapping[str, Any]], *, replicas: int, total_steps: int, resume_step: int,
-                 drain_step: int | None, world_epoch: int = -1) -> dict[str, Any]:
+def world_status(members: Sequence[messages.Progress], *, replicas: int, total_steps: int, resume_step: int,
+                 drain_step: int | None, world_epoch: int = -1) -> messages.Status:
     """The `status` answer: the slowest member's step (synchronous training moves as one), sums of the rest."""
-    return {
-        "replicas": replicas,
-        "reporting": len(members),
-        "global_step": min((int(m["global_step"]) for m in members), default=None),
-        "steps_per_epoch": max((int(m["steps_per_epoch"]) for m in members), default=0),
-        "total_steps": total_steps,
-        "resume_step": resume_step,
-        **{k: sum(m[k] for m in members) for k in _SUMMED},
-        **{k: sum(int(m.get(k) or 0) for m in members) for k in ROW_COUNTS},
-        "buckets": stalls.merge([m["buckets"] for m in members]),
-        "drain_step": drain_step,
-        "world_epoch": world_epoch,
-    }
+    return messages.Status(
+        replicas=replicas,
+        reporting=len(members),
+        global_step=min((m.global_step for m in members), default=None),
+        steps_per_epoch=max((m.steps_per_epoch for m in members), default=0),
+        total_steps=total_steps,
+        resume_step=resume_step,
+        **{k: sum(getattr(m, k) for m in members) for k in _SUMMED},
+        **{k: sum(getattr(m, k) for m in members) for k in ROW_COUNTS},
+        buckets=stalls.merge([m.buckets for m in members]),
+        drain_step=drain_step,
+        world_epoch=world_epoch,
+    )
 
 
 def _round(value: float | None, digits: int) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -55,23 +56,25 @@ def test_merge_adds_ranks_bucket_by_bucket():
     assert stalls.merge([counts_at(b0_01=2), counts_at(b0_01=3, b1_0=1)]) == counts_at(b0_01=5, b1_0=1)
 
 
-def member(replica: int, step: int, **over: object) -> dict:
-    return {"replica": replica, "global_step": step, "steps_per_epoch": 20, "rows": 480, "rows_per_s": 100.0,
-            "wait_s": 1.0, "wall_s": 4.0, "buckets": counts_at(b0_1=9), **over}
+def member(replica: int, step: int, **over: object) -> messages.Progress:
+    fields = {"replica": replica, "global_step": step, "steps_per_epoch": 20, "rows": 480, "rows_per_s": 100.0,
+              "wait_s": 1.0, "wall_s": 4.0, "buckets": counts_at(b0_1=9), "filled_rows": 0, "skipped_rows": 0,
+              **over}
+    return messages.Progress(**fields)
 
 
-def answered(members: list[dict], **world: object) -> messages.Status:
+def answered(members: list[messages.Progress], **world: object) -> messages.Status:
     """The coordinator's `status` answer as the operator gets it (sidecar/agreement.py builds it the same way)."""
-    return messages.Status(**progress.world_status(members, **world))
+    return progress.world_status(members, **world)
 
 
 def test_the_world_moves_at_its_slowest_member_and_sums_the_rest():
     answer = progress.world_status([member(0, 27), member(1, 25)], replicas=2, total_steps=60, resume_step=10,
                                    drain_step=None)
-    assert answer["global_step"] == 25
-    assert answer["rows_per_s"] == 200.0 and answer["wait_s"] == 2.0 and answer["wall_s"] == 8.0
-    assert answer["buckets"] == counts_at(b0_1=18)
-    status = progress.status_progress(messages.Status(**answer), {})
+    assert answer.global_step == 25
+    assert answer.rows_per_s == 200.0 and answer.wait_s == 2.0 and answer.wall_s == 8.0
+    assert answer.buckets == counts_at(b0_1=18)
+    status = progress.status_progress(answer, {})
     assert status is not None
     assert (status["globalStep"], status["epoch"], status["step"], status["stepsPerEpoch"]) == (25, 1, 5, 20)
     assert status["dataStallShare"] == 0.25 and status["rowsPerSecond"] == 200.0
@@ -95,8 +98,8 @@ def test_a_members_histogram_of_the_wrong_shape_is_a_protocol_error():
 def test_filled_rows_are_summed_over_the_world_and_carried_across_worlds():
     world0 = progress.world_status([member(0, 5, filled_rows=2, skipped_rows=1), member(1, 5, filled_rows=3)],
                                    replicas=2, total_steps=60, resume_step=0, drain_step=None)
-    assert world0["filled_rows"] == 5 and world0["skipped_rows"] == 1
-    first = progress.status_progress(messages.Status(**world0), {}, 0)
+    assert world0.filled_rows == 5 and world0.skipped_rows == 1
+    first = progress.status_progress(world0, {}, 0)
     assert first is not None and first["filledRows"] == 5 and first["skippedRows"] == 1
     # The same world, one member not heard again yet: the total never goes back.
     later = answered([member(0, 6, filled_rows=1), member(1, 6, filled_rows=3)], replicas=2,
@@ -108,3 +111,20 @@ def test_filled_rows_are_summed_over_the_world_and_carried_across_worlds():
     assert second["filledRows"] == 9 and second["carried"] == {"worldEpoch": 1, "filledRows": 5, "skippedRows": 1}
     world1_more = dataclasses.replace(world1, filled_rows=6)
     assert progress.status_progress(world1_more, second, 1)["filledRows"] == 11
+
+
+def test_the_status_frame_sums_the_progress_frames_members_sent_and_reads_as_before():
+    """Frames written out by hand, as members and the operator of any version send and read them."""
+    counts = json.dumps(counts_at(b0_1=9))
+    frames = [('{"v":1,"type":"progress","replica":%d,"global_step":%d,"steps_per_epoch":20,"rows":480,'
+               '"rows_per_s":100.0,"wait_s":1.0,"wall_s":4.0,"buckets":%s,"filled_rows":%d,"skipped_rows":0}'
+               % (r, step, counts, filled)).encode() for r, step, filled in ((0, 27, 2), (1, 25, 3))]
+    members = [progress.checked(messages.Progress.decode(f)) for f in frames]
+    answer = progress.world_status(members, replicas=2, total_steps=60, resume_step=10, drain_step=None,
+                                   world_epoch=3)
+    assert json.loads(answer.encode()) == {
+        "v": 1, "type": "status", "replicas": 2, "reporting": 2, "global_step": 25, "steps_per_epoch": 20,
+        "total_steps": 60, "resume_step": 10, "rows": 960, "rows_per_s": 200.0, "wait_s": 2.0, "wall_s": 8.0,
+        "buckets": counts_at(b0_1=18), "drain_step": None, "filled_rows": 5, "skipped_rows": 0, "world_epoch": 3}
+    empty = progress.world_status([], replicas=2, total_steps=60, resume_step=0, drain_step=7)
+    assert (empty.global_step, empty.reporting, empty.rows, empty.drain_step) == (None, 0, 0, 7)
