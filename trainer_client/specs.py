@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -407,9 +408,28 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
         raise SpecError("spec", "is required and must be a mapping")
     job = JobSpec(name=name, namespace=str(metadata.get("namespace") or "default"),
                   **_READER.section("spec", raw_spec, JobSpec))
+    _check_checkpoint_uri(job.checkpoint.uri)
     if check_replicas:
         job.check_topology()
     return job
+
+
+CHECKPOINT_SCHEMES = ("", "file", "s3")
+"""What the checkpoint store writes to (sidecar/checkpoints.py: pyarrow's local and S3
+filesystems); lancedb reads more (gs://, az://), so spec.data.uri takes those."""
+
+
+def _check_checkpoint_uri(uri: str | None) -> None:
+    """An unsupported store is refused when the job is applied, not when its first sidecar
+    starts on a GPU node (docs/credentials.md says how to reach GCS through S3)."""
+    if uri is None:
+        return
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme not in CHECKPOINT_SCHEMES:
+        raise SpecError("spec.checkpoint.uri", (
+            f"must be a local path or s3://bucket/prefix, got {scheme}://: checkpoints are written "
+            "through S3 or a mounted volume (an S3-compatible endpoint such as GCS's "
+            "https://storage.googleapis.com works as s3:// with storageOptions aws_endpoint)"))
 
 
 def idle_fields(data: DataSpec) -> list[str]:

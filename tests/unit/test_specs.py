@@ -51,6 +51,8 @@ def test_a_minimal_job_gets_the_documented_defaults():
         pytest.param("spec.data.uri", None, "spec.data.uri", "is required", id="missing"),
         pytest.param("kind", "Job", "kind", "StreamingJob", id="kind"),
         pytest.param("spec.data", "frames", "spec.data", "mapping", id="section-type"),
+        pytest.param("spec.checkpoint.uri", "gs://bucket/ckpt", "spec.checkpoint.uri", "s3://", id="gcs-checkpoints"),
+        pytest.param("spec.checkpoint.uri", "az://c/ckpt", "spec.checkpoint.uri", "local path", id="azure-checkpoints"),
     ],
 )
 def test_bad_fields_are_named_with_a_fix(path, value, field, words):
@@ -58,6 +60,11 @@ def test_bad_fields_are_named_with_a_fix(path, value, field, words):
         specs.parse_job(with_(path, value))
     assert info.value.field == field
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/ckpt", "/mnt/ckpt", "file:///mnt/ckpt", "relative/ckpt"])
+def test_checkpoints_go_to_a_local_path_or_s3(uri):
+    assert specs.parse_job(with_("spec.checkpoint.uri", uri)).checkpoint.uri == uri
 
 
 def test_an_invalid_replica_count_is_a_topology_error_listing_valid_counts():
