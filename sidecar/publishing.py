@@ -186,14 +186,15 @@ class Publisher:
                       stop: threading.Event) -> int | None:
         """Publish every batch of `iterator`; the step after the last, or None if stopped first."""
         next_step = first_step
+        control, on_published = self.control, self._on_published
         for global_step, batch in iterator:
             if not self._publish(global_step, batch, stop):
                 return None
-            if self._on_published is not None:
-                self._on_published(self.rank, global_step)
+            if on_published is not None:
+                on_published(self.rank, global_step)
             next_step = global_step + 1
-            waiting = self.control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
-            if slots.ready_due(waiting, self._readied):
+            waiting = control.trainer_waiting  # an RMW after the slot's: no wake-up is lost
+            if waiting and slots.ready_due(waiting, self._readied):  # `waiting`: the common no at once
                 self._readied = waiting
                 slots.ready(self.control)
         return next_step

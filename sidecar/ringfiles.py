@@ -10,6 +10,12 @@ from pathlib import Path
 from splitfeed.trainer_client import errors, ring, slots
 
 
+KEPT_WRITERS = 16
+"""Slots that keep their IPC writer from batch to batch (slots.SlotWriter; each holds a file
+descriptor): the ring's steady slots, prefetch + 2, unless prefetch is large; slots beyond, made
+while a trainer holds many batches (up to ring.MAX_SLOTS), write with a new writer each time."""
+
+
 class RingFiles:
     """The control block and slot files of one local rank's ring; the publishing thread alone
     (or the loop, while it is stopped) touches the slots."""
@@ -40,12 +46,20 @@ class RingFiles:
 
         Says what it waits for before sleeping, then looks again (slots, rule 1).
         """
+        if stop.is_set():
+            return None
+        index, waiting_for = self._try_slot(size)
+        if index is not None:  # the common case: no wait, so no read of `room` (it matters only before a sleep)
+            return index
+        return self._wait_for_room(size, waiting_for, stop)
+
+    def _wait_for_room(self, size: int, waiting_for: int, stop: threading.Event) -> int | None:
+        """room() once a first look found no slot: say so, read `room`, look again, sleep on it."""
         control = self.control
         waiting = ring.Waiting.NO
+        index: int | None = None
         try:
-            while not stop.is_set():
-                seen = control.room  # before a look at the ring: a wake-up after it changes the word
-                index, waiting_for = self._try_slot(size)
+            while True:
                 if index is None and waiting != waiting_for:
                     self._waits += 1
                     control.sidecar_waiting = ring.Waiting.episode(self._waits, waiting_for)
@@ -57,7 +71,10 @@ class RingFiles:
                 if stop.is_set():  # after the last read of `room`: `halt` sets stop before it bumps it
                     return None
                 control.sleep(ring.ROOM, seen, slots.ROOM_RECHECK_S)  # the trainer's futex wake, or the re-check
-            return None
+                if stop.is_set():
+                    return None
+                seen = control.room  # before a look at the ring: a wake-up after it changes the word
+                index, waiting_for = self._try_slot(size)
         finally:
             if waiting != ring.Waiting.NO:
                 control.sidecar_waiting = ring.Waiting.NO
@@ -104,7 +121,7 @@ class RingFiles:
                 raise errors.UserError(self._too_small(capacity, "the memory volume is too small for the ring"))
         path = slots.slot_path(self._dir, self._instance, self.local_rank, index, gen)
         try:
-            return slots.SlotFile(path, capacity, create=True)
+            return slots.SlotFile(path, capacity, create=True, keep_writer=index < KEPT_WRITERS)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise

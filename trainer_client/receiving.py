@@ -71,8 +71,28 @@ class Receiver:
     def next_batch(self) -> Batch | None:
         """The batch of the session's next step, from the ring; the socket only when it must
         wait. None when the stream ended (or the world drains) before that step."""
-        wait = _Wait(spun=not self.spin_next,  # a sidecar slower than the trainer: sleep at once, leave it the CPU
-                     slice_s=self._pace.WAIT_SLICE_S)
+        control = self._session.control
+        assert control is not None  # set by the first welcome
+        step = self._session.next_step
+        assert step is not None
+        if step >= control.end_step or 0 <= control.drain_at <= step:
+            return None
+        index = control.find(step)
+        if index is None:  # not posted yet: the wait's loop, which looks first again
+            return self._wait_for(self._wait())
+        batch = self._take(control, index, step)
+        if batch is not None:  # the common case: no wait, no loop
+            return batch
+        wait = self._wait()
+        self._torn(control, index, step, wait)
+        return self._wait_for(wait)
+
+    def _wait(self) -> _Wait:
+        # A sidecar slower than the trainer: sleep at once, leave it the CPU.
+        return _Wait(spun=not self.spin_next, slice_s=self._pace.WAIT_SLICE_S)
+
+    def _wait_for(self, wait: _Wait) -> Batch | None:
+        """next_batch once the batch was not there at the first look: look, spin, sleep, look again."""
         try:
             while True:
                 control = self._session.control
@@ -196,7 +216,7 @@ class Receiver:
     def _wake_if_due(self, control: ring.Control) -> None:
         """Wake the sidecar once per wait, when what it waits for has happened (slots, rule 3)."""
         waiting = control.sidecar_waiting
-        if slots.wake_due(control, waiting, self._woken):
+        if waiting and slots.wake_due(control, waiting, self._woken):  # `waiting`: the common no at once
             self._woken = waiting
             control.bump(ring.ROOM)
             control.wake(ring.ROOM)

@@ -61,26 +61,32 @@ MAX_SLOTS = 256
 PAGE = mmap.PAGESIZE
 
 
-def _load_fetch_add() -> Callable[[int, int], int]:
-    """An atomic fetch-add with acquire-release order on a C int, from libstdc++.
+_EXCHANGE_AND_ADD = "_ZN9__gnu_cxx18__exchange_and_addEPVii"
+
+
+def _load_fetch_add() -> tuple[Callable[[int, int], int], Callable[[ctypes.c_void_p, int], int]]:
+    """An atomic fetch-add with acquire-release order on a C int, from libstdc++: by address,
+    and the same function called with a pointer made once per word (`Control`).
 
     `__gnu_cxx::__exchange_and_add` is libstdc++'s exported atomic add
     (`__atomic_fetch_add(p, v, __ATOMIC_ACQ_REL)`; a `lock xadd` on x86). The
     library is loaded wherever splitfeed runs: pyarrow and pyzmq link it. A
-    call costs ~0.6 us; the `atomics` package's store/load cost 13-21 us each
-    here, and it is GPL-3.0.
+    call costs ~0.4 us, half that without `argtypes` to convert an address (the
+    second form: the hot path's several calls per batch); the `atomics`
+    package's store/load cost 13-21 us each here, and it is GPL-3.0.
     """
     try:
         library = ctypes.PyDLL("libstdc++.so.6")  # PyDLL: a 20 ns call need not release the GIL
-        function = library._ZN9__gnu_cxx18__exchange_and_addEPVii
+        function = getattr(library, _EXCHANGE_AND_ADD)
+        at_pointer = library[_EXCHANGE_AND_ADD]  # a second function object: no argtypes
     except (OSError, AttributeError) as exc:
         raise ImportError(f"splitfeed's shared-memory ring needs libstdc++.so.6 (GCC's C++ runtime): {exc}") from exc
-    function.restype = ctypes.c_int
+    function.restype = at_pointer.restype = ctypes.c_int
     function.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    return function
+    return function, at_pointer
 
 
-_fetch_add = _load_fetch_add()
+_fetch_add, _fetch_add_at = _load_fetch_add()
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not the _PRIVATE forms: the word is shared with another process
@@ -151,16 +157,17 @@ class Waiting:
 
 
 class _Word:
-    """One int64 header word of the control block, read and written as an attribute."""
+    """One int64 header word of the control block, read and written as an attribute (a plain
+    aligned 8-byte load or store, through a memoryview: a third of a numpy scalar's cost)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
 
     def __get__(self, control: Control, owner: type | None = None) -> int:
-        return int(control.words[self.index])
+        return control._words[self.index]
 
     def __set__(self, control: Control, value: int) -> None:
-        control.words[self.index] = value
+        control._words[self.index] = value
 
 
 class _Flag:
@@ -174,16 +181,19 @@ class _Flag:
     """
 
     def __init__(self, index: int) -> None:
+        self.index = index  # of the word after the header: flags, then counters (Control._at)
         self.offset = _HEADER_BYTES + 4 * index
 
     def __get__(self, control: Control, owner: type | None = None) -> int:
         if not control._base:  # inline, not address(): read once or twice per batch
             raise ValueError(f"{control.path} is closed")
-        return _fetch_add(control._base + self.offset, 0)
+        return _fetch_add_at(control._at[self.index], 0)
 
     def __set__(self, control: Control, value: int) -> None:
-        address = control.address(self.offset)
-        _fetch_add(address, value - _fetch_add(address, 0))
+        if not control._base:
+            raise ValueError(f"{control.path} is closed")
+        at = control._at[self.index]
+        _fetch_add_at(at, value - _fetch_add_at(at, 0))
 
 
 class _Counter:
@@ -195,11 +205,12 @@ class _Counter:
 
     def __init__(self, offset: int) -> None:
         self.offset = offset
+        self.index = (offset - _HEADER_BYTES) // 4  # Control._at
 
     def __get__(self, control: Control, owner: type | None = None) -> int:
         if not control._base:
             raise ValueError(f"{control.path} is closed")
-        return _fetch_add(control._base + self.offset, 0)
+        return _fetch_add_at(control._at[self.index], 0)
 
 
 # Header words (int64 each), by index. Plain arrays rather than a structured
@@ -274,6 +285,7 @@ class Control:
         offset += MAX_SLOTS * 8
         self.posted = np.ndarray((MAX_SLOTS,), "<i8", buffer=self._mm, offset=offset)
         self.progress = np.ndarray((PROGRESS_WORDS,), "<i8", buffer=self._mm, offset=_PROGRESS_OFFSET)
+        self._hot_views()
         if create:
             self.step[:] = -1
             self.magic, self.version, self.acked = MAGIC, LAYOUT_VERSION, -1
@@ -281,9 +293,26 @@ class Control:
         elif self.magic != MAGIC or self.version != LAYOUT_VERSION:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
 
+    def _hot_views(self) -> None:
+        """What the per-batch path reads and writes, at a fraction of a numpy scalar's cost:
+        memoryviews of the same words (native order, as the atomics: x86-64 and aarch64 are
+        little-endian like the arrays above) and a pointer per atomic word, made once."""
+        view = memoryview(self._mm)
+        self._words = view[:_HEADER_BYTES].cast("q")
+        self._states = view[_STATE_OFFSET:_STATE_OFFSET + MAX_SLOTS * 4].cast("I")
+        self._steps, self._gens, self._sizes, self._seqs, self._posted = (
+            view[at:at + MAX_SLOTS * 8].cast("q") for at in range(_STATE_OFFSET + MAX_SLOTS * 4, _PROGRESS_OFFSET,
+                                                                MAX_SLOTS * 8))
+        self._views = [self._words, self._states, self._steps, self._gens, self._sizes, self._seqs, self._posted]
+        view.release()
+        self._at = [ctypes.c_void_p(self._base + _HEADER_BYTES + 4 * i) for i in range(4)]  # flags, counters
+        self._state_at = [ctypes.c_void_p(self._states_at + 4 * i) for i in range(MAX_SLOTS)]
+
     def bump(self, counter: int) -> None:
         """Add one to the counter at offset POSTS or ROOM (an atomic RMW, release order)."""
-        _fetch_add(self.address(counter), 1)
+        if not self._base:
+            raise ValueError(f"{self.path} is closed")
+        _fetch_add_at(self._at[(counter - _HEADER_BYTES) >> 2], 1)
 
     def wake(self, counter: int) -> None:
         """Wake whoever sleeps on the counter at offset POSTS or ROOM."""
@@ -312,21 +341,21 @@ class Control:
         """
         if not self._states_at:  # inline: this runs several times per batch
             raise ValueError(f"{self.path} is closed")
-        address = self._states_at + 4 * slot
-        if _fetch_add(address, after - before) == before:
+        at = self._state_at[slot]
+        if _fetch_add_at(at, after - before) == before:
             return True
-        _fetch_add(address, before - after)
+        _fetch_add_at(at, before - after)
         return False
 
     def acquire(self, slot: int) -> int:
         """Slot `slot`'s state, read with acquire order (an RMW adding 0)."""
         if not self._states_at:
             raise ValueError(f"{self.path} is closed")
-        return _fetch_add(self._states_at + 4 * slot, 0)
+        return _fetch_add_at(self._state_at[slot], 0)
 
     def states(self) -> list[int]:
         """Every slot's state (a list: counting in one costs a tenth of a numpy reduction here)."""
-        return self.state[: self.num_slots].tolist()  # type: ignore[no-any-return]
+        return self._states[: self._words[2]].tolist()  # num_slots
 
     def filled(self) -> int:
         return self.states().count(SlotState.FILLED)
@@ -338,13 +367,22 @@ class Control:
         scan (microseconds) where a miss means going to sleep. Plain reads: the
         caller takes the slot with `transition`, which orders everything after it.
         """
-        index = int(self.posted[step % MAX_SLOTS])
-        if self.state[index] == SlotState.FILLED and self.step[index] == step:
+        index: int = self._posted[step % MAX_SLOTS]
+        if self._states[index] == SlotState.FILLED and self._steps[index] == step:
             return index
         if not scan:
             return None
         found = np.flatnonzero((self.step == step) & (self.state == SlotState.FILLED))
         return int(found[0]) if len(found) else None
+
+    def describe(self, slot: int, step: int, nbytes: int, seq: int) -> None:
+        """The sidecar's plain stores of what slot `slot` holds, before it makes the slot FILLED."""
+        self._steps[slot], self._sizes[slot], self._seqs[slot] = step, nbytes, seq
+        self._posted[step % MAX_SLOTS] = slot
+
+    def written(self, slot: int) -> tuple[int, int, int]:
+        """(gen, nbytes, seq) of slot `slot`: the trainer reads them after its RMW took the slot."""
+        return self._gens[slot], self._sizes[slot], self._seqs[slot]
 
     def find_after(self, step: int) -> tuple[int, int] | None:
         """(slot, step) of the lowest FILLED step after `step`, or None.
@@ -374,6 +412,8 @@ class Control:
         # numpy views pin the mapping; drop them first.
         self._base = self._states_at = 0
         del self.words, self.state, self.step, self.gen, self.nbytes, self.seq, self.posted, self.progress
+        for view in self._views:
+            view.release()
         self._mm.close()
 
 

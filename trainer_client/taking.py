@@ -70,7 +70,7 @@ def _release(holds: dict[int, weakref.ref[np.ndarray]], control: ring.Control, s
     """
     holds.pop(id(ref), None)
     try:
-        if control.gen[slot] == gen:
+        if control.written(slot)[0] == gen:
             # Release order: every read of the batch is done before the sidecar may reuse it.
             control.transition(slot, ring.SlotState.TAKEN, ring.SlotState.FREE)
     except (ValueError, AttributeError, TypeError):
@@ -93,7 +93,7 @@ class Taker:
         # Acquire order: all the sidecar wrote before it marked the slot FILLED is visible from here.
         if not control.transition(slot, ring.SlotState.FILLED, ring.SlotState.TAKEN):
             return None
-        gen, nbytes, seq = int(control.gen[slot]), int(control.nbytes[slot]), int(control.seq[slot])
+        gen, nbytes, seq = control.written(slot)
         slot_file = self._files.get((instance, slot, gen))
         if slot_file is None:
             for key in [k for k in self._files if k[:2] == (instance, slot)]:
