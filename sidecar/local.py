@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +35,8 @@ from splitfeed.trainer_client import contract, errors, membership, specs, stalls
 
 from . import forkserver, metrics
 
+PREFIX = "splitfeed local: "
+"""What every line `splitfeed local` prints starts with."""
 STOP_GRACE_S = 10.0
 EARLY_STOP_GRACE_S = 3.0
 """After every trainer of a world exited 0, how long its sidecars get to end on their own
@@ -43,7 +45,7 @@ EARLY_STOP_GRACE_S = 3.0
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((contract.LOOPBACK, 0))
         return int(s.getsockname()[1])
 
 
@@ -56,7 +58,7 @@ def free_port_pair() -> int:
             continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port + membership.WORLD_PORT_STRIDE))
+                s.bind((contract.LOOPBACK, port + membership.WORLD_PORT_STRIDE))
             except OSError:
                 continue
         return port
@@ -67,13 +69,13 @@ def trainer_command(job: specs.JobSpec) -> list[str]:
     """The `trainer` container's command + args from the pod template."""
     containers = job.trainer.template.get("spec", {}).get("containers", [])
     for container in containers:
-        if container.get("name") == "trainer":
+        if container.get("name") == contract.TRAINER_NAME:
             command = list(container.get("command") or []) + list(container.get("args") or [])
             if command:
                 return command
     raise errors.UserError(
         "no trainer command: give one after `--`, or set command in the container "
-        "named \"trainer\" of spec.trainer.template")
+        f"named \"{contract.TRAINER_NAME}\" of spec.trainer.template")
 
 
 SHM_ROOT_ENV = "SPLITFEED_SHM_ROOT"
@@ -150,7 +152,7 @@ def rank_env(job: specs.JobSpec, replica: int, local_rank: int, socket_dir: Path
     env = dict(os.environ)
     env.update(contract.rank_env(
         world_size=job.world_size, gpus_per_replica=job.gpus_per_replica, replica=replica,
-        local_rank=local_rank, master_addr="127.0.0.1", master_port=master_port,
+        local_rank=local_rank, master_addr=contract.LOOPBACK, master_port=master_port,
         socket_dir=str(socket_dir), world_epoch=world_epoch))
     env[contract.JOB_UID_ENV] = LOCAL_JOB_UID
     return env
@@ -221,7 +223,7 @@ class World:
 
     def total_steps(self) -> int:
         """The job's global steps, as the trainers were told (0 before any batch)."""
-        return max((int(_read_json(f).get("total_steps", 0)) for f in self.stats), default=0)
+        return _total_steps([_read_json(f) for f in self.stats])
 
     def steps(self) -> list[int]:
         """Each rank's received global steps (its last step + 1; 0 before the first)."""
@@ -244,14 +246,24 @@ def new_world(job: specs.JobSpec, epoch: int, ports: tuple[int, int] | None) -> 
     else on fresh ports of its own."""
     if ports is not None:
         master_port = membership.world_port(ports[0], epoch)
-        coordinator = f"tcp://127.0.0.1:{membership.world_port(ports[1], epoch)}"
+        coordinator = f"tcp://{contract.LOOPBACK}:{membership.world_port(ports[1], epoch)}"
     else:
-        master_port, coordinator = free_port(), f"tcp://127.0.0.1:{free_port()}"
+        master_port, coordinator = free_port(), f"tcp://{contract.LOOPBACK}:{free_port()}"
     return World(epoch, job, coordinator, [], [], [], [], time.monotonic(), None, master_port, ports=ports)
 
 
-AGENT = [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--"]
+AGENT = [*SIDECAR_MODULE, "run", "--"]
 """`splitfeed run --`: what an in-place job's trainer container runs (trainer_client.agent)."""
+
+
+def _socket_dir(work: Path, epoch: int, replica: int) -> Path:
+    """Replica `replica`'s socket directory in world `epoch` (its pod's emptyDir)."""
+    return work / f"w{epoch}-replica-{replica}"
+
+
+def _stats_file(work: Path, epoch: int | str, rank: int | str) -> Path:
+    """Where rank `rank`'s client writes its stats in world `epoch` (SPLITFEED_STATS_FILE)."""
+    return work / f"w{epoch}-stats-{rank}.json"
 
 
 def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path, *,
@@ -266,13 +278,14 @@ def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, 
     world = into or new_world(job, epoch, ports)
     master_port = world.master_port
     for replica in replicas if replicas is not None else range(job.replicas):
-        socket_dir = work / f"w{epoch}-replica-{replica}"
+        socket_dir = _socket_dir(work, epoch, replica)
         socket_dir.mkdir()
         world.socket_dirs.append(socket_dir)
         for local_rank in range(job.gpus_per_replica):
             env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)
-            stats = work / f"w{epoch}-stats-{env[contract.RANK]}.json"
-            env[contract.STATS_FILE_ENV] = str(work / f"w{{world}}-stats-{env[contract.RANK]}.json"
+            stats = _stats_file(work, epoch, env[contract.RANK])
+            # Under the agent the client fills in the world it serves (trainer_client.counters).
+            env[contract.STATS_FILE_ENV] = str(_stats_file(work, "{world}", env[contract.RANK])
                                                if ports is not None else stats)
             world.stats.append(stats)
             command = AGENT + argv if ports is not None else argv
@@ -285,12 +298,12 @@ def start_sidecars(world: World, work: Path, logs: Path, *, resume: str, resume_
                    replicas: range | None = None) -> None:
     """One sidecar per replica of `world` (or of `replicas`), resuming at `resume_step`."""
     job, epoch = world.job, world.epoch
-    config = work / "config.json"
+    config = work / contract.CONFIG_FILE
     if not config.exists():
         config.write_text(json.dumps(job.data_config()))
     world.resume_step = resume_step
     for replica in replicas if replicas is not None else range(job.replicas):
-        socket_dir = work / f"w{epoch}-replica-{replica}"
+        socket_dir = _socket_dir(work, epoch, replica)
         env = rank_env(job, replica, 0, socket_dir, world.master_port, epoch)
         env.update(contract.sidecar_env(coordinator=world.coordinator, job_uid=LOCAL_JOB_UID,
                                         resume_step=resume_step, resume=resume))
@@ -336,6 +349,20 @@ def parse_scale_at(text: str) -> tuple[int, int]:
     return int(step), int(replicas)
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What every world of one run starts from: the trainers' command, the run's directories,
+    how its sidecars resume and reach storage, the fork server, and how a rescale goes."""
+
+    argv: list[str]
+    work: Path
+    logs: Path
+    resume: str
+    storage_options_dir: Path | None
+    forks: forkserver.Server | None
+    in_place: bool
+
+
 def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
         storage_options_dir: Path | None = None, progress: bool = True,
         out: IO[str] = sys.stderr, scale_at: Sequence[tuple[int, int]] = (),
@@ -345,81 +372,103 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
     work = Path(tempfile.mkdtemp(prefix=f"splitfeed-{job.name}-", dir=shm_root()))
     logs = Path(tempfile.mkdtemp(prefix=f"splitfeed-{job.name}-logs-"))
     control = work / "replicas"
-    plan = sorted(scale_at)
-    print(f"splitfeed local: {job.name}: {job.replicas} replicas x {job.gpus_per_replica} "
+    print(f"{PREFIX}{job.name}: {job.replicas} replicas x {job.gpus_per_replica} "
           f"= {job.world_size} ranks; logs in {logs}\n"
           f"  rescale while it runs: echo N > {control}", file=out, flush=True)
     started = time.monotonic()
     display = Progress(out, enabled=progress)
     history: list[World] = []
     rescales: list[Rescale] = []
-    world: World | None = None
     interrupted = False
     failure: str | None = None
     stopped: str | None = None
-    ended = EndWatch()
     # Sidecars fork from one process that imported lancedb and torch once (forkserver's doc).
     forks = forkserver.Server(str(logs / "forkserver.log"), preexec_fn=_die_with_parent,
                               streaming=bool(job.data.transform) or job.data.pack_sequences is not None)
+    launch = Launch(argv, work, logs, resume, storage_options_dir, forks, in_place)
     try:
-        world = start_world(job, first_world_epoch(job, storage_options_dir), argv, work, logs,
-                            resume=resume, resume_step=None, storage_options_dir=storage_options_dir,
-                            forks=forks, in_place=in_place)
-        history.append(world)
-        while True:
-            failure = world.failure()
-            finished = world.finished()
-            if failure or (finished and (world.drain_to is None or world.drain_to[0] >= world.total_steps())):
-                break  # done; a --scale-at step past the job's end drained nothing
-            if world.drain_to is None:
-                stopped, failure = ended.check(world, time.monotonic())
-                if stopped or failure:
-                    break
-            _ask_ahead(world, plan, display)
-            steps = world.steps()
-            if rescales and rescales[-1].first_batch_s is None and max(steps) > (world.resume_step or 0):
-                rescales[-1].first_batch_s = time.monotonic() - rescales[-1].requested_at
-            # In place, a change asked ahead starts at once (a scale-up's new replicas start while
-            # the world trains), once the change before it reached its first batch (timed).
-            changed = not rescales or rescales[-1].first_batch_s is not None
-            if world.drain_to is not None and ((in_place and changed) or finished
-                                               or min(steps) >= world.drain_to[0]):
-                target: int | None = world.drain_to[1]
-            else:
-                target = _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
-            if target is not None:
-                change = _rescale_in_place if in_place else _rescale
-                world, rescale = change(world, target, argv, work, logs, resume,
-                                        storage_options_dir, display, forks)
-                history.append(world)
-                rescales.append(rescale)
-                continue
-            display.update(world, rescales)
-            time.sleep(0.1)
+        history.append(start_world(job, first_world_epoch(job, storage_options_dir), argv, work, logs,
+                                   resume=resume, resume_step=None, storage_options_dir=storage_options_dir,
+                                   forks=forks, in_place=in_place))
+        stopped, failure = _follow(history, rescales, launch, sorted(scale_at), control, display, out)
     except KeyboardInterrupt:
         interrupted = True
-        print("\nsplitfeed local: interrupted; stopping every process", file=out)
+        print(f"\n{PREFIX}interrupted; stopping every process", file=out)
     except errors.UserError as exc:
         failure = str(exc)
     finally:
         display.close()
-        if world is not None:
-            world.stop()
+        if history:
+            history[-1].stop()
             if not failure and not interrupted:
-                stopped = stopped_early(world)  # from the reports, before `work` goes
+                stopped = stopped_early(history[-1])  # from the reports, before `work` goes
         forks.close()
         if not interrupted:
             _summary(history, time.monotonic() - started, out)
             for r in rescales:
-                print(f"splitfeed local: {r}", file=out, flush=True)
+                print(f"{PREFIX}{r}", file=out, flush=True)
         _rmtree(work)
+    return _exit_code(interrupted, failure, stopped, out)
+
+
+def _follow(history: list[World], rescales: list[Rescale], launch: Launch, plan: list[tuple[int, int]],
+            control: Path, display: Progress, out: IO[str]) -> tuple[str | None, str | None]:
+    """Watch the world running now, the last of `history`, until the job ends; change it when
+    --scale-at (`plan`) or the control file asks, appending each next world and its Rescale.
+    (Why the trainers ended the run, why it failed): both None when it reached its end."""
+    world = history[-1]
+    ended = EndWatch()
+    while True:
+        failure = world.failure()
+        finished = world.finished()
+        if failure or (finished and (world.drain_to is None or world.drain_to[0] >= world.total_steps())):
+            return None, failure  # done; a --scale-at step past the job's end drained nothing
+        if world.drain_to is None:
+            stopped, failure = ended.check(world, time.monotonic())
+            if stopped or failure:
+                return stopped, failure
+        _ask_ahead(world, plan, display)
+        steps = world.steps()
+        _time_first_batch(rescales, world, steps)
+        # In place, a change asked ahead starts at once (a scale-up's new replicas start while
+        # the world trains), once the change before it reached its first batch (timed).
+        changed = not rescales or rescales[-1].first_batch_s is not None
+        target = _due_replicas(world, plan, control, steps, (launch.in_place and changed) or finished, out)
+        if target is not None:
+            change = _rescale_in_place if launch.in_place else _rescale
+            world, rescale = change(world, target, launch, display)
+            history.append(world)
+            rescales.append(rescale)
+            continue
+        display.update(world, rescales)
+        time.sleep(0.1)
+
+
+def _time_first_batch(rescales: list[Rescale], world: World, steps: list[int]) -> None:
+    """Time the last rescale to its world's first batch, once a rank got past the resume step."""
+    if rescales and rescales[-1].first_batch_s is None and max(steps) > (world.resume_step or 0):
+        rescales[-1].first_batch_s = time.monotonic() - rescales[-1].requested_at
+
+
+def _due_replicas(world: World, plan: list[tuple[int, int]], control: Path, steps: list[int],
+                  drain_now: bool, out: IO[str]) -> int | None:
+    """The replica count to change `world` to now, if any: that of the drain it was asked ahead
+    for, once due (`drain_now`, or every rank reached its step); else what --scale-at or the
+    control file asks (_wanted_replicas)."""
+    if world.drain_to is not None and (drain_now or min(steps) >= world.drain_to[0]):
+        return world.drain_to[1]
+    return _wanted_replicas(plan, control, min(steps), world.job.replicas, out)
+
+
+def _exit_code(interrupted: bool, failure: str | None, stopped: str | None, out: IO[str]) -> int:
+    """The run's exit code (130 interrupted, 1 failed, 0 otherwise), saying why it ended."""
     if interrupted:
         return 130
     if failure:
-        print(f"splitfeed local: failed: {failure}", file=out)
+        print(f"{PREFIX}failed: {failure}", file=out)
         return 1
     if stopped:
-        print(f"splitfeed local: {stopped}", file=out, flush=True)
+        print(f"{PREFIX}{stopped}", file=out, flush=True)
     return 0
 
 
@@ -474,6 +523,13 @@ def _rescale_token(world: World) -> str:
     return f"rescale-w{world.epoch}"
 
 
+def _request_rescale(world: World, *, timeout_s: float, not_before: int = 0, replicas: int = 0) -> str | None:
+    """Ask `world`'s coordinator to drain for its rescale (worlds.request_drain, under the one
+    token); its answer, or None while it does not answer yet."""
+    return worlds.request_drain(world.coordinator, _rescale_token(world), "rescale", timeout_s=timeout_s,
+                                not_before=not_before, replicas=replicas)
+
+
 def _ask_ahead(world: World, plan: list[tuple[int, int]], display: Progress) -> None:
     """Ask `world` now to drain at the next --scale-at STEP at the earliest (see the module's docstring)."""
     if world.drain_to is not None or not plan or world.job.data.drops_rows:
@@ -481,8 +537,8 @@ def _ask_ahead(world: World, plan: list[tuple[int, int]], display: Progress) -> 
     step, replicas = plan[0]
     if replicas == world.job.replicas:
         return  # nothing to change: _wanted_replicas drops the entry when it is reached
-    if worlds.request_drain(world.coordinator, _rescale_token(world), "rescale", timeout_s=0.25,
-                            not_before=step, replicas=replicas if world.ports else 0) is None:
+    if _request_rescale(world, timeout_s=0.25, not_before=step,
+                        replicas=replicas if world.ports else 0) is None:
         return  # the coordinator is still starting: ask again on the next turn
     world.drain_to = plan.pop(0)
     display.note(f"world {world.epoch} asked to drain at global step {step} for {replicas} replicas")
@@ -503,48 +559,61 @@ def _wanted_replicas(plan: list[tuple[int, int]], control: Path, step: int, curr
         if text.isdigit() and int(text) > 0:
             wanted = int(text)
         else:
-            print(f"splitfeed local: {control}: {text!r} is not a replica count; ignored", file=out)
+            print(f"{PREFIX}{control}: {text!r} is not a replica count; ignored", file=out)
     return wanted if wanted is not None and wanted != current else None
 
 
-def _rescale(world: World, replicas: int, argv: list[str], work: Path, logs: Path, resume: str,
-             storage_options_dir: Path | None, display: Progress,
-             forks: forkserver.Server | None = None) -> tuple[World, Rescale]:
-    """Drain `world` at one agreed step, as the operator does, and start the next one there."""
+def _rescaled_job(world: World, replicas: int) -> specs.JobSpec:
+    """`world`'s job with `replicas` replicas; a UserError when that topology is not valid."""
     job = dataclasses.replace(world.job, replicas=replicas)
     try:
         job.check_topology()
     except ValueError as exc:
         raise errors.UserError(f"cannot rescale to {replicas} replicas: {exc}") from exc
-    display.note(f"rescaling {world.job.replicas} -> {replicas} replicas: "
-                 + (f"world {world.epoch} drains at global step {world.drain_to[0]}" if world.drain_to
-                    else f"asking world {world.epoch} to drain"))
+    return job
+
+
+def _drain_note(world: World, replicas: int, *, in_place: bool) -> str:
+    """What the run says as `world`'s rescale starts."""
+    how = " in place" if in_place else ""
+    return (f"rescaling {world.job.replicas} -> {replicas} replicas{how}: "
+            + (f"world {world.epoch} drains at global step {world.drain_to[0]}" if world.drain_to
+               else f"asking world {world.epoch} to drain"))
+
+
+def _agreed_step(world: World) -> int:
+    """The one step at which the sidecars of the drained `world` report it agreed to stop."""
+    agreed = {_read_json(r).get("agreedStep") for r in world.reports}
+    if len(agreed) != 1 or None in agreed:
+        raise errors.UserError(f"world {world.epoch} ended without one agreed step (reports: {agreed})")
+    return int(agreed.pop())  # type: ignore[arg-type]
+
+
+def _rescale(world: World, replicas: int, launch: Launch, display: Progress) -> tuple[World, Rescale]:
+    """Drain `world` at one agreed step, as the operator does, and start the next one there."""
+    job = _rescaled_job(world, replicas)
+    display.note(_drain_note(world, replicas, in_place=False))
     asked = time.monotonic()
-    token = _rescale_token(world)
     # The next world's trainers start now and import while this one drains; its sidecars
     # (forked, so quick to start) only once the step they resume at is agreed.
-    nxt = start_trainers(job, world.epoch + 1, argv, work, logs)
+    nxt = start_trainers(job, world.epoch + 1, launch.argv, launch.work, launch.logs)
     try:
         while not world.finished():
             failure = world.failure()
             if failure:
                 raise errors.UserError(f"world {world.epoch} failed while draining: {failure}")
-            if world.drain_to is None and worlds.request_drain(world.coordinator, token, "rescale",
-                                                               timeout_s=1.0) is None:
+            if world.drain_to is None and _request_rescale(world, timeout_s=1.0) is None:
                 time.sleep(0.2)  # the coordinator is still starting: ask again
                 continue
             time.sleep(0.1)
             display.update(world, [])
-        agreed = {_read_json(r).get("agreedStep") for r in world.reports}
-        if len(agreed) != 1 or None in agreed:
-            raise errors.UserError(f"world {world.epoch} ended without one agreed step (reports: {agreed})")
-        step = int(agreed.pop())  # type: ignore[arg-type]
+        step = _agreed_step(world)
         rescale = Rescale(world.job.replicas, replicas, step, asked, time.monotonic() - asked,
                           redone=max(world.steps()) - step)
         display.note(f"world {world.epoch} drained at global step {step}; world {world.epoch + 1} "
                      f"starts there with {replicas} replicas")
-        start_sidecars(nxt, work, logs, resume=resume, resume_step=step,
-                       storage_options_dir=storage_options_dir, forks=forks)
+        start_sidecars(nxt, launch.work, launch.logs, resume=launch.resume, resume_step=step,
+                       storage_options_dir=launch.storage_options_dir, forks=launch.forks)
     except BaseException:
         nxt.stop()
         raise
@@ -558,67 +627,28 @@ READY_WAIT_S = 120.0
 import and reach their first hello) before it asks for the drain regardless."""
 
 
-def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, logs: Path,
-                      resume: str, storage_options_dir: Path | None, display: Progress,
-                      forks: forkserver.Server | None = None) -> tuple[World, Rescale]:
+def _rescale_in_place(world: World, replicas: int, launch: Launch,
+                      display: Progress) -> tuple[World, Rescale]:
     """Change `world` in place, as the operator's `spec.rescale: inPlace` does: the processes
     of replicas 0..min(N, M) - 1 stay; new replicas start now, while the world still trains,
     and wait for the agreed step; replicas >= M end after the drain."""
-    job = dataclasses.replace(world.job, replicas=replicas)
-    try:
-        job.check_topology()
-    except ValueError as exc:
-        raise errors.UserError(f"cannot rescale to {replicas} replicas: {exc}") from exc
+    job = _rescaled_job(world, replicas)
     assert world.ports is not None
     old = world.job.replicas
-    display.note(f"rescaling {old} -> {replicas} replicas in place: "
-                 + (f"world {world.epoch} drains at global step {world.drain_to[0]}" if world.drain_to
-                    else f"asking world {world.epoch} to drain"))
+    display.note(_drain_note(world, replicas, in_place=True))
     asked = time.monotonic()
-    nxt = new_world(job, world.epoch + 1, world.ports)
     kept = min(old, replicas)
-    per = job.gpus_per_replica
-    nxt.sidecars, nxt.trainers = world.sidecars[:kept], world.trainers[:kept * per]
-    nxt.socket_dirs, nxt.reports = world.socket_dirs[:kept], world.reports[:kept]
-    nxt.stats = [work / f"w{nxt.epoch}-stats-{r}.json" for r in range(kept * per)]
+    nxt = _kept_world(world, job, kept, launch.work)
     added = range(kept, replicas)
     if added:  # the new pods start now and wait for the world they join
-        start_trainers(job, nxt.epoch, argv, work, logs, ports=world.ports, replicas=added, into=nxt)
-        start_sidecars(nxt, work, logs, resume=resume, resume_step=None,
-                       storage_options_dir=storage_options_dir, forks=forks, replicas=added)
-    leaving = world.sidecars[kept:] + world.trainers[kept * per:]
-    token = _rescale_token(world)
-    deadline = asked + IN_PLACE_TIMEOUT_S
-    acked = world.drain_to is not None
-    ready_by = asked + READY_WAIT_S
+        start_trainers(job, nxt.epoch, launch.argv, launch.work, launch.logs, ports=world.ports,
+                       replicas=added, into=nxt)
+        start_sidecars(nxt, launch.work, launch.logs, resume=launch.resume, resume_step=None,
+                       storage_options_dir=launch.storage_options_dir, forks=launch.forks, replicas=added)
     try:
-        while True:
-            failure = world.failure() or nxt.failure()
-            if failure:
-                raise errors.UserError(f"world {world.epoch} failed while changing in place: {failure}")
-            if not acked and time.monotonic() < ready_by and not all(
-                    membership.waiting(d, per) for d in nxt.socket_dirs[kept:]):
-                time.sleep(0.05)  # the old world trains on while the new pods start
-                display.update(world, [])
-                continue
-            if not acked:
-                acked = worlds.request_drain(world.coordinator, token, "rescale", timeout_s=1.0,
-                                             replicas=replicas) is not None
-                if not acked:
-                    time.sleep(0.2)  # the coordinator is still starting: ask again
-                    continue
-            now = membership.read(world.socket_dirs[0])
-            if (now is not None and now.epoch == nxt.epoch and all(p.popen.poll() == 0 for p in leaving)):
-                break  # the new world serves (or, a short one, already served and ended)
-            if now is not None and now.state == membership.ENDED and now.epoch == world.epoch:
-                raise errors.UserError(f"world {world.epoch} ended instead of changing in place: "
-                                       f"{world.sidecars[0].tail()}")
-            if time.monotonic() > deadline:
-                raise errors.UserError(f"world {world.epoch} did not change in place within "
-                                       f"{IN_PLACE_TIMEOUT_S:g} s")
-            time.sleep(0.02)
-            display.update(world, [])
+        now = _await_in_place(world, nxt, kept, asked, display)
     except BaseException:
+        per = job.gpus_per_replica
         for p in nxt.sidecars[kept:] + nxt.trainers[kept * per:]:
             p.stop()
         raise
@@ -629,6 +659,54 @@ def _rescale_in_place(world: World, replicas: int, argv: list[str], work: Path, 
     display.note(f"world {world.epoch} drained at global step {step}; world {nxt.epoch} goes on there "
                  f"in place with {replicas} replicas")
     return nxt, rescale
+
+
+def _kept_world(world: World, job: specs.JobSpec, kept: int, work: Path) -> World:
+    """The next world in place, before its new replicas start: the processes of `world`'s
+    first `kept` replicas, as they run, with the stats files they write in it."""
+    nxt = new_world(job, world.epoch + 1, world.ports)
+    per = job.gpus_per_replica
+    nxt.sidecars, nxt.trainers = world.sidecars[:kept], world.trainers[:kept * per]
+    nxt.socket_dirs, nxt.reports = world.socket_dirs[:kept], world.reports[:kept]
+    nxt.stats = [_stats_file(work, nxt.epoch, r) for r in range(kept * per)]
+    return nxt
+
+
+def _await_in_place(world: World, nxt: World, kept: int, asked: float,
+                    display: Progress) -> membership.World:
+    """Ask `world` to change into `nxt` once `nxt`'s new pods wait for it (or READY_WAIT_S
+    passed), then wait until `nxt` serves and `world`'s leaving replicas ended; the world
+    file that says so. UserError when a process fails or the change does not happen."""
+    per = nxt.job.gpus_per_replica
+    leaving = world.sidecars[kept:] + world.trainers[kept * per:]
+    deadline = asked + IN_PLACE_TIMEOUT_S
+    acked = world.drain_to is not None
+    ready_by = asked + READY_WAIT_S
+    while True:
+        failure = world.failure() or nxt.failure()
+        if failure:
+            raise errors.UserError(f"world {world.epoch} failed while changing in place: {failure}")
+        if not acked and time.monotonic() < ready_by and not all(
+                membership.waiting(d, per) for d in nxt.socket_dirs[kept:]):
+            time.sleep(0.05)  # the old world trains on while the new pods start
+            display.update(world, [])
+            continue
+        if not acked:
+            acked = _request_rescale(world, timeout_s=1.0, replicas=nxt.job.replicas) is not None
+            if not acked:
+                time.sleep(0.2)  # the coordinator is still starting: ask again
+                continue
+        now = membership.read(world.socket_dirs[0])
+        if (now is not None and now.epoch == nxt.epoch and all(p.popen.poll() == 0 for p in leaving)):
+            return now  # the new world serves (or, a short one, already served and ended)
+        if now is not None and now.state == membership.ENDED and now.epoch == world.epoch:
+            raise errors.UserError(f"world {world.epoch} ended instead of changing in place: "
+                                   f"{world.sidecars[0].tail()}")
+        if time.monotonic() > deadline:
+            raise errors.UserError(f"world {world.epoch} did not change in place within "
+                                   f"{IN_PLACE_TIMEOUT_S:g} s")
+        time.sleep(0.02)
+        display.update(world, [])
 
 
 def _rmtree(path: Path) -> None:
@@ -656,20 +734,17 @@ class Progress:
     def note(self, text: str) -> None:
         """A line above the bar (a rescale event)."""
         if self._bar is not None:
-            self._bar.write(f"splitfeed local: {text}", file=self.out)
+            self._bar.write(f"{PREFIX}{text}", file=self.out)
         else:
-            print(f"splitfeed local: {text}", file=self.out, flush=True)
+            print(f"{PREFIX}{text}", file=self.out, flush=True)
 
     def update(self, world: World, rescales: Sequence[Rescale]) -> None:
         if not self.enabled:
             return
         stats = [_read_json(f) for f in world.stats]
-        total = max((int(s.get("total_steps", 0)) for s in stats), default=0)
-        rows = sum(s.get("rows", 0) for s in stats)
-        busy = sum(s.get("elapsed_s", 0.0) for s in stats)
-        streaming = max((s.get("elapsed_s", 0.0) for s in stats), default=0.0)
+        total = _total_steps(stats)
+        rows, streaming, stall = _flow(stats)
         rate = rows / streaming if streaming >= 1.0 else 0.0  # a rate over a blink says nothing
-        stall = sum(s.get("wait_s", 0.0) for s in stats) / busy if busy else 0.0
         # Steps every rank has taken; before a rank's first batch, where the world resumed.
         start = world.resume_step or 0
         done = min((int(s.get("last_step", start - 1)) + 1 for s in stats), default=start)
@@ -693,7 +768,7 @@ class Progress:
             of = f"/{total}" if total else ""
             spe = max((int(s.get("steps_per_epoch", 0)) for s in stats), default=0)
             epoch = f" (epoch {done // spe}, step {done % spe}/{spe})" if spe else ""
-            print(f"splitfeed local: {label}: global step {done}{of}{epoch}, {rate:,.0f} rows/s, "
+            print(f"{PREFIX}{label}: global step {done}{of}{epoch}, {rate:,.0f} rows/s, "
                   f"data stall {stall:.0%}{self._eta(done, total, now)}", file=self.out, flush=True)
 
     def _eta(self, done: int, total: int, now: float) -> str:
@@ -719,28 +794,41 @@ def _read_json(path: Path) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def _summary(history: Sequence[World], elapsed: float, out: IO[str]) -> None:
-    by_world = [[_read_json(f) for f in w.stats] for w in history]
-    stats = [s for world in by_world for s in world]
+def _total_steps(stats: Sequence[Mapping[str, Any]]) -> int:
+    """The job's global steps, as the trainers' stats files say (0 before any batch)."""
+    return max((int(s.get("total_steps", 0)) for s in stats), default=0)
+
+
+def _flow(stats: Sequence[Mapping[str, Any]]) -> tuple[int, float, float]:
+    """(Rows received, seconds the longest rank streamed, data stall: the share of the ranks'
+    streaming time spent waiting for data), from the trainers' stats files."""
     rows = sum(s.get("rows", 0) for s in stats)
-    # Every rank of a world takes one batch per global step it serves.
-    steps = sum(max((int(s.get("batches", 0)) for s in world), default=0) for world in by_world)
     busy = sum(s.get("elapsed_s", 0.0) for s in stats)
     streaming = max((s.get("elapsed_s", 0.0) for s in stats), default=0.0)
     stall = sum(s.get("wait_s", 0.0) for s in stats) / busy if busy else 0.0
+    return rows, streaming, stall
+
+
+def _summary(history: Sequence[World], elapsed: float, out: IO[str]) -> None:
+    """The run's last lines: the steps, rows, rate and data stall of every world together."""
+    by_world = [[_read_json(f) for f in w.stats] for w in history]
+    stats = [s for world in by_world for s in world]
+    rows, streaming, stall = _flow(stats)
+    # Every rank of a world takes one batch per global step it serves.
+    steps = sum(max((int(s.get("batches", 0)) for s in world), default=0) for world in by_world)
     # rows/s over the time data flowed (first batch to last), not process start-up.
     rate = rows / streaming if streaming else 0.0
     ready = stalls.summarize(stalls.merge([s.get("data_ready_buckets") or [] for s in stats]), 0.0, 0.0)
     percentiles = ", ".join(f"{name} {value * 1000:.2f} ms" for name, value in
                             (("p50", ready.p50_s), ("p95", ready.p95_s), ("p99", ready.p99_s)) if value is not None)
-    print(f"splitfeed local: {steps} global steps, {rows} rows in {elapsed:.1f} s; "
+    print(f"{PREFIX}{steps} global steps, {rows} rows in {elapsed:.1f} s; "
           f"{rate:.0f} rows/s while streaming, data stall {stall:.1%}"
           + (f"; data-ready latency {percentiles}" if percentiles else ""),
           file=out, flush=True)
-    grid = max((int(s.get("total_steps", 0)) for s in stats), default=0)
+    grid = _total_steps(stats)
     last = max((int(s.get("last_step", -1)) + 1 for s in stats), default=0)
     if history and history[-1].job.data.drops_rows and 0 < last < grid:
         # The progress line counted toward the grid; say why the run stopped short of it.
-        print(f"splitfeed local: ended at global step {last}/{grid}: onTransformError="
+        print(f"{PREFIX}ended at global step {last}/{grid}: onTransformError="
               f"{history[-1].job.data.on_transform_error} dropped rows, and an epoch ends early at the "
               f"last step every rank can fill", file=out, flush=True)
