@@ -266,22 +266,38 @@ class ProgressReporter:
         self._row_counts = row_counts or dict
         self._every_s = every_s
         self._next = 0.0
+        self._first_batch_at: float | None = None
 
     def __call__(self) -> None:
         now = time.monotonic()
         member = self._server.member
-        if member is None or now < self._next:
+        if member is None:
+            return
+        if self._first_batch_at is None and self._first_batch_taken():
+            # Said at once, not at the next report: a rescale's latency ends here (operator/live.py).
+            self._first_batch_at, self._next = time.time(), 0.0
+        if now < self._next:
             return
         self._next = now + self._every_s
         try:
             ranks = [read_rank(feed) for feed in self._server.feeds]
             member.send(messages.Progress(**progress_fields(ranks, member.replica, self._steps_per_epoch,
-                                                            self._row_counts())))
+                                                            self._row_counts()),
+                                          first_batch_at=self._first_batch_at))
         except (ValueError, AttributeError):
             return  # a control block closed meanwhile
         except Exception:  # a bug here must never stop the world: report it and stop reporting
             log.exception("progress reporting failed; the world's live status stops here")
             self._every_s = float("inf")
+
+
+    def _first_batch_taken(self) -> bool:
+        """Every rank's trainer has received the world's first batch (its resume step)."""
+        try:
+            feeds = list(self._server.feeds)
+            return bool(feeds) and all(f.control.acked >= self._server.resume_step for f in feeds)
+        except (ValueError, AttributeError):
+            return False  # a control block closed meanwhile
 
 
 def local_port(env: Mapping[str, str], replica: int) -> str:

@@ -343,6 +343,9 @@ class Progress(Message):
     progress.ROW_COUNTS; a new per-row count is one more field here and in Status)."""
     skipped_rows: int
     """Rows dropped under onTransformError=skip/warn from the steps the member published."""
+    first_batch_at: float | int | None = None
+    """Wall-clock time (Unix seconds) by which every rank of the member had received the
+    world's first batch; None until then. How a rescale's latency is timed to the batch."""
 
 
 @_wire("status_request")
@@ -374,6 +377,9 @@ class Status(Message):
     """The members' skipped_rows summed (progress.ROW_COUNTS)."""
     world_epoch: int = -1
     """The world this coordinator runs (-1: not said): how the operator sees an in-place change done."""
+    first_batch_at: float | int | None = None
+    """When the world's first batch had reached every rank (the latest member's
+    `first_batch_at`); None until every member said."""
 
 
 def decode(frame: bytes) -> Message:

@@ -48,7 +48,15 @@ def world_status(members: Sequence[messages.Progress], *, replicas: int, total_s
         buckets=stalls.merge([m.buckets for m in members]),
         drain_step=drain_step,
         world_epoch=world_epoch,
+        first_batch_at=first_batch_at(members, replicas),
     )
+
+
+def first_batch_at(members: Sequence[messages.Progress], replicas: int) -> float | None:
+    """When the world's first batch had reached every rank: the last member's time, once
+    every replica reported one (a world moves as one, so its slowest member says when)."""
+    times = [m.first_batch_at for m in members if m.first_batch_at is not None]
+    return float(max(times)) if times and len(times) == len(members) == replicas else None
 
 
 def _round(value: float | None, digits: int) -> float | None:

@@ -75,6 +75,12 @@ def test_an_in_place_rescale_4_to_2_to_3_keeps_the_pods_that_stay_and_is_exact(c
     for r in (down, up):  # the agreement's work, not checkpoint.timeoutSeconds running out
         assert 0 < r.to_checkpoint < r.to_first_batch < 60, (down, up)
     wait_for(lambda: event_reasons(cluster, name).count("RescaledInPlace") == 2, 30, "two RescaledInPlace events")
+    # status.lastRescale times the change to the batch the sidecars dated, not to the operator's
+    # next look (a timer pass, up to 3 s later): within requestedAt's 1 s precision of the
+    # trainers' own clock (their first batch; the operator saw the scale after `kubectl scale`).
+    report = wait_for(lambda: (r := cluster.status(name).get("lastRescale")) and r.get("toReplicas") == 3 and r,
+                      30, "status.lastRescale of 2 -> 3")
+    assert 0 < report["latencySeconds"] <= up.to_first_batch + 1.3, (report, up)
 
 
 def test_a_second_scale_during_a_change_in_place_and_a_coordinator_killed_in_one_end_exact(cluster: Cluster) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 from splitfeed.operator import live, planning
@@ -52,6 +53,31 @@ def test_a_rescales_timeline_is_reported_once_the_new_world_took_a_batch():
     assert [e.reason for e in events] == [live.RESCALE_REPORT]
     assert "31.0 s" in events[0].message and "checkpoint agreed after 6 s" in events[0].message
     assert KEY not in poller.rescales  # reported once
+
+
+def test_a_rescale_is_timed_to_the_first_batch_the_world_dated_not_to_the_look_that_saw_it():
+    poller = live.Poller()
+    draining = {"worldEpoch": 0, "phase": "Rescaling", "replicas": 4, "progress": {"globalStep": 30},
+                "drain": {"reason": "Rescale", "requestedAt": "2026-01-01T12:00:00Z", "targetReplicas": 2,
+                          "inPlace": True}}
+    assert poller.observe(KEY, draining, answer(31), at(1))[1] == []
+    new = {"worldEpoch": 1, "phase": "Running", "replicas": 2, "progress": {"globalStep": 33}}
+    said = dataclasses.replace(answer(33, resume=33), first_batch_at=at(1.3).timestamp())
+    patch, events = poller.observe(KEY, new, said, at(4))  # seen a timer pass later
+    assert patch["lastRescale"]["latencySeconds"] == 1.3
+    assert patch["lastRescale"]["firstBatchAt"] == "2026-01-01T12:00:01Z"
+    assert "1.3 s" in events[0].message
+
+
+def test_a_first_batch_dated_outside_the_rescale_is_held_between_the_request_and_the_look():
+    for skewed, latency in ((at(-5).timestamp(), 0.0), (at(9).timestamp(), 4.0)):
+        poller = live.Poller()
+        poller.observe(KEY, {"worldEpoch": 0, "phase": "Rescaling", "replicas": 4,
+                             "drain": {"reason": "Rescale", "requestedAt": "2026-01-01T12:00:00Z",
+                                       "targetReplicas": 2}}, None, at(1))
+        said = dataclasses.replace(answer(33, resume=33), first_batch_at=skewed)
+        patch, _ = poller.observe(KEY, {"worldEpoch": 1, "phase": "Running", "replicas": 2}, said, at(4))
+        assert patch["lastRescale"]["latencySeconds"] == latency
 
 
 def test_steps_taken_past_the_new_worlds_resume_step_are_counted_as_redone():

@@ -115,11 +115,13 @@ def test_sidecar_metrics_and_the_coordinators_status_move_while_a_trainer_runs(
     pod = start(pods, table_uri, "scraped")
     port = pod._sidecar.metrics.port
     assert port, "the sidecar did not serve /metrics"
+    launched = time.time()
     trainer = run_trainer(pod, tmp_path, 0.0)
     try:
         rank = {"job": "job", "namespace": "test", "world": "0", "replica": "0", "rank": "0"}
         wait_for(lambda: value(scrape(port), "splitfeed_batches_delivered_total", **rank) >= 5,
                  timeout=60, what="five batches counted", interval=0.05)
+        five_counted = time.time()
         first = scrape(port)
         address = pod.settings.coordinator
         status = worlds.request_status(address, timeout_s=5)
@@ -152,4 +154,8 @@ def test_sidecar_metrics_and_the_coordinators_status_move_while_a_trainer_runs(
     assert later.reporting == later.replicas == 1
     assert later.global_step is not None and later.global_step > (status.global_step or 0), (status, later)
     assert later.steps_per_epoch == 20 and later.total_steps == 40
+    # The world's first batch is dated by the member when its trainer received it (a rescale's
+    # latency ends there), not when a report next went out: before five batches were counted.
+    assert status.first_batch_at is not None and later.first_batch_at == status.first_batch_at
+    assert launched <= status.first_batch_at <= five_counted, (launched, status.first_batch_at, five_counted)
     assert sum(later.buckets) >= later.global_step - 1 > 0

@@ -128,3 +128,14 @@ def test_the_status_frame_sums_the_progress_frames_members_sent_and_reads_as_bef
         "buckets": counts_at(b0_1=18), "drain_step": None, "filled_rows": 5, "skipped_rows": 0, "world_epoch": 3}
     empty = progress.world_status([], replicas=2, total_steps=60, resume_step=0, drain_step=7)
     assert (empty.global_step, empty.reporting, empty.rows, empty.drain_step) == (None, 0, 0, 7)
+
+
+def test_the_worlds_first_batch_is_its_last_members_once_every_replica_said():
+    world = {"replicas": 2, "total_steps": 60, "resume_step": 10, "drain_step": None}
+    assert answered([member(0, 11, first_batch_at=100.5)], **world).first_batch_at is None  # one of two heard
+    assert answered([member(0, 11, first_batch_at=100.5), member(1, 10)], **world).first_batch_at is None
+    both = answered([member(0, 11, first_batch_at=100.5), member(1, 11, first_batch_at=101.25)], **world)
+    assert both.first_batch_at == 101.25
+    assert json.loads(both.encode())["first_batch_at"] == 101.25
+    assert messages.Status.decode(both.encode()).first_batch_at == 101.25
+    assert "first_batch_at" not in json.loads(answered([member(0, 9)], **world).encode())  # as older peers read it
