@@ -14,6 +14,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from splitfeed.trainer_client import contract
+
 from . import configs, planning
 
 if TYPE_CHECKING:
@@ -66,7 +68,8 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
                    help="a world whose pods have not all run for this long is marked Stalled (default 900)")
     w = p.add_argument_group("admission webhook (off unless --webhook-port is given)")
     w.add_argument("--webhook-port", type=int, help="serve validating webhooks on this port")
-    w.add_argument("--webhook-addr", default="0.0.0.0", help="listening address (default 0.0.0.0)")
+    w.add_argument("--webhook-addr", default=contract.ALL_INTERFACES,
+                   help=f"listening address (default {contract.ALL_INTERFACES})")
     w.add_argument("--webhook-host", help="host name the apiserver uses in the webhook URL")
     w.add_argument("--webhook-cert", help="serving certificate (PEM)")
     w.add_argument("--webhook-key", help="serving private key (PEM)")

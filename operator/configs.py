@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from splitfeed.trainer_client import contract
+
 from . import planning
 
 METRICS_PORT = 8090
@@ -20,7 +22,7 @@ class Webhook:
     """Where Kopf's admission server listens and how the apiserver reaches it."""
 
     port: int = 9443
-    addr: str = "0.0.0.0"
+    addr: str = contract.ALL_INTERFACES
     """Listening address."""
     host: str | None = None
     """Host name in the URL given to the apiserver (a Service DNS name in a cluster)."""

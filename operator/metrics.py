@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from splitfeed.trainer_client import contract
+
 from . import configs
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class OperatorMetrics:
                                          buckets=RESCALE_BUCKETS_S, registry=self.registry)
         self.port: int | None = None
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int | None:
+    def serve(self, port: int, addr: str = contract.ALL_INTERFACES) -> int | None:
         """Serve /metrics; a taken port is a warning, never a reason to stop the operator."""
         try:
             server, _thread = start_http_server(port, addr=addr, registry=self.registry)

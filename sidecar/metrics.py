@@ -183,7 +183,7 @@ class SidecarMetrics:
         served = CollectorRegistry()
         served.register(self._current)
         try:
-            server, _thread = start_http_server(port, addr=addr or "0.0.0.0", registry=served)
+            server, _thread = start_http_server(port, addr=addr or contract.ALL_INTERFACES, registry=served)
         except OSError as exc:
             log.warning("cannot serve /metrics on port %s: %s (metrics are off for this sidecar)", port, exc)
             return None

@@ -98,6 +98,8 @@ RESUMES = ("latest", "none")
 RESUME_LATEST, RESUME_NONE = RESUMES
 LOOPBACK = "127.0.0.1"
 """MASTER_ADDR of a world on one machine (the default), and where `splitfeed local` binds."""
+ALL_INTERFACES = "0.0.0.0"
+"""Where the operator's and sidecars' HTTP servers (webhook, /metrics) listen in a pod."""
 
 Env = dict[str, str]
 

@@ -121,6 +121,6 @@ class Session:
             epoch=self.world_epoch, state=membership.SERVING,
             rank=int(env.get(contract.RANK, "0") or 0) - int(env.get(contract.LOCAL_RANK, "0") or 0),
             world_size=world_size, replicas=max(1, world_size // local_world),
-            master_addr=env.get(contract.MASTER_ADDR, "127.0.0.1"),
+            master_addr=env.get(contract.MASTER_ADDR, contract.LOOPBACK),
             master_port=int(env.get(contract.MASTER_PORT_ENV, str(contract.MASTER_PORT))),
             resume_step=self.resume_step)
