@@ -27,7 +27,8 @@ class Gate:
     drain step, then no step at or past it (docs/agreement.md)."""
 
     def __init__(self, published: int) -> None:
-        self._lock = threading.Condition()
+        self._mutex = threading.Lock()  # `with` on it directly: a Condition's own __enter__ is a Python call
+        self._lock = threading.Condition(self._mutex)
         self._frozen = False
         self._limit: int | None = None
         self.published = published
@@ -53,12 +54,13 @@ class Gate:
 
     def through(self, step: int, stop: threading.Event) -> bool:
         """Wait while frozen or at/past a drain step; False if stopped first."""
-        with self._lock:
+        with self._mutex:  # the condition's lock, held as `with self._lock` holds it
             while not stop.is_set() and (self._frozen or (self._limit is not None and step >= self._limit)):
                 self._lock.wait()
             if stop.is_set():
                 return False
-            self.published = max(self.published, step)
+            if step > self.published:
+                self.published = step
             return True
 
 

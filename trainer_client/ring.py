@@ -300,9 +300,9 @@ class Control:
         view = memoryview(self._mm)
         self._words = view[:_HEADER_BYTES].cast("q")
         self._states = view[_STATE_OFFSET:_STATE_OFFSET + MAX_SLOTS * 4].cast("I")
+        at = _STATE_OFFSET + MAX_SLOTS * 4  # then step, gen, nbytes, seq, posted: as __init__ lays them out
         self._steps, self._gens, self._sizes, self._seqs, self._posted = (
-            view[at:at + MAX_SLOTS * 8].cast("q") for at in range(_STATE_OFFSET + MAX_SLOTS * 4, _PROGRESS_OFFSET,
-                                                                MAX_SLOTS * 8))
+            view[at + i * MAX_SLOTS * 8:at + (i + 1) * MAX_SLOTS * 8].cast("q") for i in range(5))
         self._views = [self._words, self._states, self._steps, self._gens, self._sizes, self._seqs, self._posted]
         view.release()
         self._at = [ctypes.c_void_p(self._base + _HEADER_BYTES + 4 * i) for i in range(4)]  # flags, counters

@@ -116,7 +116,8 @@ def _series(size: int, count: int) -> dict[str, list[float]]:
     before = memcpy_gbps(size, count)
     for _ in range(TRANSPORT_RUNS):
         series["loads"].append(os.getloadavg()[0])
-        for runs, baselines, measure in (("runs", "run_memcpy", transport_gbps), ("floors", "floor_memcpy", floor_gbps)):
+        for runs, baselines, measure in (("runs", "run_memcpy", transport_gbps),
+                                         ("floors", "floor_memcpy", floor_gbps)):
             series[runs].append(measure(size, count))
             after = memcpy_gbps(size, count)
             series[baselines].append(max(before, after))
