@@ -31,11 +31,18 @@ mount --make-rprivate /
 ip link set lo up
 ip addr add "$ADDRESS/32" dev lo
 ip route add default dev lo src "$ADDRESS"
+# Names resolve here and at once: the pod address names this host (gloo's reverse lookup
+# of its own address), and a name /etc/hosts lacks is refused by a resolver on loopback
+# where none listens, instead of timing out on a server out of reach (10 s a rendezvous).
 hosts="$(mktemp)"
+resolv="$(mktemp)"
 cp /etc/hosts "$hosts"
+echo "$ADDRESS $(hostname)" >> "$hosts"
+echo "nameserver 127.0.0.1" > "$resolv"
 mount --bind "$hosts" /etc/hosts
+mount --bind "$resolv" /etc/resolv.conf
 status=0
 "$@" || status=$?
-umount /etc/hosts
-rm -f "$hosts"
+umount /etc/hosts /etc/resolv.conf
+rm -f "$hosts" "$resolv"
 exit "$status"
