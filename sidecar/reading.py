@@ -55,6 +55,8 @@ def open_table(
     network may come back, so the operator's restart budget applies.
     """
     options = {**data.storage_options, **(storage_options or {})}
+    if not remote(data.uri):
+        takes.prefer_local_scans()  # before the process's first scan or take, which fix it
     try:
         db = lancedb.connect(data.uri, storage_options=options or None)
         names = list(db.table_names())

@@ -16,18 +16,20 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import pyarrow as pa
 
+from splitfeed.sidecar import scans
 from splitfeed.trainer_client import errors
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-ROW_ID = "_rowid"
+ROW_ID = scans.ROW_ID
 MAX_IN_FLIGHT = 32
 """Takes one loader keeps running at most: each also fans out into lancedb's own
 concurrent range requests (about 64), and past this a pod's network is the limit."""
@@ -70,26 +72,51 @@ TAKE_ROW_S = 1.5e-6
 they share pages; 2.1-4.1 us from a 50M-row table)."""
 TAKE_BYTE_S = 1.0e-9
 """A take, a byte of its rows (960 rows of 64 KiB: 66-86 us a row)."""
-SCAN_ROW_S = 1.0e-8
-"""A scan with row ids, a row of the table (50M rows of 12 B: 0.39-0.56 s)."""
+SCAN_START_S = 2.0e-3
+"""A scan's start, whatever the table's rows: the query planned, its first batch (a 1,000-row
+table: 1.7-2.2 ms of CPU)."""
+SCAN_ROW_S = 3.0e-9
+"""A scan with row ids, a row of the table (rows of 12 B, SCAN_BYTE_S included: 50M in
+0.19-0.21 s of CPU reading SCAN_READAHEAD fragments ahead, 0.26-0.39 s with lance's default;
+1M in 5.2-6.5 ms)."""
 SCAN_BYTE_S = 1.0e-10
 """A scan, a byte of the table's rows (16,384 rows of 64 KiB: 6.6-9 us a row)."""
-GATHER_ROW_S = 1.5e-7
-"""Picking a row out of the scan and putting it where it was asked (a row of 12 B: the
-scan's gather of 2.4M rows of a 50M-row table took 0.54 s with the scan's 0.45 s)."""
+GATHER_ROW_S = 8.0e-8
+"""Finding a row in the scan and putting it where it was asked (scans.gather, rows of 12 B:
+46-50 ns a row gathering 62K rows of a 1M-row table, 81-85 ns gathering 2-4M of a 50M-row
+one, whose asked ids and result no longer sit in a CPU cache; up to 122 ns under load)."""
 GATHER_BYTE_S = 3.0e-10
 """Picking a row, a byte of it: copied twice."""
 SCAN_GAIN = 2.0
 """A scan replaces takes only where it is estimated at least this many times cheaper."""
-SCAN_HELD_BYTES = 112 << 20
-"""What lance holds while it scans, whatever is gathered: its read-ahead of decoded
-batches (measured: a scan of 50M rows of 12 B peaked 96-104 MiB above the process's RSS
-with batches of 32-256K rows, 28 MiB on 1M rows)."""
+SCAN_HELD_BYTES = 28 << 20
+"""What lance holds while it scans a local table, whatever is gathered: its read-ahead of
+SCAN_READAHEAD fragments. Measured (the bench's 50M-row table, rows of 12 B, peak RSS above
+a warm process's): a bare scan 4-18 MiB; gathering 1, 2, 3, 4 and 6M rows 46-53, 60-73,
+89-94, 114-123 and 162-163 MiB, which this and SCAN_HELD_PER_* bound."""
+SCAN_HELD_BYTES_UNSET = 148 << 20
+"""... where LANCE_DEFAULT_FRAGMENT_READAHEAD is not SCAN_READAHEAD (lance's default or the
+user's): a bare scan 105-135 MiB; gathering 1, 2, 3, 4 and 5M rows 149-164, 186-195,
+200-213, 231-241 and 237-248 MiB."""
 SCAN_HELD_PER_BYTE = 3.0
-"""A scan holds its gathered rows about three times at its peak: picked per batch, joined,
-then put in the order asked."""
-SCAN_HELD_PER_ROW = 40
-"""... and ~40 B a row of indexes (the ids sorted, where each was found, the order asked)."""
+"""A scan holds the rows it gathers in columns of other than fixed width (strings, booleans,
+nested) about three times at its peak: picked per batch, joined, put in the order asked."""
+SCAN_IN_PLACE_PER_BYTE = 1.0
+"""... and once where every column is fixed-width: scans.Into puts those where they were asked."""
+SCAN_HELD_PER_ROW = 12
+"""... and its indexes: the row ids asked (8 B) and their order by bucket (4 B)."""
+SCANS_AT_ONCE = 1
+"""Scans a reader runs at once: a scan is CPU work that lance already spreads over its own
+threads, and the next window's scan runs while this one's rows are handed out, so a second
+only contends and delays the first window (the bench's steady rows/s, three runs each at load
+2-5: 50M-row table 4.5-5.6M one at a time, 2.5-4.2M two at a time; 1M-row table 3.1-3.8M and
+3.2-4.5M)."""
+SCAN_READAHEAD = 2
+"""Fragments lance reads ahead in a scan of a local table (LANCE_DEFAULT_FRAGMENT_READAHEAD,
+set by `prefer_local_scans`). Unset, lance reads ahead many more, and holds what it decoded:
+a scan of the bench's 50M-row table held 105-135 MiB instead of 4-18, and took 0.26-0.39 s of
+CPU instead of 0.19-0.21 (1 fragment: 0-10 MiB, 0.17-0.31 s)."""
+READAHEAD_ENV = "LANCE_DEFAULT_FRAGMENT_READAHEAD"
 SCAN_BATCH_BYTES = 4 << 20
 """Bytes of a batch a scan asks lance for (rows and row ids): lancedb hands each batch over
 from its event loop's thread (a wake-up and a lock each), so 50M rows of 12 B in batches
@@ -123,99 +150,64 @@ def take_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None) -> pa.
     return rows.combine_chunks().to_batches(max_chunksize=max(1, len(ids)))[0]
 
 
-def _hits(found_ids: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(indexes into `wanted`, positions in `found_ids`) of the ids of sorted, unique
-    `wanted` that `found_ids` (a scanned batch's row ids) holds. A batch of one fragment's
-    rows in order (the usual one) is a range of row ids; any other is searched."""
-    n = len(found_ids)
-    first, last = int(found_ids[0]), int(found_ids[-1])
-    if last - first == n - 1:
-        lo, hi = int(np.searchsorted(wanted, first, "left")), int(np.searchsorted(wanted, last, "right"))
-        at = wanted[lo:hi] - first
-        if bool((found_ids[at] == wanted[lo:hi]).all()):
-            return np.arange(lo, hi), at
-    order = np.argsort(found_ids)
-    ordered = found_ids[order]
-    lo = int(np.searchsorted(wanted, ordered[0], "left"))
-    hi = int(np.searchsorted(wanted, ordered[-1], "right"))
-    at = np.searchsorted(ordered, wanted[lo:hi]).clip(0, n - 1)
-    hit = ordered[at] == wanted[lo:hi]
-    return np.arange(lo, hi)[hit], order[at[hit]]
-
-
-def _sorted(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, ids[order]): `ids` sorted, equal ids in the order given. Where the ids leave
-    room, each is packed with its index into one int64 and sorted by value, which numpy
-    does about 1.7x faster than an argsort (1.69M ids: 92 against 152 ms)."""
-    bits = max(1, (len(ids) - 1).bit_length())
-    if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < (1 << (62 - bits)):
-        keys = np.sort((ids << bits) | np.arange(len(ids), dtype=np.int64))
-        return keys & ((1 << bits) - 1), keys >> bits
-    order = np.argsort(ids, kind="stable")
-    return order, ids[order]
-
-
 def scan_rows(table: Any, ids: np.ndarray, columns: Sequence[str] | None,
               row_bytes: float = 12.0) -> pa.RecordBatch:
     """`take_rows` by one scan of the whole table: each scanned batch gives the rows of
-    `ids` it holds (found by row id, checked), then they are put in the order asked.
+    `ids` it holds (found by row id, checked), each put where it was asked (scans.gather).
     Cheaper than a take where `ids` are many against the table's rows (`scan_pays`). A row
-    the scan did not find is asked of `take_rows`, which says why it is missing.
-
-    Row ids are compared as int64 (lance's are far below 2^63; the same view on both sides
-    keeps any order consistent), which numpy sorts several times faster than uint64."""
+    the scan did not find is asked of `take_rows`, which says why it is missing."""
     query = table.search()
     if columns:
         query = query.select(list(columns))
     batch_rows = int(min(SCAN_BATCH_ROWS, max(1024, SCAN_BATCH_BYTES // max(1.0, row_bytes + 8))))
     batches = iter(query.with_row_id(True).limit(None).to_batches(batch_size=batch_rows))
-    first_batch = next(batches, None)  # lance reads ahead on its own threads while this sorts
-    asked = np.ascontiguousarray(ids).view(np.int64)
-    order, ordered = _sorted(asked)
-    first = np.ones(len(ordered), dtype=bool)  # the first of each run of one id (epochs may repeat one)
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    wanted = ordered[first]
-    where = np.full(len(wanted), -1, dtype=np.int64)
-    pieces: list[pa.RecordBatch] = []
-    filled = 0
-    for batch in itertools.chain([first_batch] if first_batch is not None else [], batches):
-        if not batch.num_rows or filled == len(wanted):
-            continue
-        index, at = _hits(batch.column(ROW_ID).to_numpy().view(np.int64), wanted)
-        if len(index):
-            pieces.append(batch.drop_columns([ROW_ID]).take(pa.array(at)))
-            where[index] = np.arange(filled, filled + len(index))
-            filled += len(index)
-    if filled != len(wanted) or bool((where < 0).any()):
-        return take_rows(table, ids, columns)
-    rows_at = np.empty(len(asked), dtype=np.int64)
-    rows_at[order] = where if len(wanted) == len(asked) else where[np.cumsum(first) - 1]
-    rows = pa.Table.from_batches(pieces).combine_chunks().take(pa.array(rows_at))
-    return rows.combine_chunks().to_batches(max_chunksize=max(1, len(ids)))[0]
+    first = next(batches, None)  # lance reads ahead on its own threads while the ids are grouped
+    got = scans.gather(itertools.chain([first] if first is not None else [], batches),
+                       np.ascontiguousarray(ids).view(np.int64))
+    return got if got is not None else take_rows(table, ids, columns)
+
+
+def scan_cost(table_rows: int, bytes_per_row: float) -> float:
+    """Seconds a scan of the table costs, before anything is gathered."""
+    return SCAN_START_S + table_rows * (SCAN_ROW_S + bytes_per_row * SCAN_BYTE_S)
 
 
 def scan_pays(rows: int, bytes_per_row: float, table_rows: int) -> bool:
     """A scan of the table gathering `rows` rows costs SCAN_GAIN times less than their takes."""
     take = rows * (TAKE_ROW_S + bytes_per_row * TAKE_BYTE_S)
-    scan = (table_rows * (SCAN_ROW_S + bytes_per_row * SCAN_BYTE_S)
+    scan = (scan_cost(table_rows, bytes_per_row)
             + rows * (GATHER_ROW_S + bytes_per_row * GATHER_BYTE_S))
     return scan * SCAN_GAIN <= take
 
 
-def scan_held(rows: int, bytes_per_row: float) -> float:
-    """What a scan gathering `rows` rows holds at its peak (SCAN_HELD_*)."""
-    return SCAN_HELD_BYTES + rows * (SCAN_HELD_PER_BYTE * bytes_per_row + SCAN_HELD_PER_ROW)
+def prefer_local_scans() -> None:
+    """Have lance read SCAN_READAHEAD fragments ahead in this process's scans (a value the
+    user set is kept). lance reads it once, at the process's first scan or take, so this is
+    called where a process opens a local table (reading.open_table); object stores keep
+    lance's default, whose read-ahead hides their latency."""
+    os.environ.setdefault(READAHEAD_ENV, str(SCAN_READAHEAD))
 
 
-def scan_window(budget_bytes: int, bytes_per_row: float, table_rows: int) -> int:
+def lance_held() -> int:
+    """What lance holds while it scans (SCAN_HELD_BYTES, or SCAN_HELD_BYTES_UNSET where the
+    read-ahead is not SCAN_READAHEAD)."""
+    return SCAN_HELD_BYTES if os.environ.get(READAHEAD_ENV) == str(SCAN_READAHEAD) else SCAN_HELD_BYTES_UNSET
+
+
+def scan_held(rows: int, bytes_per_row: float, per_byte: float = SCAN_HELD_PER_BYTE) -> float:
+    """What a scan gathering `rows` rows holds at its peak (`lance_held`, SCAN_HELD_PER_*):
+    `per_byte` times their bytes (SCAN_IN_PLACE_PER_BYTE where every column is put in place)."""
+    return lance_held() + rows * (per_byte * bytes_per_row + SCAN_HELD_PER_ROW)
+
+
+def scan_window(budget_bytes: int, bytes_per_row: float, table_rows: int,
+                per_byte: float = SCAN_HELD_PER_BYTE) -> int:
     """Rows one scan gathers: as many as let it (`scan_held`) and its result, consumed
     while the next scan runs, fit `budget_bytes`, and no more than make the scan's share
     of a row's cost as small as its gather's; 0 where a scan of that many does not pay
     (`scan_pays`: a wide row, a small budget, or a table too large for the budget)."""
-    room = (budget_bytes - SCAN_HELD_BYTES) / (
-        (SCAN_HELD_PER_BYTE + 1) * bytes_per_row + SCAN_HELD_PER_ROW)
-    enough = table_rows * (SCAN_ROW_S + bytes_per_row * SCAN_BYTE_S) / (
-        GATHER_ROW_S + bytes_per_row * GATHER_BYTE_S)
+    room = (budget_bytes - lance_held()) / ((per_byte + 1) * bytes_per_row + SCAN_HELD_PER_ROW)
+    enough = scan_cost(table_rows, bytes_per_row) / (GATHER_ROW_S + bytes_per_row * GATHER_BYTE_S)
     rows = int(min(room, max(1.0, enough)))
     return rows if rows > 0 and scan_pays(rows, bytes_per_row, table_rows) else 0
 
@@ -278,8 +270,9 @@ class Takes(Generic[T]):
     reads a shuffled row with reads and decoding of its own unless its take holds rows
     near it, so a take of more rows costs less a row there (docs/architecture.md, "Rows/s
     as a table grows"). With `scans`, requests drawn are instead gathered by one scan of
-    the table where that costs less than their takes (`scan_window`, `scan_rows`). Each
-    request's rows still come back as one result of its own."""
+    the table where that costs less than their takes (`scan_window`, `scan_rows`), one scan
+    at a time, the next running while this one's rows are handed out. Each request's rows
+    still come back as one result of its own."""
 
     def __init__(self, table: Any, columns: Sequence[str] | None,
                  requests: Iterator[tuple[T, np.ndarray] | None], budget_bytes: int, *,
@@ -297,9 +290,14 @@ class Takes(Generic[T]):
         self._table_rows = 0
         self._scanned = 0
         """Rows to gather by one scan (`scan_window`), once a row's size is known; 0: takes."""
+        self._per_byte = SCAN_HELD_PER_BYTE
+        """What a scan holds a byte of its rows (SCAN_IN_PLACE_PER_BYTE: fixed-width columns)."""
         self._running: collections.deque[
-            tuple[list[tuple[T, int]], float, concurrent.futures.Future[pa.RecordBatch]]] = collections.deque()
-        """(requests and their rows, bytes held while it runs, its result) of each take."""
+            tuple[list[tuple[T, int]], float, concurrent.futures.Future[pa.RecordBatch], bool]] = collections.deque()
+        """(requests and their rows, bytes held while it runs, its result, whether a scan) of each
+        take or scan."""
+        self._scanning = 0
+        """Scans running (SCANS_AT_ONCE at most)."""
         self._pending: collections.deque[tuple[T, np.ndarray]] = collections.deque()
         """Requests drawn from `requests` that are not taken yet."""
         self._ready: collections.deque[tuple[T, pa.RecordBatch]] = collections.deque()
@@ -322,7 +320,14 @@ class Takes(Generic[T]):
             return False
         if self._row_bytes is None:
             return len(self._running) < FIRST_DEPTH
-        return sum(h for _, h, _ in self._running) + held + self._consumed <= self._budget
+        return sum(h for _, h, _, _ in self._running) + held + self._consumed <= self._budget
+
+    def _window_fits(self) -> bool:
+        """Where scans gather, a window's requests are drawn once its scan may start (one scan
+        at a time, SCANS_AT_ONCE): drawn earlier, their row ids would wait, held, while the scan
+        before it runs."""
+        return not self._scanned or (self._scanning < SCANS_AT_ONCE and self._fits(
+            scan_held(self._scanned, cast(float, self._row_bytes), self._per_byte)))
 
     def _draw(self, *, cross: bool) -> bool:
         """Draw the next request into `_pending`; False when there is none to draw now.
@@ -356,14 +361,14 @@ class Takes(Generic[T]):
         return rows, count
 
     def _fill(self, *, cross: bool) -> None:
-        while self._pending or self._draw(cross=cross):
+        while self._window_fits() and (self._pending or self._draw(cross=cross)):
             scan = False
             if self._scanned:
                 rows, count = self._group(self._scanned)
                 assert self._row_bytes is not None
                 scan = scan_pays(rows, self._row_bytes, self._table_rows)
             if scan:
-                held = scan_held(rows, cast(float, self._row_bytes))
+                held = scan_held(rows, cast(float, self._row_bytes), self._per_byte)
             else:  # no scans, or too few rows drawn for one to pay (a barrier, the end)
                 rows, count = self._group(self._merged)
                 held = self._held(rows) if self._row_bytes is not None else 0.0
@@ -376,7 +381,8 @@ class Takes(Generic[T]):
                                            cast(float, self._row_bytes))
             else:
                 future = self._pool.submit(take_rows, self._table, ids, self._columns)
-            self._running.append(([(tag, len(ids)) for tag, ids in group], held, future))
+            self._running.append(([(tag, len(ids)) for tag, ids in group], held, future, scan))
+            self._scanning += scan
 
     def _count_rows(self) -> int:
         """The table's rows (all of them: where rows sit, not which pass a filter); 0, and
@@ -407,14 +413,17 @@ class Takes(Generic[T]):
         if not self._running:
             self.close()  # its threads end with it
             raise StopIteration
-        asked, _, future = self._running.popleft()
+        asked, _, future, scanned = self._running.popleft()
+        self._scanning -= scanned
         batch = future.result()
         if self._row_bytes is None and batch.num_rows:
             self._row_bytes = batch.nbytes / batch.num_rows
             self._table_rows = self._count_rows()
             self._merged = merged_rows(self._budget, self._row_bytes, self._clump, self._table_rows)
             if self._scans and self._table_rows:
-                self._scanned = scan_window(self._budget, self._row_bytes, self._table_rows)
+                if scans.in_place(batch.schema):
+                    self._per_byte = SCAN_IN_PLACE_PER_BYTE
+                self._scanned = scan_window(self._budget, self._row_bytes, self._table_rows, self._per_byte)
         at = 0
         for tag, rows in asked:
             self._ready.append((tag, batch.slice(at, rows)))
@@ -429,7 +438,7 @@ class Takes(Generic[T]):
         self._exhausted = True
         self._pending.clear()
         self._ready.clear()
-        for _, _, future in self._running:
+        for _, _, future, _ in self._running:
             future.cancel()
         self._running.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)

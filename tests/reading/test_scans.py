@@ -3,13 +3,16 @@
 A scan must give exactly what `take_rows` gives (the rows asked, in the order asked,
 an id asked twice given twice), whatever the table's fragments, deletions and the
 batches lance hands out; and a reader that scans must still give StreamingDataset's
-order, which tests/reading/test_determinism.py checks for every job variant (its local
-tables are read with scans) and this module checks once more with the scans counted.
+order, which this module checks with the scans counted (tests/reading/test_determinism.py
+checks every job variant, but its tables of 1,000 rows are taken: a scan's start costs more).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from splitfeed.sidecar import reading, takes
+from splitfeed.sidecar import reading, scans, takes
 from splitfeed.trainer_client import errors
 from tests.reading.tables import data_spec, ids_of, reference_rows
 
@@ -29,6 +32,19 @@ def row_ids(table: object) -> np.ndarray:
     """Every row id of the table's version, in scan order."""
     got = table.search().select(["id"]).with_row_id(True).limit(None).to_arrow()  # type: ignore[attr-defined]
     return np.asarray(got.column("_rowid").to_numpy(), dtype=np.uint64)
+
+
+@pytest.fixture
+def scans_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scans where rows are many against a table's even on these 1,000-row tables, whose takes
+    cost less than a scan's start (takes.SCAN_START_S)."""
+    monkeypatch.setattr(takes, "SCAN_START_S", 0.0)
+
+
+@pytest.fixture
+def local_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lance reads SCAN_READAHEAD fragments ahead, as where a process opened a local table."""
+    monkeypatch.setenv(takes.READAHEAD_ENV, str(takes.SCAN_READAHEAD))
 
 
 @pytest.fixture
@@ -73,6 +89,45 @@ def test_a_scan_gives_exactly_what_a_take_gives(tmp_path: Path, columns: list[st
         assert got.num_rows == len(ids)
 
 
+def varied_table(path: Path) -> object:
+    """3 fragments of 2,000 rows, some deleted: int64 `id`, int32 `maybe` (every 5th null),
+    float32[3] `vec` (every 7th null, every 11th row's middle element null), bool `flag`,
+    string `name`."""
+    db = lancedb.connect(str(path))
+    table = None
+    for part in range(3):
+        ids = np.arange(part * 2000, (part + 1) * 2000, dtype=np.int64)
+        values = pa.array((ids * 3).astype(np.float32).repeat(3),
+                          mask=np.repeat(ids % 11 == 0, 3) & np.tile([False, True, False], len(ids)))
+        vec = pa.FixedSizeListArray.from_arrays(values, 3, mask=pa.array(ids % 7 == 0))
+        batch = pa.table({"id": ids, "maybe": pa.array(ids.astype(np.int32), mask=ids % 5 == 0), "vec": vec,
+                          "flag": ids % 2 == 0, "name": [f"r{i}" for i in ids]})
+        table = db.create_table("t", batch) if table is None else table
+        if part:
+            table.add(batch)
+    assert table is not None
+    table.delete("id % 13 = 4")
+    return table
+
+
+@pytest.mark.parametrize("columns", [["id", "maybe", "vec"], ["vec", "maybe"], None, ["name", "id"]])
+def test_a_scan_puts_fixed_width_columns_in_place_with_their_nulls_and_picks_the_others(
+        tmp_path: Path, columns: list[str] | None, small_batches: None) -> None:
+    table = varied_table(tmp_path)
+    every = row_ids(table)
+    rng = np.random.default_rng(8)
+    for ids in (rng.permutation(every), np.concatenate([every[-700:], every[-700:][::-1]]),  # the table's end, twice
+                rng.permutation(every)[:50]):
+        expected = takes.take_rows(table, ids, columns)
+        got = takes.scan_rows(table, ids, columns)
+        assert got.equals(expected)
+        assert got.column("vec" if columns is None or "vec" in columns else 0).null_count == (
+            expected.column("vec" if columns is None or "vec" in columns else 0).null_count)
+    in_place = {"id": True, "maybe": True, "vec": True, "flag": False, "name": False}
+    schema = takes.take_rows(table, every[:1], columns).schema
+    assert scans.in_place(schema) == all(in_place[name] for name in schema.names)
+
+
 def test_a_row_the_scan_cannot_find_fails_as_a_take_does(tmp_path: Path) -> None:
     table = fragmented_table(tmp_path)
     every = row_ids(table)
@@ -85,26 +140,42 @@ def test_a_row_the_scan_cannot_find_fails_as_a_take_does(tmp_path: Path) -> None
         takes.scan_rows(table, np.array([every[5], deleted], dtype=np.uint64), ["id"])
 
 
-def test_rows_of_a_batch_out_of_order_are_found_by_search() -> None:
-    wanted = np.array([3, 8, 20, 21, 40], dtype=np.int64)
-    for found in (np.array([21, 5, 3, 40, 9, 8], dtype=np.int64),  # unordered
-                  np.array([0, 21, 2, 3, 4, 5, 6, 7, 8, 1], dtype=np.int64),  # a range's span, shuffled
-                  np.arange(0, 50, dtype=np.int64)):  # a range in order
-        index, at = takes._hits(found, wanted)
-        hits = {int(wanted[i]) for i in index}
-        assert hits == set(found.tolist()) & set(wanted.tolist())
-        assert (found[at] == wanted[index]).all()
+def expected_hits(found: np.ndarray, asked: np.ndarray) -> set[tuple[int, int]]:
+    """(index into `asked`, position in `found`) of every asked id that `found` holds."""
+    where = {int(v): i for i, v in enumerate(found)}
+    return {(i, where[int(v)]) for i, v in enumerate(asked) if int(v) in where}
 
 
-def test_a_scan_is_chosen_only_where_it_costs_less_than_takes() -> None:
+def test_a_batch_finds_its_asked_rows_in_order_out_of_order_and_across_fragments() -> None:
+    rng = np.random.default_rng(11)
+    layouts = {  # row ids of a scan: fragment << 32 | offset
+        "one fragment": np.arange(5_000, dtype=np.int64),
+        "three, holes": np.concatenate([(f << 32) + np.flatnonzero(rng.random(3_000) > 0.2)
+                                        for f in (0, 1, 4)]).astype(np.int64),
+        "fragments out of order": np.concatenate([(f << 32) + np.arange(2_000) for f in (7, 2, 9, 3)]),
+        "70,000 fragments": (np.arange(70_000, dtype=np.int64) * 3) << 32 | 5,  # more than 16 bits of them
+    }
+    for name, every in layouts.items():
+        asked = [rng.choice(every, 1_500), every[rng.permutation(len(every))[:700]], every[-3:], every[:1]]
+        for ids in asked:
+            wanted = scans.Wanted(ids)
+            for found in (every, every[100:1_000], rng.permutation(every[:2_500]), every[::-1].copy(),
+                          every[len(every) // 2:], every[:1]):
+                index, at = wanted.hits(found)
+                assert len(index) == len(set(index.tolist())), name
+                assert set(zip(index.tolist(), at.tolist())) == expected_hits(found, ids), name
+
+
+def test_a_scan_is_chosen_only_where_it_costs_less_than_takes(local_read_ahead: None) -> None:
     # the bench's narrow tables: 12 B rows, readAheadBytes 256 MiB
-    big = takes.scan_window(256 * MIB, 12.0, 50_000_000)
-    assert big > 1_000_000 and takes.scan_pays(big, 12.0, 50_000_000)
-    assert takes.scan_held(big, 12.0) + big * 12.0 <= 256 * MIB  # a scan and the result consumed
+    for per_byte in (takes.SCAN_HELD_PER_BYTE, takes.SCAN_IN_PLACE_PER_BYTE):
+        big = takes.scan_window(256 * MIB, 12.0, 50_000_000, per_byte)
+        assert big > 1_000_000 and takes.scan_pays(big, 12.0, 50_000_000)
+        assert takes.scan_held(big, 12.0, per_byte) + big * 12.0 <= 256 * MIB  # and the result consumed
     small = takes.scan_window(256 * MIB, 12.0, 1_000_000)
-    assert 26_400 <= small < big
+    assert 2 * 26_400 <= small < big  # two of the bench's requests a scan
     # a budget that cannot hold a scan's own read-ahead, rows too large, a table too large
-    assert takes.scan_window(64 * MIB, 12.0, 50_000_000) == 0
+    assert takes.scan_window(takes.SCAN_HELD_BYTES, 12.0, 50_000_000) == 0
     assert takes.scan_window(256 * MIB, 65_536.0, 16_384) == 0
     assert takes.scan_window(256 * MIB, 12.0, 10**10) == 0
     # the rows a scan gathers must be many against the table's
@@ -113,7 +184,7 @@ def test_a_scan_is_chosen_only_where_it_costs_less_than_takes() -> None:
 
 
 def test_takes_gather_requests_by_scans_and_hand_each_back_as_asked(
-        db_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        db_uri: str, monkeypatch: pytest.MonkeyPatch, scans_pay: None) -> None:
     table, _ = reading.pin(data_spec(db_uri))
     every = row_ids(table)
     rng = np.random.default_rng(3)
@@ -142,8 +213,66 @@ def test_takes_gather_requests_by_scans_and_hand_each_back_as_asked(
     assert not calls["scan"]  # scans are the caller's choice (local tables: reading._iter_planned)
 
 
+def test_takes_run_one_scan_at_a_time_and_draw_a_window_only_once_its_scan_may_start(
+        monkeypatch: pytest.MonkeyPatch, local_read_ahead: None) -> None:
+    """The next window's scan runs while this window's rows are handed out, never beside
+    another scan; its requests are drawn only when it may start (their row ids are held)."""
+    per_request, budget, table_rows = 10_000, 256 * MIB, 2_000_000  # room for several scans
+    lock = threading.Lock()
+    state = {"drawn": 0, "asked": 0, "scans": 0, "most_scans": 0, "most_ahead": 0}
+
+    class Table:
+        def count_rows(self) -> int:
+            return table_rows
+
+    def rows(ids: np.ndarray) -> pa.RecordBatch:
+        return pa.record_batch([pa.array(ids.astype(np.int64)), pa.array(ids.astype(np.int32))],
+                               names=["id", "label"])
+
+    def ahead(asked: int) -> None:
+        """Rows drawn but not yet asked for, while a scan runs."""
+        with lock:
+            state["asked"] += asked
+            state["most_ahead"] = max(state["most_ahead"], state["drawn"] - state["asked"])
+
+    def fake_take(table: object, ids: np.ndarray, columns: object) -> pa.RecordBatch:
+        with lock:
+            state["asked"] += len(ids)
+        return rows(ids)
+
+    def fake_scan(table: object, ids: np.ndarray, columns: object, row: float) -> pa.RecordBatch:
+        ahead(len(ids))
+        with lock:
+            state["scans"] += 1
+            state["most_scans"] = max(state["most_scans"], state["scans"])
+        time.sleep(0.05)
+        ahead(0)
+        with lock:
+            state["scans"] -= 1
+        return rows(ids)
+
+    monkeypatch.setattr(takes, "take_rows", fake_take)
+    monkeypatch.setattr(takes, "scan_rows", fake_scan)
+
+    def requests() -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(100):
+            with lock:
+                state["drawn"] += per_request
+            yield i, np.arange(i * per_request, (i + 1) * per_request, dtype=np.uint64)
+
+    taken: takes.Takes[int] = takes.Takes(Table(), None, requests(), budget, scans=True, cpus=2)
+    got = [(tag, batch.column("id").to_numpy()) for tag, batch in taken]
+    assert [tag for tag, _ in got] == list(range(100))
+    assert np.array_equal(np.concatenate([ids for _, ids in got]), np.arange(100 * per_request))
+    window = takes.scan_window(budget, 12.0, table_rows, takes.SCAN_IN_PLACE_PER_BYTE)
+    assert 3 * per_request <= window < 30 * per_request  # scans of several requests ...
+    assert 3 * takes.scan_held(window, 12.0, takes.SCAN_IN_PLACE_PER_BYTE) < budget  # which would fit
+    assert state["most_scans"] == 1  # ... one at a time
+    assert state["most_ahead"] <= per_request  # one drawn to fill a window, not the next window
+
+
 def test_a_reader_of_a_local_table_scans_and_gives_streaming_datasets_order(
-        db_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        db_uri: str, monkeypatch: pytest.MonkeyPatch, scans_pay: None) -> None:
     scanned: list[int] = []
     real = takes.scan_rows
 
@@ -168,11 +297,19 @@ def test_a_reader_of_a_local_table_scans_and_gives_streaming_datasets_order(
     assert scanned
 
 
-def test_ids_are_sorted_with_the_order_they_were_asked_in() -> None:
-    rng = np.random.default_rng(9)
-    for ids in (rng.integers(0, 1 << 40, 5_000), rng.integers(0, 50, 5_000),  # packed, with repeats
-                rng.integers(1 << 55, 1 << 62, 5_000), np.array([-3, 7, -3, 0])):  # too large, negative
-        ids = ids.astype(np.int64)
-        order, ordered = takes._sorted(ids)
-        assert (order == np.argsort(ids, kind="stable")).all()
-        assert (ordered == ids[order]).all()
+def test_a_process_opening_a_local_table_has_lance_read_few_fragments_ahead(
+        db_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lance reads LANCE_DEFAULT_FRAGMENT_READAHEAD once, at a process's first scan or take:
+    opening a local table sets it first (a value of the user's is kept), and a scan is held
+    to what lance holds with it."""
+    monkeypatch.setenv(takes.READAHEAD_ENV, "unset")
+    monkeypatch.delenv(takes.READAHEAD_ENV)
+    assert takes.lance_held() == takes.SCAN_HELD_BYTES_UNSET
+    reading.open_table(data_spec(db_uri))
+    assert os.environ[takes.READAHEAD_ENV] == str(takes.SCAN_READAHEAD)
+    assert takes.lance_held() == takes.SCAN_HELD_BYTES < takes.SCAN_HELD_BYTES_UNSET
+    monkeypatch.setenv(takes.READAHEAD_ENV, "16")  # the user's own
+    reading.open_table(data_spec(db_uri))
+    assert os.environ[takes.READAHEAD_ENV] == "16"
+    assert takes.lance_held() == takes.SCAN_HELD_BYTES_UNSET
+
