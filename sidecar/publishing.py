@@ -210,6 +210,7 @@ class Publisher:
 
     def _publish(self, global_step: int, batch: pa.RecordBatch, stop: threading.Event) -> bool:
         """Write one batch into a slot once there is room; False if stopped first."""
+        batch = slots.without_dictionaries(batch)
         index = self._room(slots.ipc_size(batch), stop)
         # The gate after the room: a step counts as published once only its write is left.
         if index is None or not self._through_gate(global_step, stop):

@@ -145,6 +145,44 @@ _schemas: tuple[tuple[pa.Schema, int], ...] = ()
 end marker): a stream's batches are new objects with equal schemas."""
 
 
+def without_dictionaries(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch` with every dictionary-encoded column (a categorical: lance keeps them as
+    they are) cast to its values, nested ones included: a slot holds a schema and one
+    record batch, which the trainer's `Reader` maps without a dictionary message. A batch
+    without dictionaries costs one identity (or equality) check of its schema."""
+    plain = _plain_schema(batch.schema)
+    return batch if plain is None else batch.cast(plain)
+
+
+def _plain_schema(schema: pa.Schema) -> pa.Schema | None:
+    """The schema with dictionaries replaced by their values; None where it has none."""
+    global _plain_schemas
+    known = _plain_schemas
+    for other, plain in known:
+        if other is schema or other.equals(schema, check_metadata=True):
+            return plain
+    fields = [field.with_type(_plain_type(field.type)) for field in schema]
+    plain = None if all(f.type == g.type for f, g in zip(fields, schema)) else pa.schema(fields, schema.metadata)
+    _plain_schemas = ((schema, plain), *known[:7])  # one rebinding, as `_schemas`
+    return plain
+
+
+def _plain_type(typ: pa.DataType) -> pa.DataType:
+    if pa.types.is_dictionary(typ):
+        return _plain_type(typ.value_type)
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ):
+        item = typ.value_field.with_type(_plain_type(typ.value_type))
+        if pa.types.is_fixed_size_list(typ):
+            return pa.list_(item, typ.list_size)
+        return pa.large_list(item) if pa.types.is_large_list(typ) else pa.list_(item)
+    if pa.types.is_struct(typ):
+        return pa.struct([f.with_type(_plain_type(f.type)) for f in typ])
+    return typ
+
+
+_plain_schemas: tuple[tuple[pa.Schema, pa.Schema | None], ...] = ()
+
+
 def ipc_size(batch: pa.RecordBatch) -> int:
     """Bytes of `batch` as an IPC stream (schema, batch, end marker), without writing it (and 64 spare)."""
     return _schema_stream_bytes(batch.schema) + int(pa.ipc.get_record_batch_size(batch)) + 64

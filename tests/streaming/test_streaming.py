@@ -145,3 +145,24 @@ def test_numpy_columns_without_torch(pods, table_uri):
         batch = next(iter(client))
         assert isinstance(batch["vec"], np.ndarray) and batch["vec"].flags.writeable
         assert batch["label"].dtype == np.int32
+
+
+def test_a_dictionary_encoded_column_reaches_the_trainer_as_its_values(pods, tmp_path):
+    """A categorical column (pandas' category, Arrow's dictionary) is a column lance keeps
+    as it is: the trainer gets its values, row for row, for the reference batches."""
+    import lancedb
+    import pyarrow as pa
+
+    uri = str(tmp_path / "db")
+    names = np.array(["cat", "dog", "owl"])
+    ids_ = np.arange(200, dtype=np.int64)
+    lancedb.connect(uri).create_table("frames", pa.table({
+        "id": pa.array(ids_), "label": pa.array((ids_ % 5).astype(np.int32)),
+        "kind": pa.array(names[ids_ % 3]).dictionary_encode()}))
+    pod = pods("pod", manifest(uri), replicas=1, replica=0).start_thread()
+    expected = reference_batches(uri, {}, 1, 0)
+    with StreamClient(pod.socket_dir, 0, as_tensors=False) as client:
+        got = [(batch["id"].tolist(), list(batch["kind"])) for batch in client]
+    assert [ids_ for ids_, _ in got] == expected
+    assert all(kinds == [names[i % 3] for i in batch_ids] for batch_ids, kinds in got)
+    assert pod.wait() == 0

@@ -105,3 +105,20 @@ def test_ipc_size_of_new_batches_with_equal_schemas_and_of_other_schemas() -> No
         assert batch.schema is not ints(10).schema
         size = slots.ipc_size(batch)
         assert len(fresh_stream(batch)) <= size <= len(fresh_stream(batch)) + 64
+
+
+def test_dictionary_columns_nested_or_not_are_written_as_their_values():
+    labels = pa.array(["cat", "dog", "cat"]).dictionary_encode()
+    tags = pa.array([["a"], [], ["b", "a"]], pa.list_(pa.dictionary(pa.int8(), pa.string())))
+    point = pa.StructArray.from_arrays([pa.array(["x", "y", "x"]).dictionary_encode(), pa.array([1, 2, 3])],
+                                       names=["axis", "at"])
+    batch = pa.record_batch({"id": pa.array([1, 2, 3]), "label": labels, "tags": tags, "point": point})
+    plain = slots.without_dictionaries(batch)
+    assert plain.schema.types[:3] == [pa.int64(), pa.string(), pa.list_(pa.string())]
+    assert plain.schema.field("point").type == pa.struct([("axis", pa.string()), ("at", pa.int64())])
+    assert plain.to_pylist() == batch.to_pylist()  # the values, row for row
+
+
+def test_a_batch_without_dictionaries_is_passed_on_as_it_is():
+    batch = ints(4)
+    assert slots.without_dictionaries(batch) is batch
