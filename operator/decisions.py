@@ -158,7 +158,8 @@ class Ctx:
 
     def creation_wait(self) -> float:
         """Seconds before objects may be created again after a refused creation."""
-        return self.seconds_until("retryAt", self.status.get("podCreation") or {})
+        retry = self.found.pod_creation.retry_at if self.found.pod_creation is not None else None
+        return 0.0 if retry is None else max(0.0, (retry - self.now).total_seconds())
 
     def world_objects(self, epoch: int, replicas: int) -> list[dict[str, Any]]:
         """Every object of world `epoch` with `replicas` replicas, starting where the status says."""
@@ -184,8 +185,8 @@ def start_world(c: Ctx, epoch: int, replicas: int, reason: str) -> Decision:
     """Status first (worldEpoch, replicas), then every object of the world."""
     job = dataclasses.replace(c.job, replicas=replicas)
     c.patch.update(worldEpoch=epoch, replicas=replicas, worldSize=job.world_size)
-    if c.status.get("nextRestartAt"):
-        c.patch["nextRestartAt"] = None
+    if "nextRestartAt" in c.status and c.status["nextRestartAt"] is not None:
+        c.patch["nextRestartAt"] = None  # cleared, whatever it held
     c.cond(conditions.READY, False, "PodsStarting", f"world {epoch}: creating {replicas} pods")
     start = "the newest complete checkpoint" if c.resume_step is None else f"step {c.resume_step}"
     c.events.append(Event("Normal", STARTING_NEW_WORLD,

@@ -218,7 +218,7 @@ def returned_then_failed(c: Ctx, failed: Sequence[views.Pod], lost: Sequence[str
     back = [p for p in c.world if p not in failed and returned(p) and not p.drained]
     if not back or any(p.disruption is not None for p in c.world):
         return None
-    if (c.value("lastDisruption") or {}).get("worldEpoch") == c.world_epoch:
+    if (views.Disruption.parse(c.value("lastDisruption")) or views.Disruption()).world_epoch == c.world_epoch:
         return None
     if _reached_end(c):
         return None  # the world had reached its end: a failure after it is an ordinary one

@@ -169,7 +169,7 @@ def _running_step(c: Ctx, problem: admission.Rejected | None) -> Decision:
 
 
 def _creation_succeeded(c: Ctx, epoch: int) -> None:
-    if c.status.get("podCreation"):
+    if c.found.pod_creation is not None:
         c.patch["podCreation"] = None
     if conditions.is_true(c.conds, conditions.POD_CREATION_FAILED):
         c.cond(conditions.POD_CREATION_FAILED, False, "Created", f"every object of world {epoch} exists")

@@ -42,8 +42,8 @@ def note_disruption(c: Ctx) -> None:
     keeps the world failure that follows from counting against spec.maxRestarts.
     """
     epoch = c.world_epoch
-    known = c.status.get("lastDisruption") or {}
-    if known.get("worldEpoch") == epoch:
+    known = c.found.disruption
+    if known is not None and known.world_epoch == epoch:
         return
     for p in c.world:
         cond = p.disruption
@@ -63,8 +63,8 @@ def count_container_restarts(c: Ctx) -> Decision | None:
     budget is now spent, in which case the job fails.
     """
     epoch = c.world_epoch
-    seen = c.status.get("observedContainerRestarts") or {}
-    before = int(seen.get("count") or 0) if seen.get("worldEpoch") == epoch else 0
+    seen = c.found.counted_restarts
+    before = seen.count if seen.world_epoch == epoch else 0
     counts = {(p.name, cs.name): cs.restart_count for p in c.world for cs in p.containers}
     total = sum(counts.values())
     if total <= before:
@@ -101,13 +101,13 @@ def world_failed(c: Ctx, failed: list[views.Pod], lost: list[str]) -> Decision:
         c.cond(conditions.READY, False, "AwaitingSidecarReport",
                f"{why}; waiting up to {REPORT_GRACE_S:g}s for the sidecar's report before restarting")
         return c.decision("AwaitingSidecarReport", requeue_s=1.0)
-    disruption = c.value("lastDisruption") or {}
-    if any(p.disruption is not None for p in failed) or disruption.get("worldEpoch") == epoch:
+    disruption = views.Disruption.parse(c.value("lastDisruption")) or views.Disruption()  # as this decision leaves it
+    if any(p.disruption is not None for p in failed) or disruption.world_epoch == epoch:
         # Preempted, evicted or shut down by the cluster (DisruptionTarget): not the job's fault,
         # and one lost rank takes its peers down with it, so the whole failure is the disruption's.
         by = next((f"{p.name}: {(p.disruption or {}).get('reason') or 'DisruptionTarget'}"
                    for p in failed if p.disruption is not None),
-                  f"{disruption.get('pod')}: {disruption.get('reason')}")
+                  f"{disruption.pod}: {disruption.reason}")
         return replace_world(c, "Disrupted", f"{why}; world {epoch} disrupted by the cluster ({by}); "
                              f"restarting the world without counting it ({c.budget()})", "Warning")
     if c.restarts_used() >= c.job.max_restarts:
@@ -168,7 +168,7 @@ def creation_failed(
                   "with spec.checkpoint.resumeFrom)" if failure.kind == "Pod" else ""))
         c.cond(conditions.POD_CREATION_FAILED, True, "Invalid", msg)
         return fail(c, "InvalidPodTemplate" if failure.kind == "Pod" else "InvalidObject", msg)
-    failures = int((status.get("podCreation") or {}).get("failures") or 0) + 1
+    failures = (c.found.pod_creation or views.PodCreation()).failures + 1
     delay = settings.backoff_s(failures)
     at = conditions.timestamp(now + datetime.timedelta(seconds=delay))
     reason = _reason_word(failure.reason, failure.status)

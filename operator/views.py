@@ -295,6 +295,54 @@ class Progress:
 
 
 @dataclasses.dataclass(frozen=True)
+class Disruption:
+    """status.lastDisruption: the cluster disrupting a world (DisruptionTarget on its pod),
+    kept because a disrupted pod is often deleted before it is seen failed (restarting)."""
+
+    world_epoch: int | None = None
+    pod: str | None = None
+    reason: str | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> Disruption | None:
+        """None where none is recorded (absent, empty, or not a mapping)."""
+        if not isinstance(raw, Mapping) or not raw:
+            return None
+        return cls(world_epoch=_count(raw.get("worldEpoch")), pod=_text(raw.get("pod")),
+                   reason=_text(raw.get("reason")))
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedRestarts:
+    """status.observedContainerRestarts: the in-place container restarts of world
+    `world_epoch` already counted against spec.maxRestarts (each is counted once)."""
+
+    world_epoch: int | None = None
+    count: int = 0
+
+    @classmethod
+    def parse(cls, raw: Any) -> CountedRestarts:
+        if not isinstance(raw, Mapping):
+            return cls()
+        return cls(world_epoch=_count(raw.get("worldEpoch")), count=_count(raw.get("count")) or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PodCreation:
+    """status.podCreation: objects the apiserver refused to create, and when to try again."""
+
+    failures: int = 0
+    retry_at: datetime.datetime | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> PodCreation | None:
+        """None while no creation was refused (absent, empty, or not a mapping)."""
+        if not isinstance(raw, Mapping) or not raw:
+            return None
+        return cls(failures=_count(raw.get("failures")) or 0, retry_at=parse_time(raw.get("retryAt")))
+
+
+@dataclasses.dataclass(frozen=True)
 class Status:
     """The fields of a StreamingJob's status that the life cycle reads as it found them."""
 
@@ -308,6 +356,11 @@ class Status:
     progress: Progress = dataclasses.field(default_factory=Progress)
     saved_at: datetime.datetime | None = None
     """status.lastCheckpoint.time: when the newest checkpoint a sidecar reported was saved."""
+    disruption: Disruption | None = None
+    counted_restarts: CountedRestarts = dataclasses.field(default_factory=CountedRestarts)
+    pod_creation: PodCreation | None = None
+    next_restart_at: datetime.datetime | None = None
+    """status.nextRestartAt: the back-off before a failed world's replacement starts."""
 
     @classmethod
     def parse(cls, status: Mapping[str, Any]) -> Status:
@@ -318,7 +371,11 @@ class Status:
                    replicas=int(status.get("replicas") or 0), restarts=int(status.get("restarts") or 0),
                    raw=status, drain=Drain.parse(status.get("drain"), world_epoch or 0),
                    progress=Progress.parse(status.get("progress")),
-                   saved_at=parse_time(saved.get("time")) if isinstance(saved, Mapping) else None)
+                   saved_at=parse_time(saved.get("time")) if isinstance(saved, Mapping) else None,
+                   disruption=Disruption.parse(status.get("lastDisruption")),
+                   counted_restarts=CountedRestarts.parse(status.get("observedContainerRestarts")),
+                   pod_creation=PodCreation.parse(status.get("podCreation")),
+                   next_restart_at=parse_time(status.get("nextRestartAt")))
 
 
 @dataclasses.dataclass(frozen=True)

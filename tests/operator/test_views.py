@@ -155,3 +155,27 @@ def test_a_streamingjob_reads_as_who_it_is_and_its_status():
     assert job.status.world_epoch == 1 and job.status.drain is not None and job.status.drain.in_place
     bare = views.Job.parse({"metadata": {"name": "resnet"}})
     assert (bare.generation, bare.resource_version, bare.deleting, bare.status.drain) == (None, None, False, None)
+
+
+def test_disruption_counted_restarts_pod_creation_and_back_off_read_as_typed_values():
+    found = views.Status.parse({
+        "lastDisruption": {"worldEpoch": 3, "pod": "j-w3-1", "reason": "EvictionByEvictionAPI", "time": "x"},
+        "observedContainerRestarts": {"worldEpoch": 3, "count": 2},
+        "podCreation": {"failures": 4, "retryAt": "2026-01-01T12:00:05Z"},
+        "nextRestartAt": "2026-01-01T12:00:10Z"})
+    assert found.disruption == views.Disruption(world_epoch=3, pod="j-w3-1", reason="EvictionByEvictionAPI")
+    assert found.counted_restarts == views.CountedRestarts(world_epoch=3, count=2)
+    assert found.pod_creation == views.PodCreation(
+        failures=4, retry_at=datetime.datetime(2026, 1, 1, 12, 0, 5, tzinfo=datetime.timezone.utc))
+    assert found.next_restart_at == datetime.datetime(2026, 1, 1, 12, 0, 10, tzinfo=datetime.timezone.utc)
+
+
+def test_absent_or_malformed_disruption_restarts_and_creation_fields_read_as_nothing_recorded():
+    empty = views.Status.parse({})
+    assert (empty.disruption, empty.pod_creation, empty.next_restart_at) == (None, None, None)
+    assert empty.counted_restarts == views.CountedRestarts()
+    bad = views.Status.parse({"lastDisruption": "evicted", "observedContainerRestarts": {"worldEpoch": "3",
+                              "count": -1}, "podCreation": {"failures": "many", "retryAt": "soon"},
+                              "nextRestartAt": "2026-01-01T12:00:10"})  # no zone: not a time we wrote
+    assert bad.disruption is None and bad.counted_restarts == views.CountedRestarts()
+    assert bad.pod_creation == views.PodCreation(failures=0, retry_at=None) and bad.next_restart_at is None
