@@ -71,12 +71,10 @@ class Receiver:
     def next_batch(self) -> Batch | None:
         """The batch of the session's next step, from the ring; the socket only when it must
         wait. None when the stream ended (or the world drains) before that step."""
-        control = self._session.control
-        assert control is not None  # set by the first welcome
-        step = self._session.next_step
-        assert step is not None
-        if step >= control.end_step or 0 <= control.drain_at <= step:
+        at = self._due()
+        if at is None:
             return None
+        control, step = at
         index = control.find(step)
         if index is None:  # not posted yet: the wait's loop, which looks first again
             return self._wait_for(self._wait())
@@ -87,6 +85,17 @@ class Receiver:
         self._torn(control, index, step, wait)
         return self._wait_for(wait)
 
+    def _due(self) -> tuple[ring.Control, int] | None:
+        """(control block, the session's next step) while that step is still to come: None
+        once the stream ended, or the world drains, before it."""
+        control = self._session.control
+        assert control is not None  # set by the first welcome
+        step = self._session.next_step
+        assert step is not None
+        if step >= control.end_step or 0 <= control.drain_at <= step:
+            return None
+        return control, step
+
     def _wait(self) -> _Wait:
         # A sidecar slower than the trainer: sleep at once, leave it the CPU.
         return _Wait(spun=not self.spin_next, slice_s=self._pace.WAIT_SLICE_S)
@@ -95,12 +104,10 @@ class Receiver:
         """next_batch once the batch was not there at the first look: look, spin, sleep, look again."""
         try:
             while True:
-                control = self._session.control
-                assert control is not None  # set by the first welcome
-                step = self._session.next_step
-                assert step is not None
-                if step >= control.end_step or 0 <= control.drain_at <= step:
+                at = self._due()
+                if at is None:
                     return None
+                control, step = at
                 index, step = self._look(control, step, wait)
                 if index is None:
                     self._idle(control, wait)
