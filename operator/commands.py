@@ -66,6 +66,13 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
                    metavar="S", help="cap of the back-off (default 360)")
     f.add_argument("--stall-timeout", type=float, default=planning.Settings.stall_timeout_s, metavar="S",
                    help="a world whose pods have not all run for this long is marked Stalled (default 900)")
+    _webhook_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _webhook_arguments(p: argparse.ArgumentParser) -> None:
+    """The admission webhook's options (off unless --webhook-port is given)."""
     w = p.add_argument_group("admission webhook (off unless --webhook-port is given)")
     w.add_argument("--webhook-port", type=int, help="serve validating webhooks on this port")
     w.add_argument("--webhook-addr", default=contract.ALL_INTERFACES,
@@ -83,8 +90,6 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
     w.add_argument("--webhook-check-pod-permission", action="store_true",
                    help="admit a job only if its requester may create pods in its namespace "
                         "(a SubjectAccessReview)")
-    p.set_defaults(func=run)
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> configs.OperatorConfig:
