@@ -69,3 +69,30 @@ def test_no_test_module_imports_another():
     offenders = {str(path.relative_to(ROOT)): imported_test_modules(path.read_text())
                  for path in sorted((ROOT / "tests").rglob("*.py"))}
     assert {path: names for path, names in offenders.items() if names} == {}
+
+
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 60, 200
+"""Rooms a newcomer can hold (issue 23): counted from `def`/`class` to the last line, decorators not."""
+
+
+def oversized(source: str, where: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        limit = (MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 else MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else None)
+        if limit is not None and (lines := node.end_lineno - node.lineno + 1) > limit:  # type: ignore[operator]
+            found.append(f"{where}: {node.name} is {lines} lines (at most {limit})")  # type: ignore[attr-defined]
+    return found
+
+
+def test_no_function_over_60_lines_and_no_class_over_200_in_the_product():
+    found = [line for package in ("operator", "sidecar", "trainer_client")
+             for path in sorted((ROOT / package).glob("*.py"))
+             for line in oversized(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == []
+
+
+def test_the_size_check_counts_what_it_says():
+    body = "\n".join(f"    x{i} = {i}" for i in range(60))
+    assert oversized(f"def f():\n{body}\n", "m.py") == ["m.py: f is 61 lines (at most 60)"]
+    assert oversized(f"def f():\n{body[:body.rindex(chr(10))]}\n", "m.py") == []
