@@ -146,20 +146,13 @@ class Ctx:
         return (f"{used}/{self.job.max_restarts} restarts"
                 + (f", {inplace} of them in-place container restarts" if inplace else ""))
 
-    def seconds_until(self, key: str, mapping: Mapping[str, Any] | None = None) -> float:
-        """Seconds until the timestamp status[key] (or mapping[key]); 0 when absent or past."""
-        raw = (mapping if mapping is not None else self.status).get(key)
-        if not isinstance(raw, str):
-            return 0.0
-        try:
-            return max(0.0, (conditions.parse_timestamp(raw) - self.now).total_seconds())
-        except ValueError:
-            return 0.0
+    def seconds_to(self, at: datetime.datetime | None) -> float:
+        """Seconds until `at`; 0 when it is None or past."""
+        return 0.0 if at is None else max(0.0, (at - self.now).total_seconds())
 
     def creation_wait(self) -> float:
         """Seconds before objects may be created again after a refused creation."""
-        retry = self.found.pod_creation.retry_at if self.found.pod_creation is not None else None
-        return 0.0 if retry is None else max(0.0, (retry - self.now).total_seconds())
+        return self.seconds_to(self.found.pod_creation.retry_at if self.found.pod_creation is not None else None)
 
     def world_objects(self, epoch: int, replicas: int) -> list[dict[str, Any]]:
         """Every object of world `epoch` with `replicas` replicas, starting where the status says."""
@@ -185,8 +178,8 @@ def start_world(c: Ctx, epoch: int, replicas: int, reason: str) -> Decision:
     """Status first (worldEpoch, replicas), then every object of the world."""
     job = dataclasses.replace(c.job, replicas=replicas)
     c.patch.update(worldEpoch=epoch, replicas=replicas, worldSize=job.world_size)
-    if "nextRestartAt" in c.status and c.status["nextRestartAt"] is not None:
-        c.patch["nextRestartAt"] = None  # cleared, whatever it held
+    if c.status.get("nextRestartAt"):
+        c.patch["nextRestartAt"] = None
     c.cond(conditions.READY, False, "PodsStarting", f"world {epoch}: creating {replicas} pods")
     start = "the newest complete checkpoint" if c.resume_step is None else f"step {c.resume_step}"
     c.events.append(Event("Normal", STARTING_NEW_WORLD,

@@ -238,9 +238,9 @@ def _after_removal(c: Ctx, drain: views.Drain, problem: admission.Rejected | Non
         c.cond(conditions.READY, False, "Suspended", "spec.suspend is true; no pods run")
         c.events.append(Event("Normal", "Suspended", f"world {epoch} drained and removed"))
         return c.decision("Suspended")
-    wait = c.seconds_until("nextRestartAt") if drain.reason == "Restart" else 0.0
+    wait = c.seconds_to(c.found.next_restart_at) if drain.reason == "Restart" else 0.0
     if wait > 0:
-        at = c.status["nextRestartAt"]
+        at = c.status["nextRestartAt"]  # as written: a time with its zone (found.next_restart_at)
         c.patch["phase"] = RESCALING
         c.cond(conditions.RESCALING, True, "BackingOff",
                f"world {epoch} failed and is removed; world {epoch + 1} starts at {at} "
