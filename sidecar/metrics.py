@@ -290,7 +290,6 @@ class ProgressReporter:
             log.exception("progress reporting failed; the world's live status stops here")
             self._every_s = float("inf")
 
-
     def _first_batch_taken(self) -> bool:
         """Every rank's trainer has received the world's first batch (its resume step)."""
         try:

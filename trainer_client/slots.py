@@ -57,13 +57,16 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 from . import ring
+
+T = TypeVar("T")
 
 SLOT_HEADER = 64
 """(step, sequence) as two int64, then padding: the IPC stream starts 64-byte aligned."""
@@ -140,31 +143,41 @@ class SlotFile:
 
 # A thread pool per write cost more than the copy it parallelises (make bench).
 _WRITE_OPTIONS = pa.ipc.IpcWriteOptions(use_threads=False)
-_schemas: tuple[tuple[pa.Schema, int], ...] = ()
-"""Recent schemas, newest first, with the bytes of their stream less its batch (schema message,
-end marker): a stream's batches are new objects with equal schemas."""
+
+
+class _BySchema(Generic[T]):
+    """`compute(schema)`, remembered for the few schemas seen last, newest first. A stream's
+    batches are new objects with equal schemas: they are found by identity or equality
+    (tenths of a microsecond), where a schema's hash walks its fields (microseconds) and a
+    cache by id() missed every new batch."""
+
+    def __init__(self, compute: Callable[[pa.Schema], T]) -> None:
+        self._compute = compute
+        self._known: tuple[tuple[pa.Schema, T], ...] = ()
+
+    def __call__(self, schema: pa.Schema) -> T:
+        known = self._known
+        for other, value in known:
+            if other is schema or other.equals(schema, check_metadata=True):
+                return value
+        value = self._compute(schema)
+        self._known = ((schema, value), *known[:7])  # one rebinding: publishers of other ranks read it meanwhile
+        return value
 
 
 def without_dictionaries(batch: pa.RecordBatch) -> pa.RecordBatch:
     """`batch` with every dictionary-encoded column (a categorical: lance keeps them as
     they are) cast to its values, nested ones included: a slot holds a schema and one
     record batch, which the trainer's `Reader` maps without a dictionary message. A batch
-    without dictionaries costs one identity (or equality) check of its schema."""
+    without dictionaries costs one look-up of its schema."""
     plain = _plain_schema(batch.schema)
     return batch if plain is None else batch.cast(plain)
 
 
-def _plain_schema(schema: pa.Schema) -> pa.Schema | None:
+def _without_dictionary_types(schema: pa.Schema) -> pa.Schema | None:
     """The schema with dictionaries replaced by their values; None where it has none."""
-    global _plain_schemas
-    known = _plain_schemas
-    for other, plain in known:
-        if other is schema or other.equals(schema, check_metadata=True):
-            return plain
     fields = [field.with_type(_plain_type(field.type)) for field in schema]
-    plain = None if all(f.type == g.type for f, g in zip(fields, schema)) else pa.schema(fields, schema.metadata)
-    _plain_schemas = ((schema, plain), *known[:7])  # one rebinding, as `_schemas`
-    return plain
+    return None if all(f.type == g.type for f, g in zip(fields, schema)) else pa.schema(fields, schema.metadata)
 
 
 def _plain_type(typ: pa.DataType) -> pa.DataType:
@@ -180,7 +193,7 @@ def _plain_type(typ: pa.DataType) -> pa.DataType:
     return typ
 
 
-_plain_schemas: tuple[tuple[pa.Schema, pa.Schema | None], ...] = ()
+_plain_schema = _BySchema(_without_dictionary_types)
 
 
 def ipc_size(batch: pa.RecordBatch) -> int:
@@ -188,19 +201,15 @@ def ipc_size(batch: pa.RecordBatch) -> int:
     return _schema_stream_bytes(batch.schema) + int(pa.ipc.get_record_batch_size(batch)) + 64
 
 
-def _schema_stream_bytes(schema: pa.Schema) -> int:
-    """Found by identity or equality (tenths of a microsecond); a schema's hash walks its fields
-    (microseconds), and writing its message costs ~3 us: a cache by id() missed every new batch."""
-    global _schemas
-    known = _schemas
-    for other, size in known:
-        if other is schema or other.equals(schema, check_metadata=True):
-            return size
+def _stream_bytes_less_batch(schema: pa.Schema) -> int:
+    """Bytes of a stream of `schema` less its batch: the schema message and the end marker
+    (writing the schema message costs ~3 us)."""
     sink = pa.MockOutputStream()
     pa.ipc.new_stream(sink, schema).close()
-    size = int(sink.size())
-    _schemas = ((schema, size), *known[:7])  # one rebinding: publishers of other ranks read it meanwhile
-    return size
+    return int(sink.size())
+
+
+_schema_stream_bytes = _BySchema(_stream_bytes_less_batch)
 
 
 _END = struct.Struct("<Ii")
