@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lancedb
 import numpy as np
@@ -54,17 +55,19 @@ def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(takes, "SCAN_BATCH_ROWS", 1024)
 
 
+def fragments_of(path: Path, parts: list[pa.Table]) -> Any:
+    """Table "t" at `path`, one fragment a part (created with the first, each other added)."""
+    table = lancedb.connect(str(path)).create_table("t", parts[0])
+    for part in parts[1:]:
+        table.add(part)
+    return table
+
+
 def fragmented_table(path: Path) -> object:
     """5 fragments of 3,000 rows (`id` = row number), every 7th row of the second deleted."""
-    db = lancedb.connect(str(path))
-    table = None
-    for part in range(5):
-        ids = np.arange(part * 3000, (part + 1) * 3000, dtype=np.int64)
-        batch = pa.table({"id": ids, "label": (ids % 10).astype(np.int32), "name": [f"r{i}" for i in ids]})
-        table = db.create_table("t", batch) if table is None else table
-        if part:
-            table.add(batch)
-    assert table is not None
+    parts = [np.arange(part * 3000, (part + 1) * 3000, dtype=np.int64) for part in range(5)]
+    table = fragments_of(path, [pa.table({"id": ids, "label": (ids % 10).astype(np.int32),
+                                          "name": [f"r{i}" for i in ids]}) for ids in parts])
     table.delete("id >= 3000 AND id < 6000 AND id % 7 = 0")
     return table
 
@@ -93,19 +96,14 @@ def varied_table(path: Path) -> object:
     """3 fragments of 2,000 rows, some deleted: int64 `id`, int32 `maybe` (every 5th null),
     float32[3] `vec` (every 7th null, every 11th row's middle element null), bool `flag`,
     string `name`."""
-    db = lancedb.connect(str(path))
-    table = None
-    for part in range(3):
-        ids = np.arange(part * 2000, (part + 1) * 2000, dtype=np.int64)
+    def part(ids: np.ndarray) -> pa.Table:
         values = pa.array((ids * 3).astype(np.float32).repeat(3),
                           mask=np.repeat(ids % 11 == 0, 3) & np.tile([False, True, False], len(ids)))
         vec = pa.FixedSizeListArray.from_arrays(values, 3, mask=pa.array(ids % 7 == 0))
-        batch = pa.table({"id": ids, "maybe": pa.array(ids.astype(np.int32), mask=ids % 5 == 0), "vec": vec,
-                          "flag": ids % 2 == 0, "name": [f"r{i}" for i in ids]})
-        table = db.create_table("t", batch) if table is None else table
-        if part:
-            table.add(batch)
-    assert table is not None
+        return pa.table({"id": ids, "maybe": pa.array(ids.astype(np.int32), mask=ids % 5 == 0), "vec": vec,
+                         "flag": ids % 2 == 0, "name": [f"r{i}" for i in ids]})
+
+    table = fragments_of(path, [part(np.arange(p * 2000, (p + 1) * 2000, dtype=np.int64)) for p in range(3)])
     table.delete("id % 13 = 4")
     return table
 
