@@ -23,7 +23,7 @@ import zmq.utils.monitor
 from splitfeed.trainer_client import errors, messages, progress
 from splitfeed.trainer_client.messages import (
     Agreed, Reach, CommitAt, Complete, CommittedWorld, DrainAck, DrainRequest, Error, Freeze, Frozen, Join, Joined, Progress,
-    StatusRequest,
+    StatusRequest, WorldLost,
 )
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ OWN = 0
 """The replica whose sidecar runs the coordinator (docs/agreement.md), and dies with it."""
 
 IDLE, WAITING_FOR_MEMBERS, FREEZING, COMMITTED = "idle", "waiting-for-members", "freezing", "committed"
+LOST = "lost"
+"""Members' pods failed (a `drain_request` with `lost`): the world ended without a drain."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +162,41 @@ def settle_cut(step: int, watermark: Watermark, total_steps: int) -> tuple[int, 
     return total_steps, True
 
 
+def world_lost(lost: list[int], replicas: int, size: int) -> WorldLost:
+    """What ends a world of `size` replicas whose member replicas `lost` failed (the operator saw
+    their pods fail; docs/agreement.md, "A member lost in place"). No step can be agreed any more,
+    and the other trainers are failing in, or stuck on, their collectives: the world ends without
+    a drain, and the members not lost go on in place to a world of `replicas` replicas (`size`
+    for 0) from the newest complete checkpoint. Replica 0 cannot be lost: its sidecar is this
+    coordinator. ProtocolError for anything else."""
+    if not lost or any(not isinstance(r, int) or isinstance(r, bool) or not OWN < r < size for r in lost):
+        raise errors.ProtocolError(f"lost replicas {lost!r} are not members of this world other than "
+                                   f"replica {OWN} (1..{size - 1})")
+    found = WorldLost(replicas=replicas or size, lost=sorted(set(lost)))
+    log.warning("replicas %s are lost: the world ends now without a drain; the others go on in place with %d "
+                "replicas from the newest complete checkpoint", found.lost, found.replicas)
+    return found
+
+
+def recipients(members: dict[int, bytes], peer: bytes) -> list[bytes]:
+    """Whom an Out goes to, in order: EVERY is each joined member, the coordinator's own
+    (replica 0's, in the same process) last.
+
+    What replica 0's member is told, its ranks act on: a step `agreed` to exist is published
+    and taken, and that trainer then waits in the step's all-reduce for its peers. A SIGKILL
+    of replica 0's sidecar ends the coordinator with it, and the restarted one learns that
+    rank's reach only from its new reader, which starts at that trainer's next hello, after
+    the all-reduce: a step only replica 0's member was told exists (or is absent) deadlocks
+    the world. Handed to the other members first, it left before replica 0's member could
+    hear of it: ZeroMQ's I/O thread writes each frame in the order it was handed over, and
+    the coordinator thread may lose the GIL to replica 0's publishers between two sends.
+    """
+    if peer != EVERY:
+        return [peer]
+    own = members.get(OWN)
+    return [p for r, p in members.items() if r != OWN] + ([] if own is None else [own])
+
+
 class Coordinator:
     """Decides the world's drain step; knows the members and the last complete step."""
 
@@ -192,24 +229,11 @@ class Coordinator:
         """Each member's last `progress` (live status; docs/observability.md)."""
         self.next_replicas = 0
         """Replicas of the world that follows this one in place (0: it is replaced, or none)."""
+        self.lost: WorldLost | None = None  # members' pods failed: the world ended (on_lost)
 
     def recipients(self, peer: bytes) -> list[bytes]:
-        """Whom an Out goes to, in order: EVERY is each joined member, the coordinator's own
-        (replica 0's, in the same process) last.
-
-        What replica 0's member is told, its ranks act on: a step `agreed` to exist is published
-        and taken, and that trainer then waits in the step's all-reduce for its peers. A SIGKILL
-        of replica 0's sidecar ends the coordinator with it, and the restarted one learns that
-        rank's reach only from its new reader, which starts at that trainer's next hello, after
-        the all-reduce: a step only replica 0's member was told exists (or is absent) deadlocks
-        the world. Handed to the other members first, it left before replica 0's member could
-        hear of it: ZeroMQ's I/O thread writes each frame in the order it was handed over, and
-        the coordinator thread may lose the GIL to replica 0's publishers between two sends.
-        """
-        if peer != EVERY:
-            return [peer]
-        own = self.members.get(OWN)
-        return [p for r, p in self.members.items() if r != OWN] + ([] if own is None else [own])
+        """Whom an Out goes to, in order (module `recipients`: its own member last)."""
+        return recipients(self.members, peer)
 
     def on_join(self, peer: bytes, replica: int, drain_step: int = -1, drain_reason: str = "",
                 next_replicas: int = 0) -> list[Out]:
@@ -220,6 +244,8 @@ class Coordinator:
         if replica < 0:
             raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
         joined = Joined(resume_step=self.resume_step, table_version=self.table_version, replicas=self.replicas)
+        if self.lost is not None:  # the world is over: a member that (re)joins learns it at once
+            return [Out(peer, joined), Out(peer, self.lost)]
         if replica >= self.replicas:
             # A pod of the world before an in-place scale-down: told the size, it ends; not a member.
             return [Out(peer, joined)]
@@ -276,6 +302,12 @@ class Coordinator:
                 log.info("waiting for %d of %d members before freezing",
                          self.replicas - len(self.members), self.replicas)
         return out + [Out(peer, DrainAck(token=token, state=self.phase))]
+
+    def on_lost(self, peer: bytes, token: str, lost: list[int], replicas: int) -> list[Out]:
+        """Member pods failed: the world ends now (`world_lost`), every member told once."""
+        fresh, self.lost = self.lost is None, self.lost or world_lost(lost, replicas, self.replicas)
+        self.phase, self.next_replicas, self.candidate = LOST, self.lost.replicas, None
+        return [Out(EVERY, self.lost)] * fresh + [Out(peer, DrainAck(token=token, state=LOST))]
 
     def on_frozen(self, replica: int, round_: int, published: int) -> list[Out]:
         if self.phase != FREEZING or round_ != self.round:
@@ -408,6 +440,8 @@ class CoordinatorThread:
             case Join():
                 return c.on_join(peer, message.replica, message.drain_step, message.drain_reason,
                                  message.next_replicas)
+            case DrainRequest() if message.lost is not None:
+                return c.on_lost(peer, message.token, message.lost, message.replicas)
             case DrainRequest():
                 return c.on_request(peer, message.token, message.reason, message.not_before, message.replicas)
             case Frozen():

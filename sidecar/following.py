@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from splitfeed.trainer_client import messages
-from splitfeed.trainer_client.messages import CommitAt, Complete, Error, Freeze
+from splitfeed.trainer_client.messages import CommitAt, Complete, Error, Freeze, WorldLost
 
 from . import agreement
 from .lookahead import Assembled, WorldView
@@ -35,6 +35,8 @@ class Coordination:
         """The replicas of the world that follows this one in place (0: none follows)."""
         self.world_complete: int | None = None
         """The newest step every rank of the world has committed."""
+        self.lost: WorldLost | None = None
+        """Members' pods failed: the world ended without a drain (the serving loop stops)."""
 
     def request_drain(self, token: str, reason: str, replicas: int = 0) -> None:
         """Ask the world's coordinator for a drain (an annotation, SIGTERM, a trainer's SIGTERM);
@@ -58,6 +60,10 @@ class Coordination:
                                                      published=published))
                 case CommitAt():
                     self._commit_at(message, publishers)
+                case WorldLost():
+                    if self.lost is None:
+                        log.warning("replicas %s are lost: this world ends now", message.lost)
+                    self.lost = message
                 case Complete():
                     self.world_complete = max(self.world_complete or -1, message.step)
                 case messages.Agreed():

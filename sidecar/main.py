@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client import contract, errors, membership, specs
+from splitfeed.trainer_client import contract, errors, membership, messages, specs
 
 from . import (agreement, cgroups, checkpoints, ending, identity, metrics, planner, plans, positions, reading,
                serving, workers)
@@ -64,6 +64,9 @@ class SidecarSettings:
     master_addr: str = contract.LOOPBACK
     master_port: int = contract.MASTER_PORT
     """The trainers' rendezvous (MASTER_ADDR, MASTER_PORT): told to them again in a world changed in place."""
+    after_loss: bool = False
+    """This world follows in place one that lost member pods (no drain): trainers still in an
+    earlier world are stopped (membership.World.after_loss)."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SidecarSettings:
@@ -654,6 +657,8 @@ def serve_world(sidecar: Sidecar) -> tuple[int, contract.Report]:
                 reporter()
 
             server.run(tick=tick)
+            if server.world_lost is not None:  # before the next world: the trainers stop at once
+                tell_world(sidecar, membership.LOST)
             failure = next((f.session.failure for f in server.feeds if f.session.failure), None)
     except Exception as exc:  # a bug or a broken environment: still say why, in the report
         log.exception("the sidecar failed")
@@ -703,7 +708,7 @@ def write_world(settings: SidecarSettings, state: str, resume_step: int = 0) -> 
         membership.write(settings.socket_dir, membership.World(
             epoch=settings.world_epoch, state=state, rank=settings.rank, world_size=settings.world_size,
             replicas=replicas_of(settings), master_addr=settings.master_addr,
-            master_port=settings.master_port, resume_step=resume_step))
+            master_port=settings.master_port, resume_step=resume_step, after_loss=settings.after_loss))
     except OSError as exc:
         log.warning("cannot write the world file in %s: %s", settings.socket_dir, exc)
 
@@ -719,9 +724,13 @@ def next_world(sidecar: Sidecar, report: contract.Report, stopping: bool) -> Sid
 
     Replica 0 decides the next world's size: the newest count its coordinator was asked
     for, once every member committed the drain step (the next world loads that step). A
-    member learns the size when the next world's coordinator answers its `join`.
+    member learns the size when the next world's coordinator answers its `join`. A world
+    that lost member pods (`world_lost`) goes on at once with the size it was told, from the
+    newest complete checkpoint (`lost_world_next`).
     """
     server, settings = sidecar.server, sidecar.settings
+    if server.world_lost is not None:
+        return None if stopping else lost_world_next(settings, server.world_lost, sidecar.table_version)
     step = report["agreedStep"]
     if stopping or not report["drained"] or step is None or server.next_replicas <= 0 or step >= server.total_steps:
         return None
@@ -737,17 +746,39 @@ def next_world(sidecar: Sidecar, report: contract.Report, stopping: bool) -> Sid
             time.sleep(0.01)
         replicas = coordinator.next_replicas
     epoch = settings.world_epoch
+    log.info("world %d drained at global step %d; world %d follows in place%s", epoch, step, epoch + 1,
+             f" with {replicas} replicas" if replicas else "")
+    return dataclasses.replace(
+        _following(settings), resume_step=step, after_loss=False,
+        world_size=(replicas or replicas_of(settings)) * settings.local_world_size,
+        table_version=sidecar.table_version)
+
+
+def lost_world_next(settings: SidecarSettings, lost: messages.WorldLost,
+                    table_version: int | None) -> SidecarSettings | None:
+    """After members `lost.lost` failed: this pod's next world, or None for a lost member (a
+    pod the operator replaces). Same as a fresh world's start (SPLITFEED_RESUME=latest): its
+    coordinator picks the newest complete checkpoint once and tells every member."""
+    if replica_of(settings) in lost.lost:
+        log.info("this replica is among the lost ones (%s): it ends here", lost.lost)
+        return None
+    log.info("world %d lost replicas %s; world %d follows in place with %d replicas from the newest "
+             "complete checkpoint", settings.world_epoch, lost.lost, settings.world_epoch + 1, lost.replicas)
+    return dataclasses.replace(
+        _following(settings), resume_step=None, resume=contract.RESUME_LATEST, after_loss=True,
+        world_size=lost.replicas * settings.local_world_size, table_version=table_version)
+
+
+def _following(settings: SidecarSettings) -> SidecarSettings:
+    """`settings` moved to the next world's epoch and the other port of the pair (membership.next_port)."""
+    epoch = settings.world_epoch
     assert settings.coordinator is not None or replicas_of(settings) == 1
     address = settings.coordinator
     if address is not None:
         host, _, port = address.rpartition(":")
         address = f"{host}:{membership.next_port(int(port), epoch)}"
-    log.info("world %d drained at global step %d; world %d follows in place%s", epoch, step, epoch + 1,
-             f" with {replicas} replicas" if replicas else "")
-    return dataclasses.replace(
-        settings, world_epoch=epoch + 1, resume_step=step, coordinator=address,
-        world_size=(replicas or replicas_of(settings)) * settings.local_world_size,
-        table_version=sidecar.table_version, master_port=membership.next_port(settings.master_port, epoch))
+    return dataclasses.replace(settings, world_epoch=epoch + 1, coordinator=address,
+                               master_port=membership.next_port(settings.master_port, epoch))
 
 
 def carry(sidecar: Sidecar, report: contract.Report) -> Carried:

@@ -210,6 +210,11 @@ class Server:
         return self._coordination.next_replicas
 
     @property
+    def world_lost(self) -> messages.WorldLost | None:
+        """Members' pods failed and the world ended without a drain (docs/agreement.md)."""
+        return self._coordination.lost
+
+    @property
     def last_checkpoint(self) -> contract.LastCheckpoint | None:
         """The step, epoch, world size and time of this sidecar's last commit."""
         return self._answers.last_checkpoint
@@ -279,6 +284,8 @@ class Server:
             if self.member is not None:
                 if self.member.socket in events:
                     self._coordinate()
+                if self.world_lost is not None:
+                    break  # no step can be agreed: the world is over (its trainers' peers are gone)
                 self.member.heartbeat(time.monotonic())
             if tick is not None:
                 tick()

@@ -9,6 +9,13 @@ new pod would get), in the same container: no scheduling, no image pull, no new 
 It ends when its sidecar says no world follows (the job's end, a scale-down that left
 this pod out, a world that is replaced), with the script's own exit code on a failure.
 
+When another replica's pod fails (docs/agreement.md, "A member lost in place"), the script
+has either failed in a collective whose peer vanished or is stuck in one: the sidecar says
+the world is lost (`membership.LOST`), and the agent stops the script at once (SIGKILL:
+a SIGTERM would ask the next world to drain through the client's handler) or, if it has
+already failed, waits up to LOSS_WAIT_S for that word, and starts it again in the next world,
+which resumes from the newest complete checkpoint.
+
 torchrun's elastic agent restarts workers too, but it re-forms the world by its own
 rendezvous and has them resume from a checkpoint; here the sidecars have already agreed
 on the step and the world, and the agent only follows what its sidecar says.
@@ -39,6 +46,11 @@ WATCH_S = 0.05
 """How often the agent looks at the world file while the script runs."""
 SPARE_AFTER_S = 5.0
 """A script's start this long ago: the next world's interpreter may import beside it."""
+LOSS_WAIT_S = 60.0
+"""How long the agent waits, after its script failed while the sidecar still serves, for the
+sidecar to say the world lost a member pod (the script's collectives failed because a peer
+vanished) before it ends with the script's exit code. The operator acts once it sees the pod
+fail, up to its REPORT_GRACE_S (15 s) later for a pod whose sidecar still runs."""
 
 
 WARM = """
@@ -129,32 +141,65 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
     child[:] = [subprocess.Popen(list(argv), env=env)]
     local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") or 0)
     while True:
-        started = time.monotonic()
-        while child[0].poll() is None:
-            # Once the script is well past its own start (the spare's imports would slow its
-            # first steps), or once a change is announced, the next world's interpreter imports.
-            if not stopping and spare.wanted and (time.monotonic() - started > SPARE_AFTER_S
-                                                  or membership.changing(socket_dir)):
-                spare.prepare()
-            time.sleep(WATCH_S)
+        lost = _watch(child[0], socket_dir, local_rank, epoch, stopping, spare)
         code = child[0].returncode
         now = membership.read(socket_dir)
         if now is not None and now.state == membership.LEFT:
             return 0  # this pod is not in the world any more: its script had nothing to train
-        if code != 0 or stopping:
+        if code != 0 and not stopping and not lost:
+            lost = _peer_lost(socket_dir, _trained_in(socket_dir, local_rank, epoch), stopping)
+        if (code != 0 and not lost) or stopping:
             return code
-        trained = membership.trained(socket_dir, local_rank)  # the world the script trained in
-        epoch = epoch if trained is None else trained
+        epoch = _trained_in(socket_dir, local_rank, epoch)  # the world the script trained in
         try:
             world = membership.next_world(socket_dir, after=epoch, timeout_s=NEXT_WORLD_TIMEOUT_S)
         except TimeoutError as exc:
             raise errors.UserError(f"{exc}: is the splitfeed sidecar running in this pod?") from None
         if world is None:
             return 0
-        log.info("world %d: rank %d of %d; starting %s again", world.epoch, world.rank,
-                 world.world_size, argv[0])
+        log.info("world %d: rank %d of %d; starting %s again%s", world.epoch, world.rank,
+                 world.world_size, argv[0], " (its world before lost a pod)" if lost else "")
         env, epoch = membership.world_env(dict(os.environ), world), world.epoch
         child[:] = [spare.start(env)]
+
+
+def _trained_in(socket_dir: Path, local_rank: int, started_in: int) -> int:
+    """The world the script trains in: the one its client last said, else the one it was started in."""
+    trained = membership.trained(socket_dir, local_rank)
+    return started_in if trained is None else max(started_in, trained)
+
+
+def _watch(process: subprocess.Popen[bytes], socket_dir: Path, local_rank: int, epoch: int,
+           stopping: list[int], spare: Spare) -> bool:
+    """Wait for the script to end; True when it was stopped because its world lost a pod."""
+    started = time.monotonic()
+    while process.poll() is None:
+        if not stopping and membership.lost(socket_dir, _trained_in(socket_dir, local_rank, epoch)):
+            log.warning("the world lost a member pod: stopping %s (pid %d), whose peers are gone",
+                        process.args, process.pid)
+            process.kill()
+            process.wait()
+            return True
+        # Once the script is well past its own start (the spare's imports would slow its
+        # first steps), or once a change is announced, the next world's interpreter imports.
+        if not stopping and spare.wanted and (time.monotonic() - started > SPARE_AFTER_S
+                                              or membership.changing(socket_dir)):
+            spare.prepare()
+        time.sleep(WATCH_S)
+    return False
+
+
+def _peer_lost(socket_dir: Path, epoch: int, stopping: list[int]) -> bool:
+    """After the script failed: whether the sidecar says (within LOSS_WAIT_S, while it still
+    serves) that world `epoch` lost a member pod, which is then why the script failed."""
+    deadline = time.monotonic() + LOSS_WAIT_S
+    while not stopping:
+        if membership.lost(socket_dir, epoch):
+            return True
+        if not membership.serving(socket_dir) or time.monotonic() > deadline:
+            return False
+        time.sleep(WATCH_S)
+    return False
 
 
 def command(add_parser: Any, name: str) -> None:

@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from . import contract
+from . import contract, messages
 
 FILE = "world.json"
 
@@ -30,6 +30,9 @@ LEFT = "left"
 """This pod is not in the next world (an in-place scale-down): its trainer is done."""
 ENDED = "ended"
 """The sidecar ended (the job's end, a replaced world, a failure): no next world from it."""
+LOST = "lost"
+"""World `epoch` lost member pods and ended without a drain: its trainers stop at once (their
+peers are gone) and a next world follows in place from the newest complete checkpoint."""
 
 WORLD_PORT_STRIDE = 10
 """Consecutive worlds of an in-place job rendezvous on ports this far apart (MASTER_PORT,
@@ -66,6 +69,8 @@ class World:
     master_port: int
     resume_step: int = 0
     """The global step the world starts at (the drain step of the world before it)."""
+    after_loss: bool = False
+    """The world before this one lost member pods: a trainer still in an earlier world is stopped."""
 
     def env(self, local_rank: int = 0, local_world_size: int = 1) -> dict[str, str]:
         """What changes in a trainer's environment for this world (what a new pod would get);
@@ -169,6 +174,20 @@ def trained(directory: Path, local_rank: int) -> int | None:
         return int((Path(directory) / TRAINED.format(local_rank=local_rank)).read_text())
     except (OSError, ValueError):
         return None
+
+
+def lost(directory: Path, epoch: int) -> bool:
+    """World `epoch` (or a later one) lost member pods: a trainer of it must stop now. Its
+    peers are gone, so its collectives fail or never complete, and a world after it follows
+    in place from the newest complete checkpoint (docs/agreement.md, "A member lost in place")."""
+    world = read(directory)
+    return world is not None and ((world.state == LOST and world.epoch >= epoch)
+                                  or (world.epoch > epoch and world.after_loss))
+
+
+def serving(directory: Path) -> bool:
+    """A sidecar is bound in `directory` now (its socket exists): it can still say what comes next."""
+    return (Path(directory) / messages.SOCKET_NAME).exists()
 
 
 def changing(directory: Path) -> bool:

@@ -6,7 +6,7 @@ messages only say where and when. Three conversations use them:
     trainer -> sidecar (ipc, DEALER -> ROUTER):  Hello, Checkpoint, Commit, Drain, Wake, Bye
     sidecar -> trainer:                          Welcome, Ready, End, Checkpointed, Committed, Error
     member sidecar -> coordinator (tcp):         Join, Frozen, DrainRequest, CommittedWorld
-    coordinator -> member:                       Joined, Freeze, CommitAt, Complete, Error
+    coordinator -> member:                       Joined, Freeze, CommitAt, Complete, WorldLost, Error
     operator / `splitfeed local` -> coordinator: DrainRequest, answered by DrainAck
     member -> coordinator: Progress; operator -> coordinator: StatusRequest, answered by Status
 
@@ -283,12 +283,28 @@ class DrainRequest(Message):
     `not_before`: drain at this global step at the earliest (`splitfeed local --scale-at`
     asks ahead so the world drains exactly there); 0 drains as soon as the world can.
     `replicas` > 0: rescale in place to that many replicas (the pods that stay keep running);
-    0: the world ends at the drain and is replaced."""
+    0: the world ends at the drain and is replaced.
+    `lost` (the operator, spec.rescale inPlace): these member replicas' pods failed, so no
+    step can be agreed: the world ends at once, without a drain, and its other members go on
+    in place to a world of `replicas` replicas from the newest complete checkpoint, which the
+    next world's coordinator picks (`world_lost`). None: an ordinary drain."""
 
     token: str
     reason: str
     not_before: int = 0
     replicas: int = 0
+    lost: list[int] | None = None
+
+
+@_wire("world_lost")
+@dataclasses.dataclass(frozen=True)
+class WorldLost(Message):
+    """Coordinator -> every member: members `lost` are gone and the world ends now, without a
+    drain (a `drain_request` with `lost`). A member not in `lost` serves the next world in place,
+    `replicas` replicas, from the newest complete checkpoint; one in `lost` ends."""
+
+    replicas: int
+    lost: list[int]
 
 
 @_wire("drain_ack")

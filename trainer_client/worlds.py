@@ -24,17 +24,18 @@ log = logging.getLogger(__name__)
 
 def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
                   context: zmq.Context[Any] | None = None, not_before: int = 0,
-                  replicas: int = 0) -> str | None:
+                  replicas: int = 0, lost: list[int] | None = None) -> str | None:
     """Ask the coordinator at `address` (planning.coordinator_at) to drain; its `drain_ack` state, or None without an answer.
 
     A fresh DEALER per call with LINGER 0: nothing is left queued for a
     coordinator that is gone, and no socket outlives the call. The coordinator
     deduplicates by `token`, so sending again (every poll) is harmless.
     `not_before`: drain at that global step at the earliest; `replicas` > 0: then change the
-    world in place to that many replicas (messages.DrainRequest).
+    world in place to that many replicas (messages.DrainRequest); `lost`: these member replicas'
+    pods failed, end the world now without a drain and go on in place without them.
     """
     answer = _ask(address, messages.DrainRequest(token=token, reason=reason, not_before=not_before,
-                                                 replicas=replicas),
+                                                 replicas=replicas, lost=lost),
                   timeout_s, context)
     if answer is None:
         return None

@@ -1,0 +1,162 @@
+"""A member lost in place (issue 22 item 3): the coordinator ends the world without a drain,
+the sidecars' next world, the world file, and `splitfeed run` stopping and restarting its script."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from splitfeed.sidecar import agreement, main
+from splitfeed.trainer_client import contract, errors, membership, messages
+
+
+def coordinator(replicas: int = 3) -> agreement.Coordinator:
+    c = agreement.Coordinator(replicas=replicas, total_steps=100, resume_step=0)
+    for r in range(replicas):
+        c.on_join(f"p{r}".encode(), r)
+    return c
+
+
+def test_a_lost_member_ends_the_world_at_once_and_every_member_is_told_once():
+    c = coordinator()
+    out = c.on_lost(b"operator", "replace-w0-r2", [2], 3)
+    lost = messages.WorldLost(replicas=3, lost=[2])
+    assert out == [agreement.Out(agreement.EVERY, lost),
+                   agreement.Out(b"operator", messages.DrainAck(token="replace-w0-r2", state=agreement.LOST))]
+    assert c.recipients(agreement.EVERY) == [b"p1", b"p2", b"p0"]
+    again = c.on_lost(b"operator", "replace-w0-r2", [2], 3)  # the operator asks at every look
+    assert again == [agreement.Out(b"operator", messages.DrainAck(token="replace-w0-r2", state=agreement.LOST))]
+    # A member that (re)joins the ended world learns it; a drain asked afterwards starts nothing.
+    joined = c.on_join(b"p1-again", 1)
+    assert joined[1:] == [agreement.Out(b"p1-again", lost)]
+    assert c.on_request(b"p1", "preempt-x", "preempt") == [
+        agreement.Out(b"p1", messages.DrainAck(token="preempt-x", state=agreement.LOST))]
+    assert c.phase == agreement.LOST and c.next_replicas == 3
+
+
+def test_a_loss_ends_a_drain_round_too_and_zero_replicas_means_the_same_size():
+    c = coordinator()
+    c.on_request(b"op", "rescale-w0", "rescale", replicas=2)
+    assert c.phase == agreement.FREEZING
+    out = c.on_lost(b"op", "replace-w0-r1", [1], 0)
+    assert out[0].message == messages.WorldLost(replicas=3, lost=[1])
+    assert c.on_frozen(0, c.round, 5) == []  # the round is over
+    assert c.phase == agreement.LOST
+
+
+@pytest.mark.parametrize("lost", [[0], [3], [], [True], ["1"]])
+def test_replica_0_or_a_replica_outside_the_world_cannot_be_lost(lost):
+    with pytest.raises(errors.ProtocolError):
+        coordinator().on_lost(b"op", "t", lost, 3)
+
+
+def settings(replica: int, **kw: object) -> main.SidecarSettings:
+    return main.SidecarSettings(config=Path("c.json"), socket_dir=Path("s"), rank=replica, world_size=3,
+                                replica=replica, coordinator="tcp://job-r0.job:29501", world_epoch=4,
+                                master_port=29500, resume_step=12, **kw)  # type: ignore[arg-type]
+
+
+def test_the_others_go_on_to_the_next_world_from_the_newest_complete_checkpoint_and_the_lost_one_ends():
+    lost = messages.WorldLost(replicas=3, lost=[2])
+    nxt = main.lost_world_next(settings(1), lost, table_version=7)
+    assert nxt is not None
+    assert (nxt.world_epoch, nxt.world_size, nxt.coordinator, nxt.master_port) == (
+        5, 3, "tcp://job-r0.job:29511", 29510)  # the other port of the pair
+    assert (nxt.resume_step, nxt.resume, nxt.table_version, nxt.after_loss) == (
+        None, contract.RESUME_LATEST, 7, True)
+    assert main.lost_world_next(settings(2), lost, table_version=7) is None
+
+
+def world(epoch: int, state: str, *, after_loss: bool = False) -> membership.World:
+    return membership.World(epoch, state, 0, 3, 3, "h", 29500, after_loss=after_loss)
+
+
+@pytest.mark.parametrize("written,epoch,expected", [
+    (world(4, membership.SERVING), 4, False),
+    (world(4, membership.CHANGING), 4, False),
+    (world(4, membership.LOST), 4, True),
+    (world(5, membership.SERVING, after_loss=True), 4, True),  # the sidecar already moved on
+    (world(5, membership.SERVING), 4, False),  # a drain's next world: the script ends on its own
+    (world(5, membership.SERVING, after_loss=True), 5, False),  # the world it trains in
+    (world(3, membership.LOST), 4, False),
+])
+def test_a_trainer_stops_only_when_its_own_world_lost_a_pod(tmp_path, written, epoch, expected):
+    membership.write(tmp_path, written)
+    assert membership.lost(tmp_path, epoch) is expected
+
+
+SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+from splitfeed.trainer_client import membership
+d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
+epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
+with open(d / "runs.jsonl", "a") as f:
+    f.write(json.dumps({"epoch": epoch, "pid": os.getpid()}) + "\\n")
+membership.mark_trained(d, 0, epoch)
+if epoch == 1:
+    membership.write(d, membership.World(1, membership.ENDED, 0, 2, 2, "h", 29510))
+    sys.exit(0)
+if os.environ.get("HOW") == "fails":
+    sys.exit(1)  # gloo: "Connection closed by peer"
+time.sleep(600)  # stuck in an all-reduce whose peer is gone
+"""
+
+
+def lose_world_0(directory: Path, after_s: float) -> threading.Thread:
+    """What the sidecar does when its coordinator says `world_lost`: LOST, then the next world."""
+    def run() -> None:
+        time.sleep(after_s)
+        membership.write(directory, membership.World(0, membership.LOST, 0, 2, 2, "h", 29500))
+        time.sleep(0.3)
+        membership.write(directory, membership.World(1, membership.SERVING, 0, 2, 2, "h", 29510, after_loss=True))
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("how", ["stuck", "fails"])
+def test_the_agent_starts_the_script_again_in_the_next_world_when_its_world_lost_a_pod(tmp_path, how):
+    membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
+    (tmp_path / messages.SOCKET_NAME).touch()  # a sidecar serves: it can still say what comes next
+    sidecar = lose_world_0(tmp_path, 1.5)
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
+        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
+             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how},
+        capture_output=True, text=True, timeout=60)
+    sidecar.join()
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert done.returncode == 0, done.stderr
+    assert [r["epoch"] for r in runs] == [0, 1], (runs, done.stderr)
+    assert time.monotonic() - began < 30  # a stuck script is stopped, not waited for
+    if how == "stuck":
+        assert "stopping" in done.stderr
+
+
+def test_a_script_that_fails_without_a_serving_sidecar_ends_the_agent_at_once(tmp_path):
+    membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
+    done = subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
+        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
+             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": "fails"},
+        capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+
+
+def test_the_world_file_says_after_loss_and_an_older_file_without_it_reads_as_false(tmp_path):
+    membership.write(tmp_path, world(5, membership.SERVING, after_loss=True))
+    assert membership.read(tmp_path) == world(5, membership.SERVING, after_loss=True)
+    fields = dataclasses.asdict(world(5, membership.SERVING))
+    del fields["after_loss"]
+    (tmp_path / membership.FILE).write_text(json.dumps(fields))
+    assert membership.read(tmp_path) == world(5, membership.SERVING)
