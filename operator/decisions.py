@@ -62,6 +62,9 @@ class Decision:
     coordinator (worlds.request_drain), after the annotations; best effort, it may be lost."""
     notify_replicas: int = 0
     """With `notify`: > 0 asks the world to change in place to that many replicas."""
+    notify_lost: tuple[int, ...] = ()
+    """With `notify`: these member replicas' pods failed; the world ends without a drain and the
+    others go on in place (messages.DrainRequest.lost, operator/inplace.py)."""
     label: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """Pod name -> labels to set (a kept pod moved to the next world in place); after annotate."""
 

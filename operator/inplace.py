@@ -209,3 +209,137 @@ def _abandon(c: Ctx, drain: views.Drain, why: str) -> Decision:
     c.events.append(Event("Warning", "InPlaceFailed", msg))
     every = [p.name for p in c.world + c.ahead if not p.deleting]
     return c.decision(REMOVING_OLD_WORLD, delete=every, requeue_s=POLL_S / 2)
+
+
+# -- a member's pod failed: replace it alone (issue 22 item 3) -------------------------------------
+
+REPLACE = "Replace"
+"""status.drain.reason while a failed member's pod is replaced in place."""
+REPLACING_POD = "ReplacingPod"
+"""status.drain.step (and the Rescaling reason) meanwhile."""
+
+
+def replacing(drain: views.Drain) -> bool:
+    """status.drain is a failed member's pod being replaced in place (`replace_failed`)."""
+    return drain.in_place and drain.reason == REPLACE and drain.step == REPLACING_POD
+
+
+def replace_failed(c: Ctx, failed: list[views.Pod], lost: list[str]) -> Decision | None:
+    """Member pods (replica >= 1) of a world that runs in place failed or vanished: replace them
+    alone; None where the whole world is replaced instead (`recreate`, or replica 0's pod, whose
+    sidecar is the world's coordinator, among them). The failure is judged as a whole world's
+    (restarting.judge: a data error fails the job, a disruption is not counted, the budget), but
+    not delayed by the restart back-off: the other pods wait for it.
+
+    Status first (status.drain: reason Replace, the replicas in its token; status.restarts), then
+    the failed pods are deleted (stable names: the new pod can only be created once the old one
+    is gone) and the world's coordinator is told (`drain_request` with `lost`): world e ends
+    without a drain, and its other pods go on in place to world e+1 from the newest complete
+    checkpoint; `replace_step` creates the new pods and follows world e+1's coordinator.
+    """
+    gone = _member_replicas(c, failed, lost) if c.job.in_place else None
+    if gone is None:
+        return None
+    c.patch["resumeStep"] = None  # no agreed step: world e+1's coordinator picks the newest complete one
+    verdict = restarting.judge(c, failed, lost)
+    if verdict.stop is not None:
+        return verdict.stop
+    epoch = c.world_epoch
+    if verdict.disruption is None:
+        c.patch["restarts"] = c.found.restarts + 1
+        counted = f"restart {c.restarts_used()} of {c.job.max_restarts}"
+    else:
+        counted = f"disrupted by the cluster ({verdict.disruption}), not counted: {c.budget()}"
+    names = ", ".join(planning.pod_name_of(c.job, epoch, r) for r in gone)
+    msg = (f"{verdict.why}; replacing {names} alone: the other pods of world {epoch} go on in place in "
+           f"world {epoch + 1} from the newest complete checkpoint ({counted})")
+    c.events.append(Event("Warning", "PodReplacedInPlace", msg))
+    drain = views.Drain(reason=REPLACE, step=REPLACING_POD, token=_replace_token(epoch, gone), requested_at=c.now,
+                        target_replicas=c.found.replicas, in_place=True)
+    return _replacing(c, drain, gone, msg)
+
+
+def replace_step(c: Ctx, drain: views.Drain) -> Decision:
+    """One look while failed members' pods are replaced in place: done once world e+1's
+    coordinator serves and every new pod exists; a further failure, or no world e+1 within
+    checkpoint.timeoutSeconds after the new pods' time to start, replaces the whole world."""
+    epoch = c.world_epoch
+    gone = _replaced_replicas(drain.token, c.found.replicas)
+    requested = rescaling.requested_at(c, drain)
+    drain = dataclasses.replace(drain, requested_at=requested)
+    fresh = [p for p in c.ahead if p.replica in gone]
+    answer = c.next_world
+    if answer is not None and answer.world_epoch == epoch + 1 and len(fresh) == len(gone):
+        return _replaced(c, answer, gone)
+    present = {p.name for p in c.world}
+    failed = [p for p in c.world if p.failed and p.replica not in gone] + [p for p in c.ahead if p.failed]
+    lost = [n for r in range(c.found.replicas)
+            if r not in gone and (n := planning.pod_name_of(c.job, epoch, r)) not in present]
+    if failed or lost:  # another pod: the world is restarted as a whole (the new pods go with it)
+        return restarting.world_failed(c, failed, lost)
+    deadline = requested + datetime.timedelta(seconds=c.job.checkpoint.timeout_seconds + READY_WAIT_S)
+    if c.now >= deadline:
+        return _abandon(c, drain, f"world {epoch + 1} did not start in place by {conditions.timestamp(deadline)} "
+                                  f"after pods of world {epoch} failed")
+    return _replacing(c, drain, gone, None)
+
+
+def _replacing(c: Ctx, drain: views.Drain, gone: list[int], msg: str | None) -> Decision:
+    """Delete the failed pods, create their successors once they are gone, and tell world e's
+    coordinator (again: it may have missed it; it deduplicates by token)."""
+    epoch = c.world_epoch
+    job = dataclasses.replace(c.job, replicas=c.found.replicas)
+    present = {p.name for p in c.pods}
+    create = [planning.pod(job, epoch + 1, r, c.owner, c.settings, None, c.table_version) for r in gone
+              if planning.pod_name_of(job, epoch + 1, r) not in present] if c.creation_wait() <= 0 else []
+    delete = [p.name for p in c.world if p.replica in gone and not p.deleting]
+    c.patch.update(phase=RESCALING, drain=drain.patch())
+    msg = msg or (f"replacing the pods of replicas {gone} of world {epoch} alone; world {epoch + 1} follows in "
+                  f"place from the newest complete checkpoint")
+    c.cond(conditions.RESCALING, True, REPLACING_POD, msg)
+    c.cond(conditions.READY, False, REPLACING_POD, msg)
+    return c.decision(REPLACING_POD, create=create, delete=delete, notify=rescaling.notify(c, drain.token, REPLACE),
+                      notify_replicas=c.found.replicas, notify_lost=tuple(gone), requeue_s=LOOK_S)
+
+
+def _replaced(c: Ctx, answer: messages.Status, gone: list[int]) -> Decision:
+    """World e+1's coordinator serves and the new pods exist: say so, move the kept pods on."""
+    old, new = c.world_epoch, c.world_epoch + 1
+    job = dataclasses.replace(c.job, replicas=c.found.replicas)
+    kept = [p for p in c.world if p.replica not in gone and not p.deleting]
+    c.patch.update(phase=RUNNING, drain=None, worldEpoch=new, resumeStep=None)
+    msg = (f"world {new} goes on in place from global step {answer.resume_step} (the newest complete "
+           f"checkpoint) with {len(kept)} pods of world {old} kept and replicas {gone} replaced")
+    c.cond(conditions.RESCALING, False, "PodReplacedInPlace", msg)
+    c.cond(conditions.READY, True, "AllPodsRunning", f"world {new} runs in place")
+    c.events.append(Event("Normal", "WorldResumedInPlace", msg))
+    present = {p.name for p in c.pods}
+    objects = planning.world(job, new, c.owner, c.settings, None, c.table_version)
+    create = [o for o in objects if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
+    return c.decision(RUNNING, create=create, label={p.name: {contract.LABEL_EPOCH: str(new)} for p in kept})
+
+
+def _member_replicas(c: Ctx, failed: list[views.Pod], lost: list[str]) -> list[int] | None:
+    """The replicas of `failed` and `lost` when all are members (>= 1) and replica 0's pod runs
+    on; None otherwise (the whole world is replaced)."""
+    epoch = c.world_epoch
+    by_name = {planning.pod_name_of(c.job, epoch, r): r for r in range(c.found.replicas)}
+    replicas = [p.replica for p in failed] + [by_name.get(n) for n in lost]
+    first = next((p for p in c.world if p.name == planning.pod_name_of(c.job, epoch, 0)), None)
+    if (first is None or first.failed or first.deleting or first.phase != RUNNING
+            or any(r is None or r < 1 or r >= c.found.replicas for r in replicas)):
+        return None
+    return sorted({r for r in replicas if r is not None})
+
+
+def _replace_token(epoch: int, replicas: list[int]) -> str:
+    """`replace-w3-r1.2`: the drain token names the replicas being replaced (status.drain has no
+    other field for them)."""
+    return f"{token(REPLACE, epoch)}-r{'.'.join(str(r) for r in replicas)}"
+
+
+def _replaced_replicas(drain_token: str, replicas: int) -> list[int]:
+    """The replicas `_replace_token` named (those of this world; none from a damaged token)."""
+    _, sep, named = drain_token.rpartition("-r")
+    found = {int(r) for r in named.split(".") if r.isdigit()} if sep else set()
+    return sorted(r for r in found if 1 <= r < replicas)

@@ -69,6 +69,8 @@ def decide(
         return c.decision("Finished", delete=[p.name for p in c.world if not p.stopped and not p.deleting])
     problem = _validate(c)
     drain = rescaling.drain_of(c)
+    if drain is not None and inplace.replacing(drain):  # a failed member's pod, replaced alone
+        return inplace.replace_step(c, drain)
     if drain is not None and inplace.changing(drain):
         return inplace.step(c, drain, problem)
     if drain is not None:
@@ -126,7 +128,8 @@ def _running_step(c: Ctx, problem: admission.Rejected | None) -> Decision:
     # A world that drains itself loses pods on purpose: an evicted pod is removed once it stops.
     lost = sorted(expected - present) if started and not drained else []
     if failed or lost:
-        return endings.returned_then_failed(c, failed, lost) or restarting.world_failed(c, failed, lost)
+        return (endings.returned_then_failed(c, failed, lost) or inplace.replace_failed(c, failed, lost)
+                or restarting.world_failed(c, failed, lost))
     if drained:
         return rescaling.world_drained(c, drained, sorted(expected))
     ended = endings.world_ended(c)  # trainers that returned: an early stop, or a rank without its peers

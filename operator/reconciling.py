@@ -197,7 +197,8 @@ async def _apply(ctx: Context, job: views.Job, d: lifecycle.Decision, uids: dict
         await ctx.kube.label_pod(namespace, pod, labels)
     if d.notify is not None:
         # Blocks up to a second on a socket: a worker thread, so Kopf's loop runs on.
-        state = await asyncio.to_thread(worlds.request_drain, *d.notify, replicas=d.notify_replicas)
+        state = await asyncio.to_thread(worlds.request_drain, *d.notify, replicas=d.notify_replicas,
+                                        lost=list(d.notify_lost) or None)
         log.log(logging.INFO if state else logging.DEBUG, "%s/%s: drain request to %s: %s", namespace, name,
                 d.notify[0], f"acknowledged ({state})" if state else "no answer (the annotation still asks)")
     for pod in d.delete:

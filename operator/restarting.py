@@ -83,35 +83,60 @@ def count_container_restarts(c: Ctx) -> Decision | None:
     return fail(c, "RestartLimitExceeded", msg)
 
 
-def world_failed(c: Ctx, failed: list[views.Pod], lost: list[str]) -> Decision:
-    """A lost rank stops every rank: restart the whole world, within spec.maxRestarts."""
-    epoch, restarts = c.world_epoch, c.found.restarts
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a failure of pods means before anything is replaced (`judge`)."""
+
+    why: str
+    """The failed and vanished pods, said once."""
+    stop: Decision | None = None
+    """The job fails (a data error, the budget spent), or waits for a sidecar's report."""
+    disruption: str | None = None
+    """The cluster disrupted the world (who and why): replaced without counting."""
+
+
+def judge(c: Ctx, failed: list[views.Pod], lost: list[str]) -> Verdict:
+    """The rules every failure goes through, whatever is then replaced (the whole world here, a
+    member's pod alone in place: operator/inplace.py): a data error fails the job, a failed
+    trainer waits for its sidecar's report, a disruption is not counted, a spent budget fails it."""
     why = "; ".join(
         [f"pod {p.name} failed" + (f" ({err})" if (err := conditions.sidecar_error(p.reports)) else "")
          for p in failed] + [f"pod {n} disappeared" for n in lost]
     )
-    c.patch["resumeStep"] = None  # no agreed step: the next world's coordinator picks the newest complete one
     data_error = next(((p.name, err) for p in failed
                        if (err := conditions.sidecar_error(p.reports, permanent_only=True))), None)
     if data_error is not None:
         msg = (f"pod {data_error[0]} failed: {data_error[1]}; the data cannot feed this job, "
                "so restarting the world cannot help")
-        return fail(c, "DataError", msg)
+        return Verdict(why, stop=fail(c, "DataError", msg))
     if not lost and any(p.report_pending(c.now, REPORT_GRACE_S) for p in failed):
         c.cond(conditions.READY, False, "AwaitingSidecarReport",
                f"{why}; waiting up to {REPORT_GRACE_S:g}s for the sidecar's report before restarting")
-        return c.decision("AwaitingSidecarReport", requeue_s=1.0)
+        return Verdict(why, stop=c.decision("AwaitingSidecarReport", requeue_s=1.0))
     disruption = views.Disruption.parse(c.value("lastDisruption")) or views.Disruption()  # as this decision leaves it
-    if any(p.disruption is not None for p in failed) or disruption.world_epoch == epoch:
+    if any(p.disruption is not None for p in failed) or disruption.world_epoch == c.world_epoch:
         # Preempted, evicted or shut down by the cluster (DisruptionTarget): not the job's fault,
         # and one lost rank takes its peers down with it, so the whole failure is the disruption's.
-        by = next((f"{p.name}: {(p.disruption or {}).get('reason') or 'DisruptionTarget'}"
-                   for p in failed if p.disruption is not None),
-                  f"{disruption.pod}: {disruption.reason}")
-        return replace_world(c, "Disrupted", f"{why}; world {epoch} disrupted by the cluster ({by}); "
-                             f"restarting the world without counting it ({c.budget()})", "Warning")
+        return Verdict(why, disruption=next((f"{p.name}: {(p.disruption or {}).get('reason') or 'DisruptionTarget'}"
+                                             for p in failed if p.disruption is not None),
+                                            f"{disruption.pod}: {disruption.reason}"))
     if c.restarts_used() >= c.job.max_restarts:
-        return fail(c, "RestartLimitExceeded", f"{why}; restart budget spent ({c.budget()}, spec.maxRestarts)")
+        return Verdict(why, stop=fail(c, "RestartLimitExceeded",
+                                      f"{why}; restart budget spent ({c.budget()}, spec.maxRestarts)"))
+    return Verdict(why)
+
+
+def world_failed(c: Ctx, failed: list[views.Pod], lost: list[str]) -> Decision:
+    """A lost rank stops every rank: restart the whole world, within spec.maxRestarts."""
+    epoch, restarts = c.world_epoch, c.found.restarts
+    c.patch["resumeStep"] = None  # no agreed step: the next world's coordinator picks the newest complete one
+    verdict = judge(c, failed, lost)
+    why = verdict.why
+    if verdict.stop is not None:
+        return verdict.stop
+    if verdict.disruption is not None:
+        return replace_world(c, "Disrupted", f"{why}; world {epoch} disrupted by the cluster ({verdict.disruption}); "
+                             f"restarting the world without counting it ({c.budget()})", "Warning")
     c.patch["restarts"] = restarts + 1
     delay = c.settings.backoff_s(restarts + 1)
     at = c.now + datetime.timedelta(seconds=delay)
