@@ -1,18 +1,22 @@
 """The bench's trainer: when its first batch came, then steady rows/s, then it returns.
 
-    python -m tests.bench.first_batch OUT STEPS
+    python -m tests.bench.first_batch OUT STEPS [lockstep]
 
 Writes {"first_batch_at": time.time(), "rows_per_s": ..., "rank": ..., and the p99 of its
 waits for a batch at an epoch's first step and at the others} to OUT.RANK.json.
 It returns after STEPS batches without waiting for the epoch's end, as a max_steps loop
-does (`splitfeed local` ends such a run cleanly).
+does (`splitfeed local` ends such a run cleanly). With `lockstep` the ranks all-reduce a
+scalar after each batch over gloo, as DDP's gradient all-reduce holds a real world's ranks
+within the prefetch of one another (the wait for it is not a wait for data).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import time
+from collections.abc import Callable
 
 from splitfeed.trainer_client.client import StreamClient
 
@@ -25,9 +29,24 @@ def p99(values: list[float]) -> float | None:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+def _all_reduce(client: StreamClient) -> Callable[[], None]:
+    """The world's gloo group, and a step's all-reduce of one scalar over it."""
+    import torch
+    import torch.distributed as dist
+
+    from splitfeed.trainer_client import membership
+
+    membership.init_process_group(client.world, "gloo")
+    atexit.register(dist.destroy_process_group)  # a live gloo group aborts the interpreter's exit
+    one = torch.zeros(1)
+    return lambda: dist.all_reduce(one)
+
+
 def main() -> int:
     out, steps = sys.argv[1], int(sys.argv[2])
+    lockstep = sys.argv[3:] == ["lockstep"]
     with StreamClient(timeout_s=900, as_tensors=False) as client:
+        step_done = _all_reduce(client) if lockstep else (lambda: None)
         batches = iter(client)
         next(batches)
         first = time.time()
@@ -38,6 +57,7 @@ def main() -> int:
             waits["epoch_start" if batch.step == 0 else "steady"].append(time.perf_counter() - asked)
             rows += len(batch["id"])
             taken += 1
+            step_done()
             if taken == steps:
                 break
             asked = time.perf_counter()

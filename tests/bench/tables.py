@@ -81,7 +81,7 @@ READ_BATCH = [1024]
 NARROW_BATCH = 4800
 
 
-def run_local(work: Path, spec: dict, steps: int) -> dict:
+def run_local(work: Path, spec: dict, steps: int, *, lockstep: bool = False) -> dict:
     """One `splitfeed local` run: seconds to the later rank's first batch, rows/s, sidecar RSS."""
     if spec["spec"]["data"]["columns"] is None:
         del spec["spec"]["data"]["columns"]
@@ -93,7 +93,7 @@ def run_local(work: Path, spec: dict, steps: int) -> dict:
     launched = time.time()
     done = subprocess.run([sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", str(path),
                            "--quiet", "--", sys.executable, "-m", "tests.bench.first_batch", str(out),
-                           str(steps)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                           str(steps), *(["lockstep"] if lockstep else [])], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"splitfeed local failed:\n{done.stderr[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(work.glob("first.*.json"))]
@@ -115,20 +115,37 @@ EPOCH_ROWS, EPOCH_BATCH, EPOCHS = 1_000_000, 48_000, 12
 """The epoch-start case: 20 steps an epoch, so a run crosses 11 epoch starts."""
 
 
-def bench_epoch_starts() -> dict:
+EPOCH_RUNS = 3
+"""Runs of the epoch-start case, each way: the figure is the worst and the best of them."""
+
+
+def bench_epoch_starts(runs: int = EPOCH_RUNS) -> dict:
     """Data-ready p99 at the first step of each epoch against the other steps (issue 19
-    goal 4: <= 2x): the next epoch's plan is built while the current one is read."""
+    goal 4: <= 2x): the next epochs' plans are built while the current one is read.
+
+    Judged with trainers in lockstep (an all-reduce a step, as DDP's): a world's ranks stay
+    within their prefetch of one another, and replica 0's builder follows its own ranks.
+    Free-running trainers, each as fast as its own sidecar, are shown beside: one runs
+    epochs ahead of the builder's and waits for plans not yet asked for."""
     work = Path(tempfile.mkdtemp(prefix="sf-bench-epochs-"))
     try:
         uri = str(work / "db")
         write_table(uri, EPOCH_ROWS)
-        spec = job(uri, str(work / "ckpt"), EPOCH_BATCH)
-        spec["spec"]["data"]["epochs"] = EPOCHS
-        got = run_local(work, spec, EPOCHS * 20 - 2)
-        ratio = (got["epoch_start_p99_s"] or 0) / max(1e-9, got["steady_p99_s"] or 0)
-        print(f"  epoch starts: data-ready p99 {got['epoch_start_p99_s']} s at an epoch's first step, "
-              f"{got['steady_p99_s']} s at the others ({ratio:.1f} x)", flush=True)
-        return {**got, "ratio": round(ratio, 2)}
+        result: dict = {}
+        for kind in ("lockstep", "free"):
+            ratios = []
+            for _ in range(runs):
+                shutil.rmtree(work / "ckpt", ignore_errors=True)  # cold: no stored plan
+                spec = job(uri, str(work / "ckpt"), EPOCH_BATCH)
+                spec["spec"]["data"]["epochs"] = EPOCHS
+                got = run_local(work, spec, EPOCHS * 20 - 2, lockstep=kind == "lockstep")
+                ratio = (got["epoch_start_p99_s"] or 0) / max(1e-9, got["steady_p99_s"] or 0)
+                ratios.append(round(ratio, 2))
+                print(f"  epoch starts ({kind}): data-ready p99 {got['epoch_start_p99_s']} s at an "
+                      f"epoch's first step, {got['steady_p99_s']} s at the others ({ratio:.1f} x)",
+                      flush=True)
+            result[kind] = {"ratios": ratios, "worst": max(ratios), "best": min(ratios)}
+        return {**result, "ratio": result["lockstep"]["worst"]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -233,8 +250,10 @@ def verdicts(results: dict) -> list[str]:
                      f"{'met' if rss <= t['rss_goal_mib'] else 'MISSED'}")
     starts = results.get("epoch_starts")
     if starts:
-        lines.append(f"epoch-start data-ready p99 = {starts['ratio']} x the steady p99 <= 2: "
-                     f"{'met' if starts['ratio'] <= 2 else 'MISSED'}")
+        ratios, free = starts["lockstep"]["ratios"], starts["free"]["ratios"]
+        lines.append(f"epoch-start data-ready p99 / steady p99, lockstep trainers, worst of {len(ratios)} "
+                     f"{max(ratios)} (best {min(ratios)}) <= 2: {'met' if max(ratios) <= 2 else 'MISSED'}"
+                     f" (free-running trainers: {min(free)}-{max(free)})")
     if 1_000_000 in by_rows and 50_000_000 in by_rows:
         kind = "steady" if all("steady" in by_rows[r] for r in (1_000_000, 50_000_000)) else "warm"
         ratio = by_rows[50_000_000][kind]["rows_per_s"] / by_rows[1_000_000][kind]["rows_per_s"]

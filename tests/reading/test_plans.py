@@ -57,6 +57,27 @@ def test_each_split_of_a_plan_is_lancedbs_split_row_for_row(
         assert ids_of(got) == expected, f"split {split}"
 
 
+def test_a_plan_exported_in_batches_that_cut_splits_keeps_every_splits_rows_and_crc(
+        db_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lancedb's export batches need not end where a split does: each split's CRC is folded
+    over the pieces of it that each batch holds (a wrong fold fails the readers' CRC check)."""
+    monkeypatch.setattr(plans, "EXPORT_BATCH_ROWS", 37)
+    table, data = pinned(db_uri)
+    location = plans.location_for(data, str(tmp_path))
+    ids = plan_ids(table, data, 0, location)
+    for split in range(data.num_splits):
+        expected = [r["id"] for r in reference_rows(data, epoch=0, rank=split, world_size=data.num_splits)]
+        assert ids_of(takes.take_rows(table, ids[split], ["id"])) == expected, f"split {split}"
+
+
+def test_a_reader_learns_of_a_plan_at_most_a_tenth_of_its_wait_late() -> None:
+    """The look after a wait of w comes within max(first, w / 10), and never more than 1 s on;
+    the first look again is 5 ms on a local filesystem, 50 ms on an object store."""
+    for local, first in ((True, 0.005), (False, 0.05)):
+        for waited in (0.0, 0.004, 0.06, 0.15, 2.0, 9.0, 600.0):
+            assert 0 < plans.next_poll_s(waited, local) <= min(1.0, max(first, waited / 10)) + 1e-12
+
+
 def test_a_rank_loads_only_its_splits_and_they_are_the_plans_rows(db_uri: str, tmp_path: Path) -> None:
     table, data = pinned(db_uri)
     location = plans.location_for(data, str(tmp_path))
