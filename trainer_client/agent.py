@@ -147,7 +147,8 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
         if now is not None and now.state == membership.LEFT:
             return 0  # this pod is not in the world any more: its script had nothing to train
         if code != 0 and not stopping and not lost:
-            lost = _peer_lost(socket_dir, _trained_in(socket_dir, local_rank, epoch), stopping)
+            lost = membership.wait_lost(socket_dir, _trained_in(socket_dir, local_rank, epoch), LOSS_WAIT_S,
+                                        stop=lambda: bool(stopping), poll_s=WATCH_S)
         if (code != 0 and not lost) or stopping:
             return code
         epoch = _trained_in(socket_dir, local_rank, epoch)  # the world the script trained in
@@ -185,19 +186,6 @@ def _watch(process: subprocess.Popen[bytes], socket_dir: Path, local_rank: int, 
         if not stopping and spare.wanted and (time.monotonic() - started > SPARE_AFTER_S
                                               or membership.changing(socket_dir)):
             spare.prepare()
-        time.sleep(WATCH_S)
-    return False
-
-
-def _peer_lost(socket_dir: Path, epoch: int, stopping: list[int]) -> bool:
-    """After the script failed: whether the sidecar says (within LOSS_WAIT_S, while it still
-    serves) that world `epoch` lost a member pod, which is then why the script failed."""
-    deadline = time.monotonic() + LOSS_WAIT_S
-    while not stopping:
-        if membership.lost(socket_dir, epoch):
-            return True
-        if not membership.serving(socket_dir) or time.monotonic() > deadline:
-            return False
         time.sleep(WATCH_S)
     return False
 

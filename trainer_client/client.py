@@ -283,7 +283,7 @@ class StreamClient:
         what `membership.init_process_group` makes the process group of."""
         return self._session.world()
 
-    def rejoin(self, timeout_s: float = 300.0) -> membership.World | None:
+    def rejoin(self, timeout_s: float = 300.0, *, failed: bool = False) -> membership.World | None:
         """After this rank drained: the world it trains in next, or None to stop.
 
         The in-place way to follow an in-place rescale (docs/agreement.md, "Changing the
@@ -294,8 +294,15 @@ class StreamClient:
         process group again for the returned world and wraps its model anew (README,
         "Rescaling in place"). None when no world follows for this rank: the job ended, a
         scale-down left this pod out, or the world is replaced by new pods.
+
+        `failed`: the loop raised instead (a collective whose peer's pod is gone; docs/agreement.md,
+        "A member lost in place"). Waits up to `timeout_s` for the sidecar to say the world lost
+        a pod (None if it does not: the failure is the trainer's own); the next world starts at
+        `resume_step`, the newest complete checkpoint: load the model saved for it.
         """
-        if not self.drained:
+        if failed and not membership.wait_lost(self._dir, self.world_epoch, timeout_s):
+            return None
+        if not failed and not self.drained:
             return None
         world = self._session.move_on(timeout_s)
         if world is None:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import contract, messages
@@ -183,6 +184,22 @@ def lost(directory: Path, epoch: int) -> bool:
     world = read(directory)
     return world is not None and ((world.state == LOST and world.epoch >= epoch)
                                   or (world.epoch > epoch and world.after_loss))
+
+
+def wait_lost(directory: Path, epoch: int, timeout_s: float, stop: Callable[[], bool] = lambda: False,
+              poll_s: float = 0.05) -> bool:
+    """After a trainer of world `epoch` failed: whether its sidecar says, within `timeout_s` and
+    while it still serves, that the world lost a member pod (`lost`), which is then why it failed.
+    The operator replaces such a pod once it sees it fail, up to 15 s later for a pod whose
+    sidecar still runs (operator/restarting.py: REPORT_GRACE_S)."""
+    deadline = time.monotonic() + timeout_s
+    while not stop():
+        if lost(directory, epoch):
+            return True
+        if not serving(directory) or time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return False
 
 
 def serving(directory: Path) -> bool:

@@ -20,6 +20,10 @@ gradient all-reduce every step, and the README's loop exactly:
             if client.drained: break
     client.close()
 
+With `--in-place`, a collective that raises (a peer's pod failed) is caught and the process
+rejoins the next world (`client.rejoin(failed=True)`, README "Rescaling in place"), which
+starts at the newest complete checkpoint: the model saved for it is loaded as at any start.
+
 Most training scripts also stop at a `max_steps` (issue 21): `--stop-after N` returns after
 global step N - 1 (only rank R with `--stop-rank R`: the others go on into an all-reduce that
 rank R never joins, where gloo raises at once; `--peers-wait` makes them wait instead, as
@@ -122,12 +126,19 @@ def main() -> int:
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES))
     while True:
-        code = train_world(client, module, args, models, startup)
+        try:
+            code, failure = train_world(client, module, args, models, startup), None
+        except RuntimeError as exc:  # gloo: a peer's connection closed (its pod is gone)
+            if not args.in_place:
+                raise
+            code, failure = 0, exc
         if code != 0 or not args.in_place:
             break
         began = time.time()
-        world = client.rejoin(timeout_s=args.timeout_s)  # the README's in-place loop
+        world = client.rejoin(timeout_s=args.timeout_s, failed=failure is not None)  # the README's in-place loop
         if world is None:
+            if failure is not None:
+                raise failure  # not a lost peer: this trainer's own failure
             break
         dist.destroy_process_group()
         joined = time.time()

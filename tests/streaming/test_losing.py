@@ -1,9 +1,11 @@
 """A member lost in place (issue 22 item 3), without an operator: the test does what the operator
-does. Three `splitfeed sidecar` processes and three real DDP trainers (gloo) under `splitfeed run`;
-replica 2's sidecar and trainer are killed mid-world; world 0's coordinator is told (`drain_request`
-with `lost`); a new sidecar and trainer for replica 2 start in world 1. The other two sidecars and
-agents are never restarted: they go on in world 1 from the newest complete checkpoint, and the
-trainers' batches are exact against lancedb's StreamingDataset for each world."""
+does. Three `splitfeed sidecar` processes and three real DDP trainers (gloo), under `splitfeed run`
+or following the world in their own process (catching the collective's failure and calling
+`client.rejoin(failed=True)`); replica 2's sidecar and trainer are killed mid-world; world 0's
+coordinator is told (`drain_request` with `lost`); a new sidecar and trainer for replica 2 start in
+world 1. The other two sidecars and trainer containers are never restarted: they go on in world 1
+from the newest complete checkpoint, and the trainers' batches are exact against lancedb's
+StreamingDataset for each world."""
 
 from __future__ import annotations
 
@@ -27,16 +29,19 @@ E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
 EPOCHS = 2
 
 
-def agent(pod, logs: Path, replica: int, master_port: int, epoch: int) -> subprocess.Popen:  # type: ignore[no-untyped-def]
-    """The pod's trainer container: `splitfeed run -- python trainer.py` with the pod's environment."""
+def agent(pod, logs: Path, replica: int, master_port: int, epoch: int, how: str) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+    """The pod's trainer container with the pod's environment: `splitfeed run -- python trainer.py`
+    (agent), or the trainer itself following the world in its process (in-process)."""
     env = {**os.environ, **contract.rank_env(
         world_size=3, gpus_per_replica=1, replica=replica, local_rank=0, master_addr=contract.LOOPBACK,
         master_port=master_port, socket_dir=str(pod.socket_dir), world_epoch=epoch)}
+    trainer = [sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.2", "--checkpoint-every", "3",
+               "--timeout-s", "60"]
+    argv = ([sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", *trainer] if how == "agent"
+            else [*trainer, "--in-place"])
     with open(pod.dir / "agent.log", "ab") as out:  # the child holds its own descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, str(E2E_TRAINER),
-             str(logs), "--sleep-s", "0.2", "--checkpoint-every", "3", "--timeout-s", "60"],
-            env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=processes.die_with_parent())
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=processes.die_with_parent())
 
 
 def start_pod(pods, job: dict, name: str, replica: int, coordinator: str, master_port: int,  # type: ignore[no-untyped-def]
@@ -57,13 +62,14 @@ def started(logs: Path) -> dict[tuple[int, int], int]:
     return found
 
 
+@pytest.mark.parametrize("how", ["agent", "in-process"])
 def test_a_member_killed_mid_world_is_replaced_alone_and_the_others_go_on_in_place_exactly(
-        pods, table_uri, tmp_path):  # noqa: F811
+        pods, table_uri, tmp_path, how):  # noqa: F811
     logs, store = tmp_path / "logs", tmp_path / "ckpt"
     job = manifest(table_uri, str(store), epochs=EPOCHS)
     coordinator, master_port = ports.tcp_address(), ports.free_port()
     sidecars = [start_pod(pods, job, f"r{r}", r, coordinator, master_port, 0, "none") for r in range(3)]
-    agents = [agent(sidecars[r], logs, r, master_port, 0) for r in range(3)]
+    agents = [agent(sidecars[r], logs, r, master_port, 0, how) for r in range(3)]
     try:
         wait_for(lambda: max(exactness.complete_checkpoints(store), default=-1) >= 6, 120,
                  "world 0 to complete the checkpoint of step 6")
@@ -76,7 +82,7 @@ def test_a_member_killed_mid_world_is_replaced_alone_and_the_others_go_on_in_pla
         host, _, port = coordinator.rpartition(":")
         following = f"{host}:{membership.next_port(int(port), 0)}"
         new = start_pod(pods, job, "r2-w1", 2, following, membership.next_port(master_port, 0), 1, "latest")
-        agents.append(agent(new, logs, 2, membership.next_port(master_port, 0), 1))
+        agents.append(agent(new, logs, 2, membership.next_port(master_port, 0), 1, how))
         for proc in (agents[0], agents[1], agents[3]):
             assert proc.wait(180) == 0
         for pod in (sidecars[0], sidecars[1], new):
@@ -91,7 +97,10 @@ def test_a_member_killed_mid_world_is_replaced_alone_and_the_others_go_on_in_pla
     assert [(w.size, w.ended) for w in summary.worlds] == [(3, exactness.FAILED), (3, exactness.END)], summary
     assert summary.worlds[1].resume_step >= 6, summary  # the newest complete checkpoint, chosen once
     pids = started(logs)
-    assert pids[(1, 0)] != pids[(0, 0)] and pids[(1, 1)] != pids[(0, 1)]  # the agents started them again
+    if how == "agent":
+        assert pids[(1, 0)] != pids[(0, 0)] and pids[(1, 1)] != pids[(0, 1)]  # the agents started them again
+    else:  # the trainers caught their collective's failure and rejoined in their own process
+        assert pids[(1, 0)] == pids[(0, 0)] and pids[(1, 1)] == pids[(0, 1)], pids
     for pod in sidecars[:2]:  # ... under sidecars that served both worlds in one process
         text = (pod.dir / "sidecar.log").read_text()
         assert "world 1 follows in place" in text and "lost replicas [2]" in text, text[-2000:]

@@ -160,3 +160,17 @@ def test_the_world_file_says_after_loss_and_an_older_file_without_it_reads_as_fa
     del fields["after_loss"]
     (tmp_path / membership.FILE).write_text(json.dumps(fields))
     assert membership.read(tmp_path) == world(5, membership.SERVING)
+
+
+def test_a_failed_trainer_waits_for_its_sidecars_word_only_while_the_sidecar_serves(tmp_path):
+    membership.write(tmp_path, world(4, membership.SERVING))
+    assert membership.wait_lost(tmp_path, 4, timeout_s=30) is False  # no sidecar bound: nobody will say
+    (tmp_path / messages.SOCKET_NAME).touch()
+    began = time.monotonic()
+    assert membership.wait_lost(tmp_path, 4, timeout_s=0.3) is False  # it serves on: the failure is the trainer's
+    assert 0.3 <= time.monotonic() - began < 5
+    assert membership.wait_lost(tmp_path, 4, timeout_s=30, stop=lambda: True) is False  # SIGTERM: no wait
+    sidecar = threading.Timer(0.3, membership.write, (tmp_path, world(4, membership.LOST)))
+    sidecar.start()
+    assert membership.wait_lost(tmp_path, 4, timeout_s=30) is True
+    sidecar.join()
