@@ -1,13 +1,15 @@
 """End to end, `spec.rescale: inPlace`: a member pod killed mid-world is replaced alone (issue 22 item 3).
 
-The same cluster, operator and DDP trainers (under `splitfeed run --`) as test_inplace.py. While
-world 0 trains, replica 2's pod is force-deleted (a lost node: its processes are killed outright,
-nothing drains), or its trainer container is killed (SIGKILL to the container's process group:
-the pod fails, its sidecar still runs). The operator deletes nothing else: it tells world 0's coordinator, which ends
-the world without a drain; the other pods' sidecars go on in place to world 1 from the newest
-complete checkpoint, their agents start the scripts again, and a new pod of replica 2 joins world
-1. The other pods keep their UIDs, start times and containers' processes; the job ends Succeeded,
-exact against lancedb's StreamingDataset, with one counted restart.
+The same cluster, operator and DDP trainers as test_inplace.py, under `splitfeed run --` or
+following the world in their own process (`client.rejoin(failed=True)` after the collective
+raised). While world 0 trains, replica 2's pod is force-deleted (a lost node: its processes are
+killed outright, nothing drains), or its trainer container is killed (SIGKILL to the container's
+process group: the pod fails, its sidecar still runs). The operator deletes nothing else: it
+tells world 0's coordinator, which ends the world without a drain; the other pods' sidecars go
+on in place to world 1 from the newest complete checkpoint, their agents start the scripts
+again (or the trainers rejoin in their process), and a new pod of replica 2 joins world 1. The
+other pods keep their UIDs, start times and containers' processes; the job ends Succeeded, exact
+against lancedb's StreamingDataset, with one counted restart.
 """
 
 from __future__ import annotations
@@ -44,14 +46,17 @@ def kill(cluster: Cluster, name: str, how: str) -> None:
     log(f"{name}: SIGKILL {pod}/trainer's process group (pid {pid})")
 
 
-@pytest.mark.parametrize("how", ["force-delete", "kill-trainer"])
-def test_a_member_pod_killed_mid_world_is_replaced_alone_and_the_job_stays_exact(cluster: Cluster, how: str) -> None:
-    name, epochs = f"replace-{how}", 2
+@pytest.mark.parametrize("how,follow", [("force-delete", "agent"), ("kill-trainer", "agent"),
+                                        ("force-delete", "in-process")])
+def test_a_member_pod_killed_mid_world_is_replaced_alone_and_the_job_stays_exact(
+        cluster: Cluster, how: str, follow: str) -> None:
+    name, epochs = f"replace-{how}-{follow}", 2
     manifest = cluster.manifest(name, replicas=3, epochs=epochs, sleep_s=0.25, checkpoint_every=3,
                                 timeout_seconds=60)
     manifest["spec"]["rescale"] = "inPlace"
     trainer = manifest["spec"]["trainer"]["template"]["spec"]["containers"][0]
-    trainer["command"] = ["splitfeed", "run", "--", *trainer["command"]]
+    trainer["command"] = (["splitfeed", "run", "--", *trainer["command"]] if follow == "agent"
+                          else [*trainer["command"], "--in-place"])
     cluster.apply(manifest)
     wait_for(lambda: len(identities(cluster, name)) == 3, 90, "3 pods running")
     before = identities(cluster, name)
