@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -23,8 +24,10 @@ import zmq.utils.monitor
 from splitfeed.trainer_client import errors, messages, progress
 from splitfeed.trainer_client.messages import (
     Agreed, Reach, CommitAt, Complete, CommittedWorld, DrainAck, DrainRequest, Error, Freeze, Frozen, Join, Joined, Progress,
-    StatusRequest, WorldLost,
+    StandIn, StatusRequest, WorldLost,
 )
+
+from . import standins
 
 log = logging.getLogger(__name__)
 
@@ -398,8 +401,14 @@ class CoordinatorThread:
     """
 
     def __init__(self, coordinator: Coordinator, bind: str,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None, *,
+                 stand_in: Callable[[StandIn], str] | None = None, world_size: int = 0) -> None:
         self.coordinator = coordinator
+        self.stand_ins = standins.StandIns(world_size=world_size or coordinator.replicas,
+                                           replicas=coordinator.replicas)
+        """Ranks whose dead sidecar this coordinator stands in for (sidecar.standins)."""
+        self._write = stand_in
+        """Writes a rank's record (or marker) through the job's store; its uri. None: no store."""
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -454,8 +463,36 @@ class CoordinatorThread:
                 return c.on_progress(message)
             case StatusRequest():
                 return c.on_status_request(peer)
+            case StandIn():
+                return self._stand_in(peer, message)
             case _:
                 raise errors.ProtocolError(f"the coordinator does not take {message.kind!r}")
+
+    def _stand_in(self, peer: bytes, request: StandIn) -> list[Out]:
+        """A trainer whose sidecar died asks for its checkpoint at the drain step: written here and
+        answered, or refused with a one-line reason (sidecar.standins)."""
+        c = self.coordinator
+        why = self.stand_ins.refusal(request, world_epoch=c.world_epoch, skipping=c.watermark is not None,
+                                     drain_step=c.step if c.phase == COMMITTED else None,
+                                     members=c.members, lost=c.lost is not None)
+        if why is None and self._write is None:
+            why = "checkpoints are disabled: set spec.checkpoint.uri"
+        uri = ""
+        if why is None and self._write is not None:
+            try:
+                uri = self._write(request)
+            except Exception as exc:  # the store's error, said to the trainer, which fails as before
+                why = f"writing rank {request.rank}'s {'marker' if request.commit else 'record'} failed: {exc}"
+        if why is not None:
+            log.warning("coordinator: no stand-in for rank %d at step %d: %s", request.rank, request.step, why)
+            return [Out(peer, Error(code="stand_in", message=why, fatal=False))]
+        log.warning("coordinator: wrote rank %d's %s at drain step %d in the stead of its dead sidecar",
+                    request.rank, "commit marker" if request.commit else "record", request.step)
+        replica = self.stand_ins.wrote(request)
+        if not request.commit:
+            return [Out(peer, messages.Checkpointed(step=request.step, drained=True, uri=uri))]
+        counted = [] if replica is None else c.on_committed(replica, request.step)
+        return [Out(peer, messages.Committed(step=request.step))] + counted
 
     def _send(self, outs: list[Out]) -> None:
         for out in outs:

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client import contract, errors, membership, messages, specs
+from splitfeed.trainer_client import contract, errors, membership, messages, specs, stranded
 
 from . import (agreement, cgroups, checkpoints, ending, identity, metrics, planner, plans, positions, reading,
                serving, workers)
@@ -483,6 +483,7 @@ def _open_world(o: _Opening, instance: str) -> None:
         address = address or bound  # a lone sidecar's coordinator: the port it was given
     _join(o, address, replica, instance)
     if replica != 0:
+        _tell_coordinator(o.settings, address)
         o.data, o.rows, o.steps_per_epoch = _open(o.job, o.storage_options, o.member_version, o.carried)
         o.expect = provenance(o.data, o.settings)
         o.stores = job_stores(o.job, o.settings, o.storage_options, o.expect)
@@ -511,7 +512,7 @@ def _start_coordinator(o: _Opening, bind: str) -> str:
         agreement.Coordinator(replicas=replicas_of(o.settings), total_steps=o.total_steps,
                               resume_step=resume_step, table_version=int(o.data.version),
                               watermark=watermark, world_epoch=o.settings.world_epoch),
-        bind)
+        bind, stand_in=_standing_in(o), world_size=o.settings.world_size)
     if o.carried is not None and o.carried.coordinator is not None:
         o.carried.coordinator.close()  # the world before: every member committed its drain step
         o.carried.coordinator = None
@@ -532,6 +533,34 @@ def _join(o: _Opening, address: str, replica: int, instance: str) -> None:
         # Created for another count than the world's coordinator now runs: its count wins.
         o.settings = dataclasses.replace(o.settings, world_size=joined.replicas * local)
         o.job = load_job(o.settings)
+
+
+def _tell_coordinator(settings: SidecarSettings, address: str) -> None:
+    """Where this pod's trainers find the world's coordinator should this sidecar die
+    (trainer_client.stranded): it then writes their checkpoints at the drain step instead."""
+    try:
+        stranded.write_coordinator(settings.socket_dir, settings.world_epoch, address)
+    except OSError as exc:
+        log.warning("cannot write the coordinator's address into %s: %s", settings.socket_dir, exc)
+
+
+def _standing_in(o: _Opening) -> Any:
+    """The coordinator's write of a rank's record or marker at the drain step in the stead of its
+    dead sidecar (sidecar.standins); None without a store. A plain job's position at a step is
+    the same for every rank (positions.state_dict), which is why only such jobs are accepted."""
+    if not o.stores or o.data is None or o.data.drops_rows:
+        return None
+    store, data, spe = o.stores[0], o.data, o.steps_per_epoch
+
+    def write(request: messages.StandIn) -> str:
+        step, rank, world = request.step, request.rank, request.world_size
+        if request.commit:
+            store.commit(global_step=step, rank=rank, world_size=world)
+            return ""
+        state = positions.state_dict(data, positions.position_of(step, spe))
+        return store.write(global_step=step, rank=rank, world_size=world, state=state)
+
+    return write
 
 
 def _start_plans(o: _Opening, builds: bool) -> None:
@@ -754,6 +783,29 @@ def next_world(sidecar: Sidecar, report: contract.Report, stopping: bool) -> Sid
         table_version=sidecar.table_version)
 
 
+STAND_IN_WAIT_S = 60.0
+"""How long replica 0's sidecar, its own ranks drained, keeps the world's coordinator up until
+every member committed the drain step: a member whose sidecar died commits through it
+(sidecar.standins). Members that commit as usual take milliseconds."""
+
+
+def wait_for_members(sidecar: Sidecar, report: contract.Report, signals: Signals) -> None:
+    """Replica 0, after a drain that ends it: wait (at most STAND_IN_WAIT_S, or until a second
+    SIGTERM) until every member committed the drain step, so that a trainer whose own sidecar
+    died can still commit that step through this coordinator (docs/agreement.md)."""
+    step = report.get("agreedStep")
+    if sidecar.coordinator is None or not report.get("drained") or step is None:
+        return
+    coordinator = sidecar.coordinator.coordinator
+    deadline = time.monotonic() + STAND_IN_WAIT_S
+    while (coordinator.complete_step or -1) < step:
+        if time.monotonic() > deadline or len(signals.times) > 1:
+            log.error("not every member committed drain step %d within %.0f s: the next world resumes "
+                      "from the newest complete checkpoint", step, STAND_IN_WAIT_S)
+            return
+        time.sleep(0.01)
+
+
 def lost_world_next(settings: SidecarSettings, lost: messages.WorldLost,
                     table_version: int | None) -> SidecarSettings | None:
     """After members `lost.lost` failed: this pod's next world, or None for a lost member (a
@@ -824,6 +876,7 @@ def run(settings: SidecarSettings) -> int:
     the drain, even where the world goes on in place without it.
     """
     settings = _set_up_process(settings)
+    _hold_lock(settings)
     carried: Carried | None = None
     signals = Signals()
     signals.install()
@@ -847,12 +900,30 @@ def run(settings: SidecarSettings) -> int:
             serving.flush(sidecar.server.context)
             raise
         if following is None:
+            wait_for_members(sidecar, report, signals)
             try:
                 finish(sidecar, report)
             finally:
                 serving.flush(sidecar.server.context)  # the last replies go out: the process exits next
             return code
         carried, settings = carry(sidecar, report), following  # the world file says CHANGING (on_drain)
+
+
+_LOCKS: list[int] = []
+"""The descriptor of the socket directory's lock, open as long as this process lives."""
+
+
+def _hold_lock(settings: SidecarSettings) -> None:
+    """Lock the socket directory's `sidecar.lock` for this process's life: when it dies, its
+    trainers see the lock free (trainer_client.stranded.gone) and checkpoint a drain step
+    through the world's coordinator instead."""
+    try:
+        fd = stranded.hold(settings.socket_dir)
+    except OSError as exc:  # a broken directory: prepare says so
+        log.warning("cannot lock %s: %s", settings.socket_dir, exc)
+        return
+    if fd is not None:
+        _LOCKS.append(fd)
 
 
 def _set_up_process(settings: SidecarSettings) -> SidecarSettings:

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import messages
+from . import membership, messages, stranded
 from .errors import CheckpointError
 from .handshake import Session
 
 if TYPE_CHECKING:
     from .client import Channel
 
+log = logging.getLogger(__name__)
+
 
 class Checkpoints:
-    """This rank's checkpoints (docs/agreement.md): `checkpoint` is phase one, `commit` phase two."""
+    """This rank's checkpoints (docs/agreement.md): `checkpoint` is phase one, `commit` phase two.
 
-    def __init__(self, session: Session, channel: Channel) -> None:
+    Both go to this rank's sidecar; when that sidecar is gone (killed, and not restarted) at
+    the world's drain step, to the world's coordinator instead (`trainer_client.stranded`).
+    """
+
+    def __init__(self, session: Session, channel: Channel, directory: Path | None = None,
+                 local_rank: int = 0, timeout_s: float = 300.0) -> None:
         self._session = session
         self._channel = channel
+        self._dir = directory
+        self._local_rank = local_rank
+        self._timeout_s = timeout_s
         self.prepared: int | None = None  # step of the last checkpoint(), until committed
         self.drained = False
+        self._stand_in: tuple[str, messages.StandIn] | None = None
+        """(address, request) when the last checkpoint went to the world's coordinator."""
 
     def requested(self) -> bool:
         """The world agreed to checkpoint after the batch this rank just took."""
@@ -32,8 +47,17 @@ class Checkpoints:
     def checkpoint(self) -> int:
         """Persist the position after the last batch handed out; the global steps completed."""
         step = self._session.next_step or 0
-        reply = self._channel.request(messages.Checkpoint(step), messages.Checkpointed)
-        self.prepared = step
+        stand_in = self._stranded(step)
+        if stand_in is None:
+            try:
+                reply = self._channel.request(messages.Checkpoint(step), messages.Checkpointed, self._gone)
+            except CheckpointError:
+                stand_in = self._stranded(step)  # it died while asked
+                if stand_in is None:
+                    raise
+        if stand_in is not None:
+            reply = stranded.ask(stand_in[0], stand_in[1], messages.Checkpointed, self._timeout_s)
+        self.prepared, self._stand_in = step, stand_in
         self.drained = reply.drained
         return step
 
@@ -43,8 +67,19 @@ class Checkpoints:
             step = self.prepared
         if step is None or step != self.prepared:
             raise CheckpointError(f"commit of step {step}, but the last checkpoint() was of step {self.prepared}")
-        self._channel.request(messages.Commit(step), messages.Committed)
-        self.prepared = None
+        stand_in = self._stand_in
+        if stand_in is None:
+            try:
+                self._channel.request(messages.Commit(step), messages.Committed, self._gone)
+            except CheckpointError:
+                stand_in = self._stranded(step)  # it died after the record, before the marker
+                if stand_in is None:
+                    raise
+                stranded.ask(stand_in[0], stand_in[1], messages.Checkpointed, self._timeout_s)
+        if stand_in is not None:
+            address, prepared = stand_in
+            stranded.ask(address, dataclasses.replace(prepared, commit=True), messages.Committed, self._timeout_s)
+        self.prepared, self._stand_in = None, None
 
     def commit_implicitly(self) -> None:
         if self.prepared is not None:
@@ -53,4 +88,22 @@ class Checkpoints:
     def reset(self) -> None:
         """A new world: nothing prepared, nothing drained."""
         self.drained = False
-        self.prepared = None
+        self.prepared, self._stand_in = None, None
+
+    def _gone(self) -> bool:
+        return self._dir is not None and stranded.gone(self._dir)
+
+    def _stranded(self, step: int) -> tuple[str, messages.StandIn] | None:
+        """(the coordinator's address, the request) when this rank's sidecar is gone and `step` is
+        the world's drain step; None otherwise (the normal path: one look at a lock file)."""
+        control = self._session.control
+        if self._dir is None or control is None or control.drain_at != step or not stranded.gone(self._dir):
+            return None
+        epoch = self._session.world_epoch
+        address, world = stranded.coordinator(self._dir, epoch), membership.read(self._dir)
+        if address is None or world is None or world.epoch != epoch:
+            return None  # replica 0's (its sidecar is the coordinator), or a sidecar that says nothing
+        log.warning("this rank's sidecar is gone: asking the world's coordinator at %s to checkpoint "
+                    "drain step %d in its stead", address, step)
+        return address, messages.StandIn(rank=world.rank + self._local_rank, world_size=world.world_size,
+                                         world_epoch=epoch, step=step)

@@ -39,6 +39,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -127,8 +128,10 @@ class Channel:
             log.warning("sidecar: %s", message.message)
         return message
 
-    def request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer]) -> _Answer:
-        """Send `request` and wait for its `answer` (of the same step); an error reply raises CheckpointError."""
+    def request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer],
+                gone: Callable[[], bool] | None = None) -> _Answer:
+        """Send `request` and wait for its `answer` (of the same step); an error reply raises
+        CheckpointError, as does `gone()` turning true while no answer came (the sidecar died)."""
         self.send(request)
         step = request.step
         deadline = time.monotonic() + self._timeout_s
@@ -136,6 +139,8 @@ class Channel:
         try:
             while time.monotonic() < deadline:
                 message = self.receive(self._heartbeat_s)
+                if message is None and gone is not None and gone():
+                    raise CheckpointError(f"the sidecar is gone: no answer to {request.kind} of step {step}")
                 if message is None:
                     continue
                 if isinstance(message, answer) and message.step == step:
@@ -195,7 +200,7 @@ class StreamClient:
         self._taker = taking.Taker(self._dir, self.local_rank, as_tensors=as_tensors)
         self._session = Session(self._channel, self._dir, self.local_rank, timeout_s=timeout_s,
                                 heartbeat_s=heartbeat_s)
-        self._checkpoints = Checkpoints(self._session, self._channel)
+        self._checkpoints = Checkpoints(self._session, self._channel, self._dir, self.local_rank, timeout_s)
         self._preemption = Preemption(self._channel.send)
         self._receiver = Receiver(self._session, self._channel, self._taker, sys.modules[__name__],
                                   timeout_s=timeout_s, heartbeat_s=heartbeat_s, on_welcome=self._welcome,

@@ -9,6 +9,7 @@ messages only say where and when. Three conversations use them:
     coordinator -> member:                       Joined, Freeze, CommitAt, Complete, WorldLost, Error
     operator / `splitfeed local` -> coordinator: DrainRequest, answered by DrainAck
     member -> coordinator: Progress; operator -> coordinator: StatusRequest, answered by Status
+    trainer whose sidecar died -> coordinator:   StandIn, answered by Checkpointed, Committed or Error
 
 (docs/agreement.md has the world's agreement.) Each message is one ZeroMQ
 frame of compact JSON, `{"v": 1, "type": ..., <fields>}`: following pyzmq's
@@ -396,6 +397,24 @@ class Status(Message):
     first_batch_at: float | int | None = None
     """When the world's first batch had reached every rank (the latest member's
     `first_batch_at`); None until every member said."""
+
+
+# -- a rank whose sidecar died during a drain (trainer_client.stranded) ---------------------------
+
+@_wire("stand_in")
+@dataclasses.dataclass(frozen=True)
+class StandIn(Message):
+    """Trainer -> its world's coordinator, when the trainer's own sidecar is gone: write rank
+    `rank`'s checkpoint record (`commit` False: phase one) or commit marker (True: phase two) at
+    the world's committed drain step `step`, in its stead. Answered by `checkpointed` or
+    `committed`, or an `error` saying why not (sidecar.standins: only a plain job's drain step
+    of the coordinator's own world, for a rank of a member it serves)."""
+
+    rank: int
+    world_size: int
+    world_epoch: int
+    step: int
+    commit: bool = False
 
 
 def decode(frame: bytes) -> Message:

@@ -57,6 +57,13 @@ def request_status(address: str, timeout_s: float = 1.0,
     return answer if isinstance(answer, messages.Status) else None
 
 
+def stand_in(address: str, request: messages.StandIn, timeout_s: float,
+             context: zmq.Context[Any] | None = None) -> messages.Message | None:
+    """Ask the coordinator at `address` to write a rank's checkpoint record or commit marker in
+    the stead of its dead sidecar (trainer_client.stranded); its answer, or None without one."""
+    return _ask(address, request, timeout_s, context)
+
+
 def _ask(address: str, request: messages.Message, timeout_s: float,
          context: zmq.Context[Any] | None) -> messages.Message | None:
     """Send one frame on a fresh DEALER and wait a bounded time for one answer; None if none came."""

@@ -34,6 +34,10 @@ from splitfeed.trainer_client.messages import (
      DrainRequest(token="rescale-w0", reason="rescale")),
     (b'{"v":1,"type":"drain_request","token":"rescale-w0","reason":"rescale","not_before":30}',
      DrainRequest(token="rescale-w0", reason="rescale", not_before=30)),
+    (b'{"v":1,"type":"stand_in","rank":3,"world_size":4,"world_epoch":1,"step":9}',
+     messages.StandIn(rank=3, world_size=4, world_epoch=1, step=9)),
+    (b'{"v":1,"type":"stand_in","rank":3,"world_size":4,"world_epoch":1,"step":9,"commit":true}',
+     messages.StandIn(rank=3, world_size=4, world_epoch=1, step=9, commit=True)),
 ])
 def test_a_frame_decodes_to_its_typed_message_and_encodes_back_to_the_same_json(frame, expected):
     message = messages.decode(frame)
@@ -49,7 +53,7 @@ def test_every_message_type_has_a_distinct_wire_name_and_survives_a_round_trip()
         message = cls(**fields)
         assert messages.decode(message.encode()) == message
         names.add(cls.kind)
-    assert len(names) == len(messages._TYPES) == 27  # world_lost (issue 22 item 3)
+    assert len(names) == len(messages._TYPES) == 28  # world_lost (issue 22 item 3), stand_in (issue 21)
 
 
 @pytest.mark.parametrize("frame,words", [
