@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
 from tests.e2e.cluster import NS, Cluster, log, wait_for
-from tests.e2e.jobs import assert_exact, event_reasons, finish, wait_phase, wait_running, wait_steps
+from tests.e2e.jobs import (assert_exact, event_reasons, finish, first_time, wait_phase, wait_running,
+                            wait_steps)
 from tests.support.exactness import END, FAILED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -61,8 +63,11 @@ def test_a_member_pod_killed_mid_world_is_replaced_alone_and_the_job_stays_exact
     wait_for(lambda: len(identities(cluster, name)) == 3, 90, "3 pods running")
     before = identities(cluster, name)
     wait_steps(cluster, name, 0, 8)
+    at = time.time()
     kill(cluster, name, how)
     wait_running(cluster, name, 1)
+    first = wait_for(lambda: first_time(cluster.log_dir(name), 1, "batch"), 60, "world 1's first batch")
+    log(f"{name}: {how} -> world 1's first batch {first - at:.1f} s")
     wait_steps(cluster, name, 1, 2)
     after = identities(cluster, name)
     kept = [f"{name}-r0", f"{name}-r1"]
