@@ -50,7 +50,10 @@ LOSS_WAIT_S = 60.0
 """How long the agent waits, after its script failed while the sidecar still serves, for the
 sidecar to say the world lost a member pod (the script's collectives failed because a peer
 vanished) before it ends with the script's exit code. The operator acts once it sees the pod
-fail, up to its REPORT_GRACE_S (15 s) later for a pod whose sidecar still runs."""
+fail, up to its REPORT_GRACE_S (15 s) later for a pod whose sidecar still runs. The cost: a
+script that fails of its own (or whose peer's trainer the kubelet restarts in place, under
+restartPolicy OnFailure, where the world goes on rewound and no pod fails) ends its container
+this much later."""
 
 
 WARM = """
