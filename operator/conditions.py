@@ -123,6 +123,9 @@ class Agreement:
     """The drainReason of the first report that has one (every member got it from one commit)."""
     why: str
     """Why `step` is None, or which pods agreed; for events."""
+    stood_in: tuple[str, ...] = ()
+    """Pods that left no report (their sidecar died) whose ranks committed `step` through the
+    world's coordinator (its `completeStep`; docs/agreement.md, "A sidecar that cannot restart")."""
 
 
 def agreement(finals: Mapping[str, contract.SidecarReport | None], expected: Sequence[str]) -> Agreement:
@@ -132,28 +135,49 @@ def agreement(finals: Mapping[str, contract.SidecarReport | None], expected: Seq
     One pod without a report, not drained, or with another step, and nothing is
     known for sure about its ranks: the next world must not be told an exact
     step that may be incomplete (its sidecars would fail on it), so it resumes
-    from the newest complete checkpoint instead.
+    from the newest complete checkpoint instead. Except pods without a report
+    when the world's coordinator counted the step committed by every member
+    (`_stood_in`): their sidecar died and their trainers committed through it.
     """
     steps: dict[int, list[str]] = {}
     reasons: list[str] = []
+    silent: list[str] = []
     for name in expected:
         if name not in finals:
             return Agreement(None, None, f"pod {name} is gone, its ranks' checkpoint is unknown")
         report = finals[name]
         if report is None:
-            return Agreement(None, None, f"pod {name} left no sidecar report")
+            silent.append(name)
+            continue
         if not report.drained or report.agreed_step is None:
             return Agreement(None, None, f"pod {name} did not drain at an agreed step")
         steps.setdefault(report.agreed_step, []).append(name)
         if report.drain_reason is not None:
             reasons.append(report.drain_reason)
     if not steps:
-        return Agreement(None, None, "the world had no pods")
+        return Agreement(None, None, f"pod {silent[0]} left no sidecar report" if silent else "the world had no pods")
     if len(steps) > 1:
         detail = "; ".join(f"step {s}: {', '.join(names)}" for s, names in sorted(steps.items()))
         return Agreement(None, None, f"the pods disagree on the agreed step ({detail})")
     (step,) = steps
-    return Agreement(step, reasons[0] if reasons else None, f"all {len(expected)} pods drained at step {step}")
+    reason = reasons[0] if reasons else None
+    if silent:
+        return _stood_in(finals, silent, step, reason)
+    return Agreement(step, reason, f"all {len(expected)} pods drained at step {step}")
+
+
+def _stood_in(finals: Mapping[str, contract.SidecarReport | None], silent: list[str], step: int,
+              reason: str | None) -> Agreement:
+    """Every pod that reported drained at `step`; the `silent` ones lost their sidecar. `step` is
+    still the world's when its coordinator (replica 0's report, `completeStep`) counted it
+    committed by every member: their ranks committed it through the coordinator."""
+    names = ", ".join(silent)
+    complete = {r.complete_step for r in finals.values() if r is not None and r.complete_step is not None}
+    if complete != {step}:
+        return Agreement(None, None, f"pods {names} left no sidecar report, and the world's coordinator did not "
+                                     f"count step {step} committed by every member")
+    return Agreement(step, reason, f"every pod drained at step {step}; the sidecar of {names} died, and its "
+                                   "trainers committed the step through the world's coordinator", tuple(silent))
 
 
 def sidecar_error(reports: Iterable[contract.SidecarReport], *, permanent_only: bool = False) -> str | None:

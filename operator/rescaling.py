@@ -40,6 +40,10 @@ from .decisions import (
 )
 
 
+SIDECAR_LOST = "DrainSurvivedLostSidecar"
+"""The event of a drain whose member pod lost its sidecar (exited, not restarted) after the
+world agreed on its step, and whose trainers still committed that step (issue 21)."""
+
 NOT_IN_PLACE = {"inPlace": None, "askedAt": None}
 """Merged into a status.drain patch that replaces a change in place (a merge patch keeps keys it omits)."""
 
@@ -94,6 +98,11 @@ def _choose_resume_step(c: Ctx, agreed: conditions.Agreement) -> None:
     """status.resumeStep for the next world, and the event that says where it starts."""
     old, new = c.world_epoch, c.world_epoch + 1
     c.patch["resumeStep"] = agreed.step
+    if agreed.stood_in:
+        c.events.append(Event("Warning", SIDECAR_LOST, (
+            f"the sidecar of {', '.join(agreed.stood_in)} died during world {old}'s drain and left no report; "
+            f"its trainers reached the agreed step {agreed.step} and committed it through the world's "
+            f"coordinator: world {new} resumes exactly there, 0 steps redone")))
     if agreed.step is not None:
         c.events.append(Event("Normal", "ResumeStepChosen",
                               f"world {old} drained at step {agreed.step} ({agreed.why}); world {new} "
@@ -171,7 +180,7 @@ def drain_step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -
     requested = requested_at(c, drain)
     drain = dataclasses.replace(drain, requested_at=requested)  # written back below: a lost time is fixed once
     deadline = requested + datetime.timedelta(seconds=c.job.checkpoint.timeout_seconds)
-    done = sum(p.terminated for p in c.world)
+    done = sum(finished(p) for p in c.world)
     timed_out = c.now >= deadline
     if step == REMOVING_OLD_WORLD or done == len(c.world) or timed_out:
         if step != REMOVING_OLD_WORLD:
@@ -197,6 +206,15 @@ def drain_step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -
     return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain.token),
                       requeue_s=max(0.5, min(POLL_S, left)),
                       notify=notify(c, drain.token, drain.reason or "rescale"))
+
+
+def finished(pod: views.Pod) -> bool:
+    """The pod's part of a drain is over: it stopped, or it failed and its trainers stopped too.
+    A pod whose sidecar died while its trainers run (restartPolicy Never: it has failed) is
+    waited for: its trainers may still reach the drain step and commit it through the world's
+    coordinator (docs/agreement.md, "A sidecar that cannot restart")."""
+    return pod.stopped or (pod.terminated and not any(
+        not ct.init and ct.name != contract.SIDECAR_NAME and not ct.terminated for ct in pod.containers))
 
 
 def finished_first(c: Ctx) -> bool:

@@ -901,6 +901,8 @@ def run(settings: SidecarSettings) -> int:
             raise
         if following is None:
             wait_for_members(sidecar, report, signals)
+            if sidecar.coordinator is not None:  # what the operator trusts for a member that left no report
+                report["completeStep"] = sidecar.coordinator.coordinator.complete_step
             try:
                 finish(sidecar, report)
             finally:

@@ -179,6 +179,9 @@ class Report(TypedDict, total=False):
     """Rows whose transform failed and were replaced (spec.data.onTransformError: fill)."""
     skippedRows: int
     """Rows whose transform failed and were dropped (spec.data.onTransformError: skip, warn)."""
+    completeStep: int | None
+    """Replica 0's only: the newest step every member of its world committed, as its coordinator
+    counted (a dead member sidecar's ranks through the coordinator included: sidecar.standins)."""
 
 
 REPORT_FIELDS: tuple[str, ...] = tuple(Report.__annotations__)
@@ -264,6 +267,7 @@ class SidecarReport:
     permanent: bool = False
     filled_rows: int = 0
     skipped_rows: int = 0
+    complete_step: int | None = None
     finished_at: str | None = dataclasses.field(default=None, metadata={"wire": False})
     """Not in the text: when the sidecar's container terminated (its state's `finishedAt`), set by
     the reader that found the report."""

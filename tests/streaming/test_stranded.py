@@ -102,6 +102,8 @@ def test_a_member_sidecar_killed_for_good_after_the_drain_committed_still_ends_t
         coordinator_log = (sidecars[0].dir / "sidecar.log").read_text()
         assert f"wrote rank {KILLED}'s commit marker at drain step {step}" in coordinator_log, coordinator_log[-3000:]
         assert step in exactness.complete_checkpoints(store)
+        # What the operator reads to resume exactly at S though replica 2 left no report.
+        assert json.loads(sidecars[0].termination_log.read_text())["completeStep"] == step
         _, next_sidecars, next_trainers = world(pods, job, logs, 2, 1, "latest")  # the scale 3 -> 2
         trainers += next_trainers
         for proc in next_trainers:
