@@ -13,6 +13,7 @@ batches past that checkpoint are received again.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ import pytest
 
 from tests.e2e.cluster import NS, SYSTEM_NS, Cluster, StatusWatch, alive, log, wait_for
 from tests.support.exactness import DRAINED, END, FAILED
-from tests.e2e.jobs import (assert_exact, event_reasons, finish, wait_phase, wait_running, wait_steps)
+from tests.e2e.jobs import assert_exact, event_reasons, finish, wait_phase, wait_running, wait_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -138,6 +139,48 @@ def test_an_operator_killed_mid_rescale_comes_back_through_its_deployment_and_fi
     assert status.get("restarts", 0) == 0
     assert "RescaleComplete" in event_reasons(cluster, name)
     finish(cluster, name)
+
+
+def test_a_member_sidecar_killed_for_good_after_the_drain_committed_still_drains_the_world_there(
+        cluster: Cluster) -> None:
+    """Issue 21 item 2: `kubectl scale` 2 -> 1; once replica 1's trainer took batch S - 1 and saw
+    the checkpoint request (the drain is committed and its last batch published), its sidecar is
+    SIGKILLed; restartPolicy Never, so it stays dead. The trainer checkpoints S through the world's
+    coordinator; world 1 resumes exactly at S: exact, 0 steps redone, no restart, announced."""
+    name = "kill-member-sidecar"
+    start(cluster, name, sleep_s=0.5, timeout_seconds=120)
+    member, log_dir = f"{name}-w0-1", cluster.log_dir(name)
+    wait_steps(cluster, name, 0, 4)
+    log(f"{name}: kubectl scale --replicas=1")
+    cluster.kubectl("-n", NS, "scale", f"sj/{name}", "--replicas=1")
+
+    def requested() -> dict | None:
+        return next((r for r in _rank_records(log_dir, 0, 1) if r["event"] == "batch" and r.get("requested")), None)
+
+    seen = wait_for(requested, 60, "rank 1 to see the drain's checkpoint request")
+    step = seen["step"] + 1
+    kill(cluster, member, "splitfeed-sidecar")
+    late = [r for r in _rank_records(log_dir, 0, 1) if r["event"] == "checkpoint"]
+    assert not late, (f"rank 1 checkpointed through its own sidecar before the kill landed ({late}): "
+                      "the timing missed what this test is about (run it again)")
+    coordinator_log = cluster.kubelet.log_path(NS, f"{name}-w0-0", "splitfeed-sidecar")
+    assert coordinator_log is not None
+    wait_for(lambda: f"wrote rank 1's commit marker at drain step {step}" in coordinator_log.read_text(
+        errors="replace"), 60, "the coordinator to commit rank 1's drain step in its sidecar's stead")
+    status = wait_phase(cluster, name, "Succeeded")
+    summary = assert_exact(cluster, name, 1)
+    assert [(w.size, w.ended, w.agreed_step) for w in summary.worlds] == [(2, DRAINED, step), (1, END, None)], summary
+    assert summary.worlds[1].resume_step == step and summary.replayed == 0, summary
+    assert status.get("restarts", 0) == 0
+    assert (status.get("lastRescale") or {}).get("stepsRedone") == 0, status.get("lastRescale")
+    found = [e for e in cluster.events(name) if e["reason"] == "DrainSurvivedLostSidecar"]
+    assert len(found) == 1 and member in found[0]["message"] and f"step {step}" in found[0]["message"], found
+    finish(cluster, name)
+
+
+def _rank_records(log_dir: Path, world: int, rank: int) -> list[dict]:
+    path = log_dir / f"w{world}-r{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @contextlib.contextmanager
