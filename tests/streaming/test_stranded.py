@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from splitfeed.sidecar import agreement
-from splitfeed.trainer_client import contract, ring, worlds
+from splitfeed.trainer_client import contract, messages, ring, stranded, worlds
+from splitfeed.trainer_client.errors import CheckpointError
 from tests.streaming.harness import manifest, pods, reference_batches, socket_root, table_uri  # noqa: F401
 from tests.support import exactness, ports, processes
 from tests.support.waiting import wait_for
@@ -120,3 +121,39 @@ def test_a_member_sidecar_killed_for_good_after_the_drain_committed_still_ends_t
     assert [(w.size, w.ended, w.agreed_step) for w in summary.worlds] == [
         (3, exactness.DRAINED, step), (2, exactness.END, None)], summary
     assert summary.worlds[1].resume_step == step and summary.replayed == 0, summary  # 0 steps redone
+
+
+def test_the_coordinator_writes_what_it_accepts_and_refuses_the_rest_with_its_reason_over_zeromq():
+    """Real ZeroMQ, no data: the coordinator thread with a store stand-in that records each write;
+    a request for another step is refused with the reason, and nothing is written for it."""
+    coordinator = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0, world_epoch=0)
+    for replica in (0, 1):
+        coordinator.on_join(f"m{replica}".encode(), replica)
+    coordinator.on_request(b"operator", "rescale-w0", "rescale")
+    coordinator.on_frozen(0, coordinator.round, 5)
+    coordinator.on_frozen(1, coordinator.round, 6)
+    coordinator.on_committed(0, 8)
+    written: list[messages.StandIn] = []
+
+    def write(request: messages.StandIn) -> str:
+        written.append(request)
+        return f"store/step-{request.step}/rank-{request.rank}"
+
+    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), stand_in=write, world_size=2)
+    try:
+        ask = messages.StandIn(rank=1, world_size=2, world_epoch=0, step=8)
+        with pytest.raises(CheckpointError, match="step 7 is not world 0's drain step 8"):
+            stranded.ask(thread.address, messages.StandIn(rank=1, world_size=2, world_epoch=0, step=7),
+                         messages.Checkpointed, 5)
+        with pytest.raises(CheckpointError, match="checkpoint before commit"):
+            stranded.ask(thread.address, messages.StandIn(rank=1, world_size=2, world_epoch=0, step=8, commit=True),
+                         messages.Committed, 5)
+        assert written == []
+        got = stranded.ask(thread.address, ask, messages.Checkpointed, 5)
+        assert got == messages.Checkpointed(step=8, drained=True, uri="store/step-8/rank-1")
+        assert stranded.ask(thread.address, messages.StandIn(rank=1, world_size=2, world_epoch=0, step=8, commit=True),
+                            messages.Committed, 5) == messages.Committed(step=8)
+        assert [(w.rank, w.step, w.commit) for w in written] == [(1, 8, False), (1, 8, True)]
+        assert coordinator.complete_step == 8  # replica 1 counted through its ranks' stand-ins
+    finally:
+        thread.close()
