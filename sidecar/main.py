@@ -790,16 +790,17 @@ every member committed the drain step: a member whose sidecar died commits throu
 
 
 def wait_for_members(sidecar: Sidecar, report: contract.Report, signals: Signals) -> None:
-    """Replica 0, after a drain that ends it: wait (at most STAND_IN_WAIT_S, or until a second
-    SIGTERM) until every member committed the drain step, so that a trainer whose own sidecar
-    died can still commit that step through this coordinator (docs/agreement.md)."""
+    """Replica 0, after a drain that ends it: wait (at most STAND_IN_WAIT_S, or until a SIGTERM
+    comes meanwhile: the pod is being deleted) until every member committed the drain step, so
+    that a trainer whose own sidecar died can still commit that step through this coordinator
+    (docs/agreement.md)."""
     step = report.get("agreedStep")
     if sidecar.coordinator is None or not report.get("drained") or step is None:
         return
-    coordinator = sidecar.coordinator.coordinator
+    coordinator, termed = sidecar.coordinator.coordinator, len(signals.times)
     deadline = time.monotonic() + STAND_IN_WAIT_S
     while (coordinator.complete_step or -1) < step:
-        if time.monotonic() > deadline or len(signals.times) > 1:
+        if time.monotonic() > deadline or len(signals.times) > termed:
             log.error("not every member committed drain step %d within %.0f s: the next world resumes "
                       "from the newest complete checkpoint", step, STAND_IN_WAIT_S)
             return

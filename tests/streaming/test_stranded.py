@@ -18,11 +18,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import agreement
+from splitfeed.sidecar import agreement, main as sidecar_main
 from splitfeed.trainer_client import contract, messages, ring, stranded, worlds
 from splitfeed.trainer_client.errors import CheckpointError
 from tests.streaming.harness import manifest, pods, reference_batches, socket_root, table_uri  # noqa: F401
@@ -157,3 +160,37 @@ def test_the_coordinator_writes_what_it_accepts_and_refuses_the_rest_with_its_re
         assert coordinator.complete_step == 8  # replica 1 counted through its ranks' stand-ins
     finally:
         thread.close()
+
+
+def replica_zero(complete: int | None) -> tuple[types.SimpleNamespace, sidecar_main.Signals]:
+    """What `wait_for_members` reads of replica 0's sidecar: its coordinator's complete step."""
+    coordinator = types.SimpleNamespace(complete_step=complete)
+    return types.SimpleNamespace(coordinator=types.SimpleNamespace(coordinator=coordinator)), sidecar_main.Signals()
+
+
+@pytest.mark.parametrize("ends", ["the-last-member-commits", "a-sigterm-comes"])
+def test_replica_zero_keeps_the_coordinator_up_until_every_member_committed_or_its_pod_is_deleted(
+        monkeypatch, ends):
+    monkeypatch.setattr(sidecar_main, "STAND_IN_WAIT_S", 30.0)
+    sidecar, signals = replica_zero(complete=4)
+    signals.times.append(time.monotonic())  # the SIGTERM that asked for this drain (a preemption)
+    drained = {"drained": True, "agreedStep": 9}
+
+    def later() -> None:
+        time.sleep(0.3)
+        if ends == "the-last-member-commits":
+            sidecar.coordinator.coordinator.complete_step = 9
+        else:
+            signals.times.append(time.monotonic())
+
+    helper = threading.Thread(target=later)
+    started = time.monotonic()
+    helper.start()
+    sidecar_main.wait_for_members(sidecar, drained, signals)  # type: ignore[arg-type]
+    waited = time.monotonic() - started
+    helper.join()
+    assert 0.25 < waited < 5
+    started = time.monotonic()
+    sidecar_main.wait_for_members(replica_zero(complete=9)[0], drained, signals)  # type: ignore[arg-type]
+    sidecar_main.wait_for_members(sidecar, {"drained": False, "agreedStep": None}, signals)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 0.2  # nothing to wait for
