@@ -62,6 +62,11 @@ try:
     import torch  # the bulk of a trainer's start: paid while the world before still trains
 except ImportError:
     pass
+else:
+    try:  # DistributedDataParallel's constructor imports it lazily: 1.1-2.3 s of each restart
+        import torch._dynamo
+    except Exception:
+        pass
 line = sys.stdin.readline()
 if not line.strip():
     sys.exit(0)

@@ -75,6 +75,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401 - DDP's constructor imports it lazily (README, "In the same process")
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 

@@ -133,7 +133,8 @@ d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
 epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
 with open(d / "runs.jsonl", "a") as f:
     f.write(json.dumps({"epoch": epoch, "size": os.environ["WORLD_SIZE"], "argv": sys.argv,
-                        "file": __file__, "warm": "torch" in sys.modules, "pid": os.getpid()}) + "\\n")
+                        "file": __file__, "warm": "torch" in sys.modules, "pid": os.getpid(),
+                        "dynamo": "torch._dynamo" in sys.modules}) + "\\n")
 membership.mark_trained(d, 0, epoch)
 if epoch < 2:  # the sidecar says a change comes, then serves the next world
     membership.write(d, membership.World(epoch, membership.CHANGING, 0, 4, 4, "h", 29500))
@@ -159,6 +160,7 @@ def test_a_python_script_runs_next_in_an_interpreter_that_imported_torch_while_t
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["size"]) for r in runs] == [(0, "4"), (1, "3"), (2, "2")]
     assert [r["warm"] for r in runs] == [False, True, True]  # started ahead, torch imported
+    assert [r["dynamo"] for r in runs] == [False, True, True]  # and what DDP's constructor imports lazily
     assert all(r["argv"] == [str(script), "--lr", "1"] and r["file"] == str(script) for r in runs), runs
 
 
