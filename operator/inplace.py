@@ -37,6 +37,7 @@ from splitfeed.trainer_client import contract, messages
 from . import admission, conditions, planning, rescaling, restarting, views
 from .decisions import (
     CHECKPOINT_REQUESTED,
+    FAILED,
     POLL_S,
     REMOVING_OLD_WORLD,
     RESCALING,
@@ -88,7 +89,10 @@ def step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -> Deci
         return _changed(c, answer)
     if _finished(c):
         return _finished_decision(c)
-    failed = [p for p in c.world + c.ahead if p.failed]
+    # A member whose sidecar died after the drain was asked is waited for, as a recreate drain
+    # waits (rescaling.finished): its trainers may still commit the drain step through the
+    # world's coordinator; if they cannot, no next world comes and the deadline below applies.
+    failed = [p for p in c.world + c.ahead if p.failed and not (drain.asked_at is not None and _stranded(p))]
     lost = _lost(c, target)
     if failed or lost:  # the world is restarted as a whole (the next world's pods go with it)
         return restarting.world_failed(c, failed, lost)
@@ -98,6 +102,8 @@ def step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -> Deci
         return _abandon(c, drain, f"world {epoch + 1} did not start in place by {conditions.timestamp(deadline)} "
                                   f"(checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds} after the "
                                   f"new pods' {READY_WAIT_S:g} s to start)")
+    if c.job.suspend and drain.asked_at is None:
+        return _suspended_before_asking(c)
     create = _ahead_pods(c, target)
     # Every new replica's own pod (a same-named pod of an earlier world may still be going).
     ready = all(any(p.replica == r and p.phase == RUNNING and p.ready for p in c.ahead)
@@ -125,6 +131,19 @@ def step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -> Deci
                       notify=rescaling.notify(c, drain.token, "Rescale"), notify_replicas=target, requeue_s=LOOK_S)
 
 
+def _suspended_before_asking(c: Ctx) -> Decision:
+    """spec.suspend while a scale-up waits for its new pods, before world e was asked to change:
+    its coordinator knows of no change, so the change becomes the suspend's drain (one drain; the
+    resumed world has the newest spec.replicas) and the pods created ahead go. Waiting on would
+    let the world train on, unasked, for up to READY_WAIT_S: to its end, if it is near."""
+    ahead = [p.name for p in c.ahead if not p.deleting]
+    d = rescaling.request_drain(c, "Suspend", c.found.replicas,
+                                f"spec.suspend is true (the change in place to {c.job.replicas} replicas had not "
+                                f"asked world {c.world_epoch} yet)")
+    status = {**d.status, "drain": {**d.status["drain"], **rescaling.NOT_IN_PLACE}}
+    return dataclasses.replace(d, status=status, delete=sorted(set(d.delete) | set(ahead)))
+
+
 def relabel(c: Ctx) -> dict[str, dict[str, str]]:
     """The kept pods whose world label is behind the world they run (after an operator crash)."""
     return {p.name: {contract.LABEL_EPOCH: str(c.world_epoch)} for p in c.world if p.epoch != c.world_epoch}
@@ -144,6 +163,15 @@ def _changed(c: Ctx, answer: messages.Status) -> Decision:
            f"{replicas} replicas ({len(kept)} pods kept, {len(added)} added, {len(gone)} removed)")
     c.cond(conditions.RESCALING, False, "RescaledInPlace", msg)
     c.cond(conditions.READY, True, "AllPodsRunning", f"world {new} runs in place")
+    stood_in = [p.name for p in c.world if _stranded(p)]
+    # Announced as a recreate drain announces it (rescaling.SIDECAR_LOST), when this look saw the
+    # dead sidecar: the next world often serves before its pod's status says so, and then nothing
+    # here knows (the coordinator's `status` does not say who committed through it).
+    if stood_in:
+        c.events.append(Event("Warning", rescaling.SIDECAR_LOST, (
+            f"the sidecar of {', '.join(stood_in)} died during world {old}'s change in place and left no "
+            f"report; every member committed the agreed step {resume} (its trainers through the world's "
+            f"coordinator): world {new} resumes exactly there, 0 steps redone")))
     c.events.append(Event("Normal", "ResumeStepChosen",
                           f"world {old} drained at step {resume}; world {new} resumes exactly there "
                           f"(status.resumeStep={resume})"))
@@ -153,6 +181,18 @@ def _changed(c: Ctx, answer: messages.Status) -> Decision:
     create = [o for o in objects if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     label = {p.name: {contract.LABEL_EPOCH: str(new)} for p in kept}
     return c.decision(RUNNING, create=create, delete=gone, label=label)
+
+
+def _stranded(p: views.Pod) -> bool:
+    """A member's pod whose sidecar (a plain container that cannot restart) died and left no
+    report while its trainers did not fail (docs/agreement.md, "A sidecar that cannot restart").
+    Not replica 0: its sidecar is the world's coordinator, and the world cannot change without it."""
+    if p.phase == FAILED or not p.replica or p.final_report is not None:
+        return False
+    sidecar = [ct for ct in p.containers if not ct.init and ct.name == contract.SIDECAR_NAME]
+    others = [ct for ct in p.containers if not ct.init and ct.name != contract.SIDECAR_NAME]
+    return (any(ct.terminated and ct.exit_code != 0 for ct in sidecar)
+            and all(not ct.terminated or ct.exit_code == 0 for ct in others))
 
 
 def _finished(c: Ctx) -> bool:
