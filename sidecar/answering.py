@@ -115,7 +115,7 @@ class Answers:
         for feed in self._feeds:
             if feed.session.peer == peer:
                 return feed
-        raise errors.ProtocolError("say hello first")
+        raise errors.NotWelcomed("say hello first")
 
     def hello(self, peer: bytes, message: Hello) -> None:
         local_rank = message.local_rank

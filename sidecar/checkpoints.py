@@ -317,6 +317,15 @@ class Store:
         merged = merge([r["state"] for r in records])
         return Found(global_step, merged, len(records), epoch, found)
 
+    def committed(self, *, global_step: int, rank: int, world_size: int, world_epoch: int | None = None) -> bool:
+        """World `world_epoch` (default: this store's) holds the rank's commit marker for `global_step`."""
+        path = self.record_path(global_step, rank, world_size, commit=True, world_epoch=world_epoch)
+        return self.blobs.get(path) is not None
+
+    def complete(self, global_step: int) -> bool:
+        """Some world not fenced off holds `global_step` complete (a record and a marker per rank)."""
+        return bool(self._complete(global_step, self._resume_steps()))
+
     def find(self, global_step: int, merge: Merge, *, expect: Mapping[str, Any] | None = None) -> Found | None:
         """Exactly `global_step` if complete (newest eligible world), else None."""
         complete = self._complete(global_step, self._resume_steps())

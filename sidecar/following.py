@@ -19,7 +19,7 @@ class Coordination:
     """The world's word as this sidecar knows it (docs/agreement.md); only the loop thread uses it."""
 
     def __init__(self, *, member: agreement.Member | None, world_size: int, steps_per_epoch: int,
-                 skipping: bool, on_drain: Callable[[int, int], None] | None) -> None:
+                 skipping: bool, on_drain: Callable[[int, str, int], None] | None) -> None:
         self.member = member
         self._on_drain = on_drain
         self.world = WorldView(steps_per_epoch) if skipping else None
@@ -86,7 +86,7 @@ class Coordination:
             self.next_replicas = message.next_replicas
             self.member.commitment = (step, message.reason, message.next_replicas)
             if self._on_drain is not None:  # before any rank can see the request
-                self._on_drain(step, message.next_replicas)
+                self._on_drain(step, message.reason, message.next_replicas)
         for publisher in publishers:
             publisher.commit_at(step, drain=message.drain)
 

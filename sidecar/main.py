@@ -22,8 +22,8 @@ from typing import Any
 
 from splitfeed.trainer_client import contract, errors, membership, messages, specs, stranded
 
-from . import (agreement, cgroups, checkpoints, ending, identity, metrics, planner, plans, positions, reading,
-               serving, workers)
+from . import (agreement, cgroups, checkpoints, commitments, ending, identity, metrics, planner, plans, positions,
+               reading, serving, workers)
 from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
@@ -399,6 +399,8 @@ class Sidecar:
     """The job's data at the pinned table version (None when it could not be opened)."""
     rows: int = 0
     """The rows the job reads per epoch (its filter applied)."""
+    stores: list[checkpoints.Store] = dataclasses.field(default_factory=list)
+    """The job's checkpoint stores (none without spec.checkpoint.uri)."""
 
 
 @dataclasses.dataclass
@@ -471,7 +473,31 @@ def prepare(settings: SidecarSettings, carried: Carried | None = None) -> Sideca
     except errors.UserError as exc:
         failure, permanent = str(exc), isinstance(exc, errors.DataError)
         log.error("%s", failure)
-    return _sidecar(o, instance, failure, permanent)
+    sidecar = _sidecar(o, instance, failure, permanent)
+    _drained_before(sidecar)
+    return sidecar
+
+
+def _drained_before(sidecar: Sidecar) -> None:
+    """Ranks that committed the drain step this pod's sidecar was committed to before it
+    restarted (sidecar.commitments) are drained: their trainers saved, committed and ended,
+    and never say hello again. Without this the restarted sidecar waited for them, and its pod
+    held the world's replacement until checkpoint.timeoutSeconds."""
+    settings = sidecar.settings
+    kept = commitments.load(settings.socket_dir, settings.world_epoch)
+    if kept is None or not sidecar.stores or sidecar.failure is not None:
+        return
+    step = kept[0]
+    for feed in sidecar.server.feeds:
+        session = feed.session
+        with contextlib.suppress(Exception):  # a flaky read: the rank is served as usual
+            if sidecar.stores[0].committed(global_step=step, rank=session.rank, world_size=settings.world_size,
+                                           world_epoch=settings.world_epoch):
+                log.info("rank %d committed drain step %d before this sidecar restarted: it is drained",
+                         session.rank, step)
+                session.drained, session.committed = True, step
+                feed.control.acked = step - 1
+                feed.publisher.halt()
 
 
 def _open_world(o: _Opening, instance: str) -> None:
@@ -522,6 +548,10 @@ def _start_coordinator(o: _Opening, bind: str) -> str:
 def _join(o: _Opening, address: str, replica: int, instance: str) -> None:
     """Join the world's coordinator: its resume step, table version and size win."""
     o.member = agreement.Member(address, replica, instance)
+    kept = commitments.load(o.settings.socket_dir, o.settings.world_epoch)
+    if kept is not None:  # this pod's sidecar restarted during a drain it had committed to
+        log.info("rejoining world %d committed to drain step %d", o.settings.world_epoch, kept[0])
+        o.member.commitment = kept
     joined = o.member.join(published=-1, timeout_s=JOIN_TIMEOUT_S)
     o.start_step, o.member_version = joined.resume_step, joined.table_version
     local = o.settings.local_world_size
@@ -604,7 +634,8 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
         if o.builder is not None:
             o.builder.reached(step // max(1, o.steps_per_epoch))  # the next epoch's plan is wanted
 
-    def on_drain(step: int, next_replicas: int) -> None:
+    def on_drain(step: int, reason: str, next_replicas: int) -> None:
+        commitments.save(settings.socket_dir, settings.world_epoch, step, reason, next_replicas)
         if next_replicas > 0:  # trainers that stop at this drain get a next world (membership)
             write_world(settings, membership.CHANGING, o.start_step)
 
@@ -625,7 +656,7 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
         observed.port = observed.serve(settings.metrics_port)
     return Sidecar(server, settings, o.steps_per_epoch, failure, permanent, o.coordinator,
                    int(data.version) if data is not None and data.version is not None else None,
-                   observed, o.builder, o.plan, data, o.rows)
+                   observed, o.builder, o.plan, data, o.rows, stores)
 
 
 def _checkpointing(settings: SidecarSettings, stores: list[checkpoints.Store], ledgers: SkipLedgers,
@@ -789,6 +820,11 @@ every member committed the drain step: a member whose sidecar died commits throu
 (sidecar.standins). Members that commit as usual take milliseconds."""
 
 
+STORE_LOOK_S = 0.5
+"""How often replica 0, waiting for its members, also looks whether the store holds the step
+complete: a coordinator restarted during the drain was not told of commits made before."""
+
+
 def wait_for_members(sidecar: Sidecar, report: contract.Report, signals: Signals) -> None:
     """Replica 0, after a drain that ends it: wait (at most STAND_IN_WAIT_S, or until a SIGTERM
     comes meanwhile: the pod is being deleted) until every member committed the drain step, so
@@ -798,8 +834,13 @@ def wait_for_members(sidecar: Sidecar, report: contract.Report, signals: Signals
     if sidecar.coordinator is None or not report.get("drained") or step is None:
         return
     coordinator, termed = sidecar.coordinator.coordinator, len(signals.times)
-    deadline = time.monotonic() + STAND_IN_WAIT_S
+    deadline, looked = time.monotonic() + STAND_IN_WAIT_S, time.monotonic()
     while (coordinator.complete_step or -1) < step:
+        if sidecar.stores and time.monotonic() - looked > STORE_LOOK_S:
+            looked = time.monotonic()  # members that committed before this coordinator (re)started
+            with contextlib.suppress(Exception):  # a flaky read: the next look, or the deadline
+                if sidecar.stores[0].complete(step):
+                    return
         if time.monotonic() > deadline or len(signals.times) > termed:
             log.error("not every member committed drain step %d within %.0f s: the next world resumes "
                       "from the newest complete checkpoint", step, STAND_IN_WAIT_S)
@@ -878,6 +919,10 @@ def run(settings: SidecarSettings) -> int:
     """
     settings = _set_up_process(settings)
     _hold_lock(settings)
+    done = _drained_before_restart(settings)
+    if done is not None:
+        write_report(settings.termination_log, done)
+        return 0
     carried: Carried | None = None
     signals = Signals()
     signals.install()
@@ -989,6 +1034,30 @@ class Signals:
         self.times.extend([time.monotonic()] * 2)
         if self.current is not None:
             self.current.server.stopping.set()
+
+
+def _drained_before_restart(settings: SidecarSettings) -> contract.Report | None:
+    """A member's sidecar the kubelet restarted after every rank of it committed the drain step
+    it was committed to (sidecar.commitments): its trainers saved, committed and ended, and the
+    world's coordinator may have ended too. Nothing is left to serve or to agree: the report
+    says drained at that step, as the sidecar before it would have said. None otherwise."""
+    kept = commitments.load(settings.socket_dir, settings.world_epoch)
+    if kept is None or replica_of(settings) == 0:  # replica 0's coordinator may still be needed
+        return None
+    step, reason, _ = kept
+    try:
+        stores = job_stores(load_job(settings), settings, read_storage_options(settings.storage_options_dir))
+        ranks = range(settings.rank, settings.rank + settings.local_world_size)
+        if not stores or not all(stores[0].committed(global_step=step, rank=r, world_size=settings.world_size,
+                                                     world_epoch=settings.world_epoch) for r in ranks):
+            return None
+    except Exception as exc:  # noqa: BLE001 - then the sidecar starts as usual and finds out
+        log.warning("cannot tell whether this pod's ranks drained before the restart: %s", exc)
+        return None
+    log.info("every rank of this pod committed drain step %d before this sidecar restarted: it ends "
+             "drained there", step)
+    return {**_worldless_report(None), "globalStep": step, "drained": True, "agreedStep": step,
+            "drainReason": reason}
 
 
 def _worldless_report(error: str | None) -> contract.Report:

@@ -153,7 +153,7 @@ class Server:
                  context: zmq.Context[Any] | None = None,
                  skipping: bool = False,
                  on_published: Callable[[int, int], None] | None = None,
-                 on_drain: Callable[[int, int], None] | None = None) -> None:
+                 on_drain: Callable[[int, str, int], None] | None = None) -> None:
         self.directory = Path(directory)
         self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
@@ -334,7 +334,8 @@ class Server:
                     self._answers.handle(peer, message)
             except errors.ProtocolError as exc:
                 self._sockets.complain(peer, f"sent a bad message: {exc}")
-                self._send(peer, Error(code="protocol", message=str(exc), fatal=False))
+                code = messages.NOT_WELCOMED if isinstance(exc, errors.NotWelcomed) else "protocol"
+                self._send(peer, Error(code=code, message=str(exc), fatal=False))
 
 
 def flush(context: zmq.Context[Any], timeout_s: float = CLOSE_LINGER_S + 1.0) -> bool:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from . import membership, messages, stranded
-from .errors import CheckpointError
+from .errors import CheckpointError, NotWelcomed
 from .handshake import Session
 
 if TYPE_CHECKING:
     from .client import Channel
 
 log = logging.getLogger(__name__)
+
+_Answer = TypeVar("_Answer", messages.Checkpointed, messages.Committed)
 
 
 class Checkpoints:
@@ -25,9 +28,12 @@ class Checkpoints:
     """
 
     def __init__(self, session: Session, channel: Channel, directory: Path | None = None,
-                 local_rank: int = 0, timeout_s: float = 300.0) -> None:
+                 local_rank: int = 0, timeout_s: float = 300.0,
+                 rehello: Callable[[], None] | None = None) -> None:
         self._session = session
         self._channel = channel
+        self._rehello = rehello
+        """Say hello again and take the welcome (StreamClient's): the sidecar restarted."""
         self._dir = directory
         self._local_rank = local_rank
         self._timeout_s = timeout_s
@@ -50,7 +56,7 @@ class Checkpoints:
         stand_in = self._stranded(step)
         if stand_in is None:
             try:
-                reply = self._channel.request(messages.Checkpoint(step), messages.Checkpointed, self._gone)
+                reply = self._request(messages.Checkpoint(step), messages.Checkpointed)
             except CheckpointError:
                 stand_in = self._stranded(step)  # it died while asked
                 if stand_in is None:
@@ -70,7 +76,7 @@ class Checkpoints:
         stand_in = self._stand_in
         if stand_in is None:
             try:
-                self._channel.request(messages.Commit(step), messages.Committed, self._gone)
+                self._request(messages.Commit(step), messages.Committed)
             except CheckpointError:
                 stand_in = self._stranded(step)  # it died after the record, before the marker
                 if stand_in is None:
@@ -89,6 +95,20 @@ class Checkpoints:
         """A new world: nothing prepared, nothing drained."""
         self.drained = False
         self.prepared, self._stand_in = None, None
+
+    def _request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer]) -> _Answer:
+        """`request` to this rank's sidecar; once more after a hello if a restarted sidecar did
+        not know this trainer (the kubelet restarted it during a drain: its restarted member
+        rejoined committed to the drain step, sidecar.commitments, and serves it again)."""
+        try:
+            return self._channel.request(request, answer, self._gone)
+        except NotWelcomed:
+            if self._rehello is None:
+                raise CheckpointError("the sidecar restarted and does not know this trainer") from None
+            log.warning("the sidecar restarted: saying hello again before %s of step %d", request.kind,
+                        request.step)
+            self._rehello()
+            return self._channel.request(request, answer, self._gone)
 
     def _gone(self) -> bool:
         return self._dir is not None and stranded.gone(self._dir)

@@ -47,7 +47,7 @@ import zmq
 
 from . import contract, counters, membership, messages, taking
 from .checkpointing import Checkpoints
-from .errors import CheckpointError, ProtocolError, SidecarFailed, SidecarUnavailable
+from .errors import CheckpointError, NotWelcomed, ProtocolError, SidecarFailed, SidecarUnavailable
 from .handshake import Session
 from .preemption import Preemption
 from .receiving import Receiver
@@ -145,6 +145,8 @@ class Channel:
                     continue
                 if isinstance(message, answer) and message.step == step:
                     return message
+                if isinstance(message, messages.Error) and message.code == messages.NOT_WELCOMED:
+                    raise NotWelcomed(message.message)  # a restarted sidecar: say hello again
                 if isinstance(message, messages.Error):
                     raise CheckpointError(message.message)
                 held.append(message)
@@ -200,7 +202,8 @@ class StreamClient:
         self._taker = taking.Taker(self._dir, self.local_rank, as_tensors=as_tensors)
         self._session = Session(self._channel, self._dir, self.local_rank, timeout_s=timeout_s,
                                 heartbeat_s=heartbeat_s)
-        self._checkpoints = Checkpoints(self._session, self._channel, self._dir, self.local_rank, timeout_s)
+        self._checkpoints = Checkpoints(self._session, self._channel, self._dir, self.local_rank, timeout_s,
+                                        rehello=lambda: self._welcome(self._session.hello(stale=self._session.instance)))
         self._preemption = Preemption(self._channel.send)
         self._receiver = Receiver(self._session, self._channel, self._taker, sys.modules[__name__],
                                   timeout_s=timeout_s, heartbeat_s=heartbeat_s, on_welcome=self._welcome,

@@ -9,6 +9,7 @@
     │   ├── sidecar.checkpoints.StaleWorld         a newer world replaced this pod's
     │   └── sidecar.blobs.StoreUnavailable         the checkpoint store kept failing; a restart may help
     ├── ProtocolError                      a malformed, oversized or out-of-order message
+    │   └── NotWelcomed                    from a trainer the sidecar has not welcomed (it restarted)
     ├── SidecarUnavailable                 the sidecar does not answer; reconnect or retry
     ├── SidecarFailed                      the sidecar reported a fatal error (e.g. missing table)
     ├── CheckpointError                    a checkpoint could not be written or read
@@ -49,6 +50,11 @@ class DataError(UserError):
 
 class ProtocolError(SplitfeedError):
     pass
+
+
+class NotWelcomed(ProtocolError):
+    """A message from a trainer the sidecar has not welcomed: a restarted sidecar forgot it.
+    On the wire an Error with code messages.NOT_WELCOMED; the trainer says hello again."""
 
 
 class SidecarUnavailable(SplitfeedError):

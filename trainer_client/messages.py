@@ -199,10 +199,15 @@ class Committed(Message):
     step: int
 
 
+NOT_WELCOMED = "not-welcomed"
+"""Error.code for a message from a trainer the sidecar has not welcomed (errors.NotWelcomed)."""
+
+
 @_wire("error")
 @dataclasses.dataclass(frozen=True)
 class Error(Message):
-    """Any side's refusal; `fatal`: the sidecar cannot serve this rank at all."""
+    """Any side's refusal; `fatal`: the sidecar cannot serve this rank at all; `code`
+    NOT_WELCOMED: the sender is not known here (say hello again)."""
 
     code: str
     message: str

@@ -163,9 +163,10 @@ def test_the_coordinator_writes_what_it_accepts_and_refuses_the_rest_with_its_re
 
 
 def replica_zero(complete: int | None) -> tuple[types.SimpleNamespace, sidecar_main.Signals]:
-    """What `wait_for_members` reads of replica 0's sidecar: its coordinator's complete step."""
+    """What `wait_for_members` reads of replica 0's sidecar: its coordinator's complete step (and no store)."""
     coordinator = types.SimpleNamespace(complete_step=complete)
-    return types.SimpleNamespace(coordinator=types.SimpleNamespace(coordinator=coordinator)), sidecar_main.Signals()
+    return (types.SimpleNamespace(coordinator=types.SimpleNamespace(coordinator=coordinator), stores=[]),
+            sidecar_main.Signals())
 
 
 @pytest.mark.parametrize("ends", ["the-last-member-commits", "a-sigterm-comes"])

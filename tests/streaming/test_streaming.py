@@ -139,6 +139,22 @@ def test_garbage_gets_an_error_reply_and_the_sidecar_keeps_serving(pods, table_u
         assert [ids(b) for b in client] == reference_batches(table_uri, {}, 1, 0)
 
 
+def test_a_checkpoint_before_hello_is_answered_not_welcomed(pods, table_uri):
+    """What a trainer hears from a sidecar that restarted and does not know it yet: the code
+    that makes its client say hello again and ask once more (Checkpoints._request)."""
+    pod = pods("pod", manifest(table_uri), replicas=1, replica=0).start_thread()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{pod.socket_dir / messages.SOCKET_NAME}")
+    try:
+        sock.send(messages.Checkpoint(step=3).encode())
+        assert sock.poll(10_000), "no reply to a checkpoint before hello"
+        reply = messages.decode(sock.recv())
+        assert isinstance(reply, messages.Error) and reply.code == messages.NOT_WELCOMED and not reply.fatal
+    finally:
+        sock.close()
+
+
 def test_numpy_columns_without_torch(pods, table_uri):
     pod = pods("pod", manifest(table_uri), replicas=1, replica=0).start_thread()
     with StreamClient(pod.socket_dir, 0, as_tensors=False) as client:
