@@ -10,20 +10,9 @@ import json
 from splitfeed.operator import lifecycle, planning
 from splitfeed.trainer_client import messages
 from tests.support.builders import OWNER, status_answer
-from tests.support.memory_cluster import SETTINGS, Cluster, ts
+from tests.support.memory_cluster import SETTINGS, Cluster, env_of, in_place, ts
 
 
-def in_place(replicas: int) -> Cluster:
-    c = Cluster(replicas=replicas, rescale="inPlace")
-    c.running()
-    for i, p in enumerate(c.pods.values()):
-        p["status"]["podIP"] = f"10.0.0.{i + 1}"
-    return c
-
-
-def env_of(pod: dict, container: str) -> dict[str, str]:
-    (found,) = [x for x in pod["spec"].get("initContainers", []) + pod["spec"]["containers"] if x["name"] == container]
-    return {e["name"]: e["value"] for e in found["env"]}
 
 
 def left(c: Cluster, pod: str, agreed: int) -> None:

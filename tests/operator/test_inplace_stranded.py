@@ -13,18 +13,11 @@ from typing import Any
 from splitfeed.operator import lifecycle, rescaling
 from splitfeed.trainer_client import messages
 from tests.support.builders import status_answer
-from tests.support.memory_cluster import Cluster, ts
+from tests.support.memory_cluster import Cluster, in_place, ts
 
 DRAIN = 7
 MEMBER = "resnet-r1"
 
-
-def in_place(replicas: int) -> Cluster:
-    c = Cluster(replicas=replicas, rescale="inPlace")
-    c.running()
-    for i, p in enumerate(c.pods.values()):
-        p["status"]["podIP"] = f"10.0.0.{i + 1}"
-    return c
 
 
 def serves(epoch: int, replicas: int, resume: int) -> messages.Status:

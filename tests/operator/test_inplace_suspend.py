@@ -10,17 +10,10 @@ from __future__ import annotations
 import json
 
 from splitfeed.operator import lifecycle
-from tests.support.memory_cluster import Cluster, ts
+from tests.support.memory_cluster import Cluster, in_place, ts
 
 DRAIN = 9
 
-
-def in_place(replicas: int) -> Cluster:
-    c = Cluster(replicas=replicas, rescale="inPlace")
-    c.running()
-    for i, p in enumerate(c.pods.values()):
-        p["status"]["podIP"] = f"10.0.0.{i + 1}"
-    return c
 
 
 def drained(c: Cluster, pod: str, reason: str) -> None:

@@ -296,7 +296,18 @@ def test_a_status_patch_onto_a_stale_resource_version_is_a_conflict(env: Env) ->
         with pytest.raises(kube.Conflict):
             asyncio.run(client.patch_job_status(NS, "kappa", {"restarts": 7}, stale))
         assert env.status("kappa").get("restarts") is None
-        asyncio.run(client.patch_job_status(NS, "kappa", {"restarts": 0}, job["metadata"]["resourceVersion"]))
+
+        def at_current_version() -> bool:
+            # The operator may write the status between the read and the patch (it does, under
+            # load: that read's version is then stale too); a version read again is taken.
+            current = env.job("kappa")["metadata"]["resourceVersion"]
+            try:
+                asyncio.run(client.patch_job_status(NS, "kappa", {"restarts": 0}, current))
+            except kube.Conflict:
+                return False
+            return True
+
+        wait_for_api(at_current_version, 30, "a status patch at the current resourceVersion taken")
     finally:
         client.close()
 

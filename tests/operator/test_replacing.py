@@ -9,20 +9,9 @@ from __future__ import annotations
 import datetime
 
 from tests.support.builders import status_answer
-from tests.support.memory_cluster import Cluster
+from tests.support.memory_cluster import Cluster, env_of, in_place
 
 
-def in_place(replicas: int, **spec: object) -> Cluster:
-    c = Cluster(replicas=replicas, rescale="inPlace", **spec)
-    c.running()
-    for i, p in enumerate(c.pods.values()):
-        p["status"]["podIP"] = f"10.0.0.{i + 1}"
-    return c
-
-
-def env_of(pod: dict, container: str) -> dict[str, str]:
-    (found,) = [x for x in pod["spec"].get("initContainers", []) + pod["spec"]["containers"] if x["name"] == container]
-    return {e["name"]: e.get("value") for e in found["env"]}
 
 
 def fail(c: Cluster, name: str, **status: object) -> None:

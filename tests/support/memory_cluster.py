@@ -121,5 +121,21 @@ class Cluster:
         return self
 
 
+def in_place(replicas: int, **spec: object) -> Cluster:
+    """A job with spec.rescale inPlace, its world running, each pod with an IP (the operator
+    asks replica 0's coordinator at it)."""
+    c = Cluster(replicas=replicas, rescale="inPlace", **spec)
+    c.running()
+    for i, p in enumerate(c.pods.values()):
+        p["status"]["podIP"] = f"10.0.0.{i + 1}"
+    return c
+
+
+def env_of(pod: dict, container: str) -> dict[str, str]:
+    """A container's environment by name (None for a value from elsewhere: valueFrom)."""
+    (found,) = [x for x in pod["spec"].get("initContainers", []) + pod["spec"]["containers"] if x["name"] == container]
+    return {e["name"]: e.get("value") for e in found["env"]}
+
+
 def ts(t: datetime.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
