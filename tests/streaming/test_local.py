@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.streaming.harness import manifest, reference_batches
+from tests.support.tables import check_exact
 from tests.support.waiting import running, wait_for
 
 SCRIPT = Path(__file__).with_name("trainer_script.py")
@@ -212,10 +213,7 @@ def exact_2_4_3(logs: Path, store: Path, table_uri: str):  # type: ignore[no-unt
     """The trainers' logs against lancedb's reference: worlds of 2, 4 and 3 ranks, cut at 8 and 14."""
     from tests.support import exactness
 
-    summary = exactness.check(
-        logs, exactness.complete_checkpoints(store / "test" / "job"),
-        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
-        lambda world, rank: reference_batches(table_uri, {}, world, rank))
+    summary = check_exact(logs, store / "test" / "job", table_uri)
     assert [w.size for w in summary.worlds] == [2, 4, 3], summary
     assert [w.resume_step for w in summary.worlds[1:]] == [8, 14], summary
     return summary

@@ -25,6 +25,7 @@ from splitfeed.trainer_client.client import StreamClient
 
 from tests.support import transforms
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
+from tests.support.tables import check_exact
 from tests.support.waiting import wait_for
 
 IMAGE = {"transform": "tests.support.transforms:image", "transformArgs": '{"scale": 2.0}'}
@@ -126,10 +127,7 @@ def test_a_live_rescale_2_to_4_to_3_of_a_transform_job_with_ddp_trainers_is_exac
                      "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.25", timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("; 0 steps redone") == 2, done.stderr
-    summary = exactness.check(
-        logs, exactness.complete_checkpoints(store / "test" / "job"),
-        [set(b) for b in reference_batches(table_uri, {}, 1, 0)],
-        lambda world, rank: reference_batches(table_uri, {}, world, rank))
+    summary = check_exact(logs, store / "test" / "job", table_uri)
     assert [w.size for w in summary.worlds] == [2, 4, 3], summary
     assert summary.replayed == 0, summary
 

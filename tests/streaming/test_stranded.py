@@ -29,6 +29,7 @@ from splitfeed.sidecar import agreement, main as sidecar_main
 from splitfeed.trainer_client import contract, messages, ring, stranded, worlds
 from splitfeed.trainer_client.errors import CheckpointError
 from tests.streaming.harness import manifest, pods, reference_batches, socket_root, table_uri  # noqa: F401
+from tests.support.tables import check_exact
 from tests.support import exactness, ports, processes
 from tests.support.waiting import wait_for
 
@@ -117,10 +118,7 @@ def test_a_member_sidecar_killed_for_good_after_the_drain_committed_still_ends_t
     finally:
         for proc in trainers:
             processes.stop(proc)
-    summary = exactness.check(
-        logs, exactness.complete_checkpoints(store),
-        [set(b) for b in reference_batches(table_uri, {"epochs": EPOCHS}, 1, 0)],
-        lambda size, rank: reference_batches(table_uri, {"epochs": EPOCHS}, size, rank))
+    summary = check_exact(logs, store, table_uri, {"epochs": EPOCHS})
     assert [(w.size, w.ended, w.agreed_step) for w in summary.worlds] == [
         (3, exactness.DRAINED, step), (2, exactness.END, None)], summary
     assert summary.worlds[1].resume_step == step and summary.replayed == 0, summary  # 0 steps redone

@@ -9,6 +9,7 @@ from splitfeed's output, so a drift of the pinned lancedb shows up as a mismatch
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import lancedb
 import numpy as np
@@ -16,6 +17,7 @@ import pyarrow as pa
 
 from splitfeed.sidecar import reading
 from splitfeed.trainer_client import specs, topology
+from tests.support import exactness
 from tests.support.manifests import data_manifest
 
 TABLE = "frames"
@@ -49,6 +51,16 @@ def write_training_table(uri: str, rows: int = ROWS, name: str = TABLE) -> None:
     """The table with TRAINING_DIM-wide random vectors: what the trainers of the streaming and
     end-to-end tiers train on."""
     write_table(uri, rows, name, dim=TRAINING_DIM, seed=1)
+
+
+def check_exact(logs: Path, store: Path, uri: str, data_overrides: dict | None = None) -> exactness.Summary:
+    """The trainers' logs (tests/e2e/trainer.py) under `logs` against StreamingDataset over the
+    job of `data_manifest(uri, **data_overrides)`, by tests/support/exactness.py's rule, with
+    the complete checkpoints found in `store` (the job's directory of the store)."""
+    overrides = data_overrides or {}
+    return exactness.check(logs, exactness.complete_checkpoints(store),
+                           [set(b) for b in reference_batches(uri, overrides, 1, 0)],
+                           lambda world, rank: reference_batches(uri, overrides, world, rank))
 
 
 def reference_batches(uri: str, data_overrides: dict, world: int, rank: int) -> list[list[int]]:
