@@ -211,8 +211,6 @@ E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
 
 def exact_2_4_3(logs: Path, store: Path, table_uri: str):  # type: ignore[no-untyped-def]
     """The trainers' logs against lancedb's reference: worlds of 2, 4 and 3 ranks, cut at 8 and 14."""
-    from tests.support import exactness
-
     summary = check_exact(logs, store / "test" / "job", table_uri)
     assert [w.size for w in summary.worlds] == [2, 4, 3], summary
     assert [w.resume_step for w in summary.worlds[1:]] == [8, 14], summary

@@ -115,8 +115,6 @@ def splitfeed(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 def test_a_live_rescale_2_to_4_to_3_of_a_transform_job_with_ddp_trainers_is_exact(table_uri, tmp_path):
     """`splitfeed local --scale-at` with a transform: real DDP trainers (gloo) train on the
     transformed columns; every global step holds the reference rows exactly once."""
-    from tests.support import exactness
-
     logs, store = tmp_path / "logs", tmp_path / "ckpt"
     job = manifest(table_uri, str(store), transform="tests.support.transforms:passthrough_plus",
                    numWorkers=2)
