@@ -192,8 +192,8 @@ def drain_step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -
                 c.patch["resumeStep"] = None
                 c.events.append(Event("Warning", "CheckpointTimeout",
                     f"{done}/{len(c.world)} pods of world {epoch} finished within "
-                    f"checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds}; removing the world, "
-                    "the next one resumes from the newest complete checkpoint (no status.resumeStep)"))
+                    f"checkpoint.timeoutSeconds={c.job.checkpoint.timeout_seconds}{_unfinished(c)}; removing "
+                    "the world, the next one resumes from the newest complete checkpoint (no status.resumeStep)"))
         c.patch["drain"] = dataclasses.replace(drain, step=REMOVING_OLD_WORLD).patch()
         c.cond(conditions.RESCALING, True, REMOVING_OLD_WORLD, f"deleting the pods of world {epoch}")
         live = [p.name for p in c.world if not p.deleting]
@@ -206,6 +206,16 @@ def drain_step(c: Ctx, drain: views.Drain, problem: admission.Rejected | None) -
     return c.decision(WAITING_FOR_CHECKPOINT, annotate=_annotations(c, drain.token),
                       requeue_s=max(0.5, min(POLL_S, left)),
                       notify=notify(c, drain.token, drain.reason or "rescale"))
+
+
+def _unfinished(c: Ctx) -> str:
+    """Which pods had not finished, and whose sidecar had died (its trainers could not commit
+    the drain step unless the world's coordinator stood in for them): for the event."""
+    waiting = [p for p in c.world if not finished(p)]
+    dead = [p.name for p in waiting if any(ct.name == contract.SIDECAR_NAME and ct.terminated
+                                           for ct in p.containers)]
+    names = f" (not finished: {', '.join(p.name for p in waiting)})" if waiting else ""
+    return names + (f"; the sidecar of {', '.join(dead)} died during the drain" if dead else "")
 
 
 def finished(pod: views.Pod) -> bool:

@@ -56,10 +56,11 @@ def scale_and_kill_once_committed(cluster: Cluster, name: str, replica: int, **k
     assert pid, f"no sidecar process in {pod}"
     os.kill(pid, signal.SIGKILL)
     log(f"SIGKILL {pod}/splitfeed-sidecar (pid {pid})")
-    late = [r for r in _records(log_dir, 0, replica) if r["event"] == "checkpoint"]
-    assert not late, (f"rank {replica} checkpointed through its sidecar before the kill landed ({late}): "
-                      "the timing missed what this test is about (run it again)")
-    return int(seen["step"]) + 1
+    step = int(seen["step"]) + 1
+    late = [r for r in _records(log_dir, 0, replica) if r["event"] == "checkpoint" and r["step"] >= step]
+    assert not late, (f"rank {replica} checkpointed drain step {step} through its sidecar before the kill "
+                      f"landed ({late}): the timing missed what this test is about (run it again)")
+    return step
 
 
 def restarts_of(cluster: Cluster, pod: str) -> int:
@@ -83,4 +84,24 @@ def test_a_sidecar_restarted_during_a_drain_rejoins_and_the_world_drains_at_the_
     # trainer had already drained once held its pod, and the world, until then).
     assert "CheckpointTimeout" not in event_reasons(cluster, name), event_reasons(cluster, name)
     assert "ResumeStepChosen" in event_reasons(cluster, name), event_reasons(cluster, name)
+    finish(cluster, name)
+
+
+def test_the_coordinator_dead_for_good_during_a_drain_costs_at_most_the_steps_since_the_last_checkpoint_announced(
+        cluster: Cluster) -> None:
+    """Replica 0's sidecar is the world's coordinator: dead for good (restartPolicy Never), no
+    one can checkpoint its trainer's drain step. The world is replaced from the newest complete
+    checkpoint (every 2 steps here): exact, at most the steps since it redone, and announced
+    (a Warning event naming the pod, status.lastRescale.stepsRedone), never silent."""
+    name = "coordinator-dead-in-drain"
+    step = scale_and_kill_once_committed(cluster, name, 0, checkpoint_every=2, timeout_seconds=30)
+    status = wait_phase(cluster, name, "Succeeded")
+    summary = assert_exact(cluster, name, 1)
+    assert [w.size for w in summary.worlds] == [2, 1], summary
+    resumed = summary.worlds[1].resume_step
+    assert step - 2 <= resumed <= step, (step, summary)  # the newest complete checkpoint
+    redone = (status.get("lastRescale") or {}).get("stepsRedone")
+    assert redone == step - resumed, (redone, step, resumed, status.get("lastRescale"))
+    warnings = [e for e in cluster.events(name) if e["type"] == "Warning"]
+    assert any(f"{name}-w0-0" in e["message"] for e in warnings), warnings
     finish(cluster, name)

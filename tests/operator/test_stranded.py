@@ -109,4 +109,6 @@ def test_a_trainer_that_never_ends_is_given_up_on_after_the_checkpoint_timeout()
     c.now += datetime.timedelta(seconds=61)  # checkpoint.timeoutSeconds: 60
     d = c.step()
     assert d.step == "RemovingOldWorld" and d.status.get("resumeStep") is None
-    assert events(d, "CheckpointTimeout") and not events(d, rescaling.SIDECAR_LOST)
+    (timeout,) = events(d, "CheckpointTimeout")
+    assert not events(d, rescaling.SIDECAR_LOST)
+    assert f"not finished: {LOST}" in timeout.message and f"the sidecar of {LOST} died" in timeout.message, timeout
