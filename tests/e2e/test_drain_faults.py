@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -104,4 +105,27 @@ def test_the_coordinator_dead_for_good_during_a_drain_costs_at_most_the_steps_si
     assert redone == step - resumed, (redone, step, resumed, status.get("lastRescale"))
     warnings = [e for e in cluster.events(name) if e["type"] == "Warning"]
     assert any(f"{name}-w0-0" in e["message"] for e in warnings), warnings
+    finish(cluster, name)
+
+
+def test_two_scales_within_a_second_are_merged_or_queued_and_lose_nothing(cluster: Cluster) -> None:
+    """Issue 21 item 3, recreate mode (tests/e2e/test_faults_in_place.py has it in place): 3 -> 1
+    and at once -> 2; the job ends with 2 replicas, no world failed, nothing trained twice."""
+    name = "scale-twice"
+    spec = {"replicas": 3, "epochs": 1, "sleep_s": 0.5, "timeout_seconds": 120}
+    cluster.apply(cluster.manifest(name, **spec))  # type: ignore[arg-type]
+    wait_running(cluster, name, 0)
+    wait_steps(cluster, name, 0, 4)
+    first = time.time()
+    for replicas in (1, 2):
+        log(f"{name}: kubectl scale --replicas={replicas}")
+        cluster.kubectl("-n", NS, "scale", f"sj/{name}", f"--replicas={replicas}")
+    assert time.time() - first < 1.0, "the two scales were not within a second (a loaded machine: run it again)"
+    status = wait_phase(cluster, name, "Succeeded", timeout=200)
+    summary = assert_exact(cluster, name, 1)
+    # Merged (one drain, the newest count) or queued (a 1-replica world drained again): never lost, never failed.
+    sizes = [(w.size, w.ended) for w in summary.worlds]
+    assert sizes in ([(3, DRAINED), (2, END)], [(3, DRAINED), (1, DRAINED), (2, END)]), summary
+    assert summary.replayed == 0 and status.get("restarts", 0) == 0, (summary, status)
+    assert status["replicas"] == 2, status
     finish(cluster, name)
