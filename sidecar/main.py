@@ -488,16 +488,27 @@ def _drained_before(sidecar: Sidecar) -> None:
     if kept is None or not sidecar.stores or sidecar.failure is not None:
         return
     step = kept[0]
+    committed = _committed_ranks(sidecar.stores[0], settings, step)
     for feed in sidecar.server.feeds:
         session = feed.session
-        with contextlib.suppress(Exception):  # a flaky read: the rank is served as usual
-            if sidecar.stores[0].committed(global_step=step, rank=session.rank, world_size=settings.world_size,
-                                           world_epoch=settings.world_epoch):
-                log.info("rank %d committed drain step %d before this sidecar restarted: it is drained",
-                         session.rank, step)
-                session.drained, session.committed = True, step
-                feed.control.acked = step - 1
-                feed.publisher.halt()
+        if session.rank in committed:
+            log.info("rank %d committed drain step %d before this sidecar restarted: it is drained",
+                     session.rank, step)
+            session.drained, session.committed = True, step
+            feed.control.acked = step - 1
+            feed.publisher.halt()
+
+
+def _committed_ranks(store: checkpoints.Store, settings: SidecarSettings, step: int) -> set[int]:
+    """This pod's ranks whose commit marker of `step` in this world the store holds; a flaky
+    read counts as none (the rank is then served as usual)."""
+    ranks = range(settings.rank, settings.rank + settings.local_world_size)
+    try:
+        return {r for r in ranks if store.committed(global_step=step, rank=r, world_size=settings.world_size,
+                                                   world_epoch=settings.world_epoch)}
+    except Exception as exc:  # noqa: BLE001 - the sidecar serves them as usual and finds out
+        log.warning("cannot tell whether this pod's ranks committed drain step %d: %s", step, exc)
+        return set()
 
 
 def _open_world(o: _Opening, instance: str) -> None:
@@ -1047,12 +1058,10 @@ def _drained_before_restart(settings: SidecarSettings) -> contract.Report | None
     step, reason, _ = kept
     try:
         stores = job_stores(load_job(settings), settings, read_storage_options(settings.storage_options_dir))
-        ranks = range(settings.rank, settings.rank + settings.local_world_size)
-        if not stores or not all(stores[0].committed(global_step=step, rank=r, world_size=settings.world_size,
-                                                     world_epoch=settings.world_epoch) for r in ranks):
-            return None
     except Exception as exc:  # noqa: BLE001 - then the sidecar starts as usual and finds out
         log.warning("cannot tell whether this pod's ranks drained before the restart: %s", exc)
+        return None
+    if not stores or len(_committed_ranks(stores[0], settings, step)) < settings.local_world_size:
         return None
     log.info("every rank of this pod committed drain step %d before this sidecar restarted: it ends "
              "drained there", step)
