@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import kopf
 
-from . import configs, kube, lifecycle, live, metrics, planning, reconciling
+from . import configs, deleting, kube, lifecycle, live, metrics, planning, reconciling
 
 G, V, P = contract.GROUP, contract.VERSION, contract.PLURAL
 TIMER_INTERVAL_S = 3.0
@@ -94,6 +94,28 @@ async def _reconcile(memo: kopf.Memo, namespace: str | None, name: str, *, wait:
 @kopf.on.update(G, V, P, field="spec")
 async def reconcile_on_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     await _reconcile(memo, namespace, name, wait=True)
+
+
+@kopf.on.event(G, V, P)
+async def stop_when_deleted(type: str | None, body: kopf.Body, namespace: str | None, name: str,
+                            memo: kopf.Memo, **_: Any) -> None:
+    """`kubectl delete sj`: its pods are deleted gracefully at once, a preemption that ends each
+    world at one agreed step (operator/deleting.py). Watch events need no finalizer, so with the
+    operator gone the garbage collector still removes the pods; a failure here leaves them to it."""
+    if namespace is None or not deleting.is_deleted(type, body) or "ctx" not in memo:
+        return
+    ctx: reconciling.Context = memo["ctx"]
+    try:
+        stop = deleting.pods_to_stop(body, await ctx.kube.list_pods(namespace, name))
+        for pod, uid in stop.items():
+            await ctx.kube.delete_pod(namespace, pod, uid)
+    except kube.KubeError as exc:
+        logging.getLogger(__name__).warning("%s/%s: deleted; its pods are left to the garbage collector: %s",
+                                            namespace, name, exc)
+        return
+    if stop:
+        logging.getLogger(__name__).info("%s/%s: deleted; stopping its pods %s (each world drains)",
+                                         namespace, name, ", ".join(sorted(stop)))
 
 
 def _live(status: kopf.Status, **_: Any) -> bool:
