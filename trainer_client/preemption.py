@@ -6,12 +6,18 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from . import messages
 
 log = logging.getLogger(__name__)
+
+SAME_SIGTERM_S = 1.0
+"""A SIGTERM this soon after the first is the same one delivered twice, not a second request to
+stop at once: a supervisor that signals the container's process group (tini -g, the e2e test
+kubelet) reaches the script directly and through `splitfeed run`, which forwards it too."""
 
 
 class Preemption:
@@ -20,6 +26,7 @@ class Preemption:
     def __init__(self, send: Callable[[messages.Message], None]) -> None:
         self._send = send
         self._sigterm = 0
+        self._first_at = 0.0
         self._asked = False
         self._previous: Any = None
 
@@ -42,6 +49,10 @@ class Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if self._sigterm and now - self._first_at < SAME_SIGTERM_S:
+            return  # the same SIGTERM through another path (SAME_SIGTERM_S)
+        self._first_at = self._first_at or now
         self._sigterm += 1
         if self._sigterm > 1:  # the second one: the default action, now
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
