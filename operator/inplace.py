@@ -163,10 +163,9 @@ def _changed(c: Ctx, answer: messages.Status) -> Decision:
            f"{replicas} replicas ({len(kept)} pods kept, {len(added)} added, {len(gone)} removed)")
     c.cond(conditions.RESCALING, False, "RescaledInPlace", msg)
     c.cond(conditions.READY, True, "AllPodsRunning", f"world {new} runs in place")
-    stood_in = [p.name for p in c.world if _stranded(p)]
-    # Announced as a recreate drain announces it (rescaling.SIDECAR_LOST), when this look saw the
-    # dead sidecar: the next world often serves before its pod's status says so, and then nothing
-    # here knows (the coordinator's `status` does not say who committed through it).
+    stood_in = stood_in_pods(c, answer)
+    # Announced as a recreate drain announces it (rescaling.SIDECAR_LOST), once: this decision
+    # moves status.worldEpoch on, so no later look takes it again.
     if stood_in:
         c.events.append(Event("Warning", rescaling.SIDECAR_LOST, (
             f"the sidecar of {', '.join(stood_in)} died during world {old}'s change in place and left no "
@@ -181,6 +180,15 @@ def _changed(c: Ctx, answer: messages.Status) -> Decision:
     create = [o for o in objects if o["kind"] != "Pod" or o["metadata"]["name"] not in present]
     label = {p.name: {contract.LABEL_EPOCH: str(new)} for p in kept}
     return c.decision(RUNNING, create=create, delete=gone, label=label)
+
+
+def stood_in_pods(c: Ctx, answer: messages.Status) -> list[str]:
+    """The pods of world e whose dead sidecar world e's coordinator stood in for at the drain step:
+    those the next world's coordinator names (`stood_in`: it knows, even where the next world
+    serves before a pod's status shows the dead sidecar), and those this look sees stranded."""
+    named = {planning.pod_name_of(c.job, c.world_epoch, r) for r in answer.stood_in or []
+             if isinstance(r, int) and not isinstance(r, bool) and 1 <= r < c.found.replicas}
+    return sorted(named | {p.name for p in c.world if _stranded(p)})
 
 
 def _stranded(p: views.Pod) -> bool:

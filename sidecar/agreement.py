@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -205,9 +205,12 @@ class Coordinator:
 
     def __init__(self, *, replicas: int, total_steps: int, resume_step: int,
                  table_version: int | None = None, watermark: Watermark | None = None,
-                 world_epoch: int = -1) -> None:
+                 world_epoch: int = -1, stood_in: Sequence[int] = ()) -> None:
         self.world_epoch = world_epoch
         """The world it coordinates (SPLITFEED_WORLD_EPOCH), told in `status` answers."""
+        self.stood_in = list(stood_in)
+        """Replicas of the world before whose dead sidecar its coordinator committed the drain
+        step this world resumes at (sidecar.standins), told in `status` answers."""
         self.watermark = watermark
         """Skip jobs only: which steps exist (see Watermark)."""
         self.candidate: int | None = None
@@ -383,7 +386,8 @@ class Coordinator:
     def on_status_request(self, peer: bytes) -> list[Out]:
         return [Out(peer, progress.world_status(
             list(self.progress.values()), replicas=self.replicas, total_steps=self.total_steps,
-            resume_step=self.resume_step, drain_step=self.step, world_epoch=self.world_epoch))]
+            resume_step=self.resume_step, drain_step=self.step, world_epoch=self.world_epoch,
+            stood_in=self.stood_in))]
 
     def _freeze(self) -> list[Out]:
         self.phase = FREEZING

@@ -545,10 +545,12 @@ def _start_coordinator(o: _Opening, bind: str) -> str:
         o.stores[0].start_world(resume_step=resume_step)  # fences every older world
     watermark = (agreement.Watermark(ranks=o.settings.world_size, steps_per_epoch=o.steps_per_epoch)
                  if o.data.drops_rows else None)
+    before = o.carried.coordinator if o.carried is not None else None
     o.coordinator = agreement.CoordinatorThread(
         agreement.Coordinator(replicas=replicas_of(o.settings), total_steps=o.total_steps,
                               resume_step=resume_step, table_version=int(o.data.version),
-                              watermark=watermark, world_epoch=o.settings.world_epoch),
+                              watermark=watermark, world_epoch=o.settings.world_epoch,
+                              stood_in=before.stand_ins.replicas_at(resume_step) if before else ()),
         bind, stand_in=_standing_in(o), world_size=o.settings.world_size)
     if o.carried is not None and o.carried.coordinator is not None:
         o.carried.coordinator.close()  # the world before: every member committed its drain step

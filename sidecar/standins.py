@@ -73,6 +73,16 @@ class StandIns:
         ranks = self.committed.setdefault(request.step, set())
         ranks.add(request.rank)
         replica = self.replica_of(request.rank)
+        return replica if self._ranks_of(replica) <= ranks else None
+
+    def replicas_at(self, step: int) -> list[int]:
+        """The replicas every rank of which this coordinator committed at `step`: the members
+        whose sidecar died, which the next world's coordinator names in its `status` answer
+        (messages.Status.stood_in) so that the operator can say so."""
+        ranks = self.committed.get(step, set())
+        found = {self.replica_of(r) for r in ranks}
+        return sorted(r for r in found if self._ranks_of(r) <= ranks)
+
+    def _ranks_of(self, replica: int) -> set[int]:
         per_replica = max(1, self.world_size // self.replicas)
-        own = set(range(replica * per_replica, (replica + 1) * per_replica))
-        return replica if own <= ranks else None
+        return set(range(replica * per_replica, (replica + 1) * per_replica))

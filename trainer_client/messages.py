@@ -402,6 +402,10 @@ class Status(Message):
     first_batch_at: float | int | None = None
     """When the world's first batch had reached every rank (the latest member's
     `first_batch_at`); None until every member said."""
+    stood_in: list[int] | None = None
+    """The replicas of the world before, changed in place into this one, whose dead sidecar that
+    world's coordinator stood in for at its drain step, this world's resume step
+    (sidecar.standins); None: none. The operator names their pods (DrainSurvivedLostSidecar)."""
 
 
 # -- a rank whose sidecar died during a drain (trainer_client.stranded) ---------------------------

@@ -34,7 +34,8 @@ def checked(message: messages.Progress) -> messages.Progress:
 
 
 def world_status(members: Sequence[messages.Progress], *, replicas: int, total_steps: int, resume_step: int,
-                 drain_step: int | None, world_epoch: int = -1) -> messages.Status:
+                 drain_step: int | None, world_epoch: int = -1,
+                 stood_in: Sequence[int] = ()) -> messages.Status:
     """The `status` answer: the slowest member's step (synchronous training moves as one), sums of the rest."""
     return messages.Status(
         replicas=replicas,
@@ -49,6 +50,7 @@ def world_status(members: Sequence[messages.Progress], *, replicas: int, total_s
         drain_step=drain_step,
         world_epoch=world_epoch,
         first_batch_at=first_batch_at(members, replicas),
+        stood_in=sorted(stood_in) or None,
     )
 
 

@@ -20,9 +20,9 @@ MEMBER = "resnet-r1"
 
 
 
-def serves(epoch: int, replicas: int, resume: int) -> messages.Status:
+def serves(epoch: int, replicas: int, resume: int, **fields: Any) -> messages.Status:
     """The next world's coordinator's `status` answer (worlds.request_status)."""
-    return status_answer(world_epoch=epoch, replicas=replicas, reporting=0, resume_step=resume)
+    return status_answer(world_epoch=epoch, replicas=replicas, reporting=0, resume_step=resume, **fields)
 
 
 def sidecar_killed(c: Cluster, pod: str, trainer: dict[str, Any]) -> None:
@@ -60,6 +60,29 @@ def test_a_member_whose_sidecar_died_during_the_change_is_waited_for_and_the_nex
     (lost,) = events(d, rescaling.SIDECAR_LOST)
     assert lost.type == "Warning" and MEMBER in lost.message and f"step {DRAIN}" in lost.message
     assert "0 steps redone" in lost.message
+
+
+def test_a_dead_sidecar_the_next_worlds_coordinator_names_is_announced_once_though_its_pod_looks_fine() -> None:
+    """The next world served before the member pod's status showed its dead sidecar (as end to
+    end, issue 22 item 5): the coordinator's `status` answer names the replica it stood in for."""
+    c = asked()
+    c.next_world = serves(1, 1, DRAIN, stood_in=[1])
+    d = c.step()
+    assert d.step == "Running" and d.delete == [MEMBER]
+    (lost,) = events(d, rescaling.SIDECAR_LOST)
+    assert lost.type == "Warning" and MEMBER in lost.message and f"step {DRAIN}" in lost.message
+    assert c.status.get("restarts") is None
+    assert not events(c.step(), rescaling.SIDECAR_LOST)  # once per drain: world 1 runs now
+
+
+def test_a_dead_sidecar_seen_and_named_is_announced_once() -> None:
+    c = asked()
+    sidecar_killed(c, MEMBER, {"terminated": {"exitCode": 0, "finishedAt": ts(c.now)}})
+    c.step()
+    c.next_world = serves(1, 1, DRAIN, stood_in=[1])
+    d = c.step()
+    (lost,) = events(d, rescaling.SIDECAR_LOST)
+    assert lost.message.count(MEMBER) == 1, lost.message
 
 
 def test_a_next_world_without_a_dead_sidecar_says_nothing_of_one() -> None:

@@ -13,7 +13,7 @@ import pytest
 from splitfeed.sidecar.agreement import Coordinator
 from splitfeed.sidecar.standins import StandIns
 from splitfeed.trainer_client import stranded
-from splitfeed.trainer_client.messages import StandIn
+from splitfeed.trainer_client.messages import StandIn, Status
 
 EPOCH, DRAIN = 3, 12
 
@@ -140,3 +140,25 @@ def test_the_coordinators_address_is_read_only_for_its_own_world(tmp_path):
     stranded.write_coordinator(tmp_path, EPOCH, "tcp://job-w3-0.job:29501")
     assert stranded.coordinator(tmp_path, EPOCH) == "tcp://job-w3-0.job:29501"
     assert stranded.coordinator(tmp_path, EPOCH + 1) is None
+
+
+def test_the_replicas_stood_in_for_at_a_step_are_those_every_rank_of_which_was_committed_here():
+    s = StandIns(world_size=6, replicas=3)
+    for rank in (2, 3, 4):
+        s.wrote(ask(rank=rank))
+        s.wrote(ask(rank=rank, commit=True))
+    assert s.replicas_at(DRAIN) == [1]  # replica 2's rank 5 committed through its own sidecar, or not at all
+    assert s.replicas_at(DRAIN + 1) == []
+    s.wrote(ask(rank=5))
+    s.wrote(ask(rank=5, commit=True))
+    assert s.replicas_at(DRAIN) == [1, 2]
+
+
+def test_the_next_worlds_coordinator_names_them_in_its_status_answer():
+    """What the operator reads when it adopts the next world in place (messages.Status.stood_in)."""
+    c = Coordinator(replicas=1, total_steps=100, resume_step=DRAIN, world_epoch=EPOCH + 1, stood_in=[1])
+    (out,) = c.on_status_request(b"operator")
+    answer = Status.decode(out.message.encode())
+    assert (answer.world_epoch, answer.resume_step, answer.stood_in) == (EPOCH + 1, DRAIN, [1])
+    (plain,) = Coordinator(replicas=1, total_steps=100, resume_step=DRAIN).on_status_request(b"operator")
+    assert plain.message.stood_in is None and b"stood_in" not in plain.message.encode()
