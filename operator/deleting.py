@@ -5,8 +5,8 @@ test cluster), and in place (spec.rescale inPlace) the kept pods go on into the 
 their own meanwhile, so the job's newest checkpoint is not the step its last world drained at.
 Deleting them gracefully at once is a preemption (docs/agreement.md): each sidecar's SIGTERM
 asks its world to drain at one agreed step and ends it there, even where the world would go
-on in place. No finalizer is involved: the handler reacts to the watch events that show the
-deletion, so with the operator gone the garbage collector still removes the pods.
+on in place. It adds no finalizer: the handler reacts to the watch events that show the
+deletion (a live job carries Kopf's own finalizer, for the status timer, as before).
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ async def reconcile_on_change(namespace: str | None, name: str, memo: kopf.Memo,
 async def stop_when_deleted(type: str | None, body: kopf.Body, namespace: str | None, name: str,
                             memo: kopf.Memo, **_: Any) -> None:
     """`kubectl delete sj`: its pods are deleted gracefully at once, a preemption that ends each
-    world at one agreed step (operator/deleting.py). Watch events need no finalizer, so with the
-    operator gone the garbage collector still removes the pods; a failure here leaves them to it."""
+    world at one agreed step (operator/deleting.py). Watch events need no finalizer; a failure
+    here leaves the pods to the garbage collector."""
     if namespace is None or not deleting.is_deleted(type, body) or "ctx" not in memo:
         return
     ctx: reconciling.Context = memo["ctx"]
