@@ -15,20 +15,21 @@ What in place changes, and so which assertions differ (none is dropped):
 - a scale-up in place creates the new replicas' pods first and asks the world to drain once
   their trainers are ready: a second request "during the drain" (phase Rescaling) may land in
   that wait, before the world was asked. The originals' check that the world had not drained
-  before the second request applies unchanged.
-test_faults.py's member sidecar killed for good after the drain committed is not here: in
-place the world drains exactly there (0 steps redone, no restart), but the event
-DrainSurvivedLostSidecar the original requires is only posted when the operator saw the dead
-sidecar before the next world served, which it did not in either of two runs here.
-test_overlapping.py's job deleted during a drain is not here either: in place, the kept pods go on to
-the next world on their own and train until the garbage collector deletes them, so the
-original's "the drained step is the newest checkpoint" does not hold (issue 22 item 5's report).
+  before the second request applies unchanged;
+- a job deleted during a drain: the operator deletes its pods gracefully at once (a
+  preemption), and the kept pod may have gone on into world 1 before its SIGTERM came, which
+  then drains world 1; so the newest complete checkpoint is a drained step of the job's last
+  world, not necessarily world 0's (the original's "world 0's drain step is the newest");
+- the member sidecar killed for good after the drain committed: the next world may serve
+  before the operator sees the dead sidecar; the event DrainSurvivedLostSidecar then comes from
+  the next world's coordinator's `status` answer (`stood_in`), with the original's assertions.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.cluster import NS, Cluster, StatusWatch, log, wait_for
-from tests.e2e.jobs import assert_exact, finish, records, wait_phase, wait_running, wait_steps
+from tests.e2e.jobs import assert_exact, finish, records, resume_step, wait_phase, wait_running, wait_steps
 from tests.support.exactness import DRAINED, END, complete_checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -221,6 +222,45 @@ def test_a_killed_sidecar_is_restarted_in_place_and_its_trainer_continues_exactl
     finish(cluster, name)
 
 
+def test_a_member_sidecar_killed_for_good_after_the_drain_committed_still_drains_the_world_there(
+        cluster: Cluster) -> None:
+    """test_faults.py's, in place (the member is `<job>-r1`): `kubectl scale` 2 -> 1; once replica
+    1's trainer took batch S - 1 and saw the checkpoint request, its sidecar is SIGKILLed
+    (restartPolicy Never: it stays dead). The trainer checkpoints S through the world's
+    coordinator; world 1 goes on exactly at S: exact, 0 steps redone, no restart, and announced
+    once (the next world's coordinator names the replica in its `status` answer)."""
+    name = "ip-kill-member-sidecar"
+    start(cluster, name, sleep_s=0.5, timeout_seconds=120)
+    member, log_dir = pod(name, 1), cluster.log_dir(name)
+    wait_steps(cluster, name, 0, 4)
+    scale(cluster, name, 1)
+
+    def rank_1() -> list[dict[str, Any]]:
+        path = log_dir / "w0-r1.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    seen = wait_for(lambda: next((r for r in rank_1() if r["event"] == "batch" and r.get("requested")), None),
+                    60, "rank 1 to see the drain's checkpoint request")
+    step = seen["step"] + 1
+    kill(cluster, member, "splitfeed-sidecar")
+    late = [r for r in rank_1() if r["event"] == "checkpoint"]
+    assert not late, (f"rank 1 checkpointed through its own sidecar before the kill landed ({late}): "
+                      "the timing missed what this test is about (run it again)")
+    coordinator_log = cluster.kubelet.log_path(NS, pod(name, 0), "splitfeed-sidecar")
+    assert coordinator_log is not None
+    wait_for(lambda: f"wrote rank 1's commit marker at drain step {step}" in coordinator_log.read_text(
+        errors="replace"), 60, "the coordinator to commit rank 1's drain step in its sidecar's stead")
+    status = wait_phase(cluster, name, "Succeeded")
+    summary = assert_exact(cluster, name, 1)
+    assert [(w.size, w.ended, w.agreed_step) for w in summary.worlds] == [(2, DRAINED, step), (1, END, None)], summary
+    assert summary.worlds[1].resume_step == step and summary.replayed == 0, summary
+    assert status.get("restarts", 0) == 0
+    assert (status.get("lastRescale") or {}).get("stepsRedone") == 0, status.get("lastRescale")
+    found = [e for e in cluster.events(name) if e["reason"] == "DrainSurvivedLostSidecar"]
+    assert len(found) == 1 and member in found[0]["message"] and f"step {step}" in found[0]["message"], found
+    finish(cluster, name)
+
+
 # issue 21: `kubectl scale` twice within a second
 
 
@@ -288,3 +328,48 @@ def test_a_suspend_during_a_rescale_drain_suspends_once_and_resumes_with_the_new
     assert sizes in ([(2, DRAINED), (3, END)], [(2, DRAINED), (3, DRAINED), (3, END)]), summary
     assert summary.replayed == 0 and status.get("restarts", 0) == 0, (summary, status)
     finish(cluster, name)
+
+
+def test_a_job_deleted_during_a_drain_leaves_a_checkpoint_that_resume_from_resumes(cluster: Cluster) -> None:
+    """test_overlapping.py's, in place: 2 -> 1, then `kubectl delete sj` while world 0 drains.
+    The operator deletes the deleted job's pods gracefully at once (operator/deleting.py): a
+    preemption, after which every sidecar ends its world at one agreed step. What in place
+    changes: the kept pod may have gone on into world 1 before its SIGTERM came, which then
+    drains world 1; so the newest complete checkpoint is a drained (agreed) step of the job's
+    last world (world 0 or 1), not necessarily world 0's. Nothing was trained past it, and the
+    successor resumes exactly there (the original's assertions)."""
+    name, successor = "ip-delete-in-drain", "ip-delete-in-drain-next"
+    start(cluster, name, checkpoint_every=3)
+    uid = cluster.job(name)["metadata"]["uid"]
+    wait_steps(cluster, name, 0, 7)
+    scale(cluster, name, 1)
+    draining(cluster, name)
+    log(f"{name}: kubectl delete sj (during the drain)")
+    cluster.kubectl("-n", NS, "delete", "sj", name, "--wait=false")
+    deleted = time.time()
+    second_request_during_the_drain(cluster, name, deleted)
+    wait_for(lambda: not any(k[1].startswith(f"{name}-") for k in cluster.kubelet.pids()), 60,
+             f"the processes of {name} to be gone")
+    log(f"{name}: its processes were gone {time.time() - deleted:.1f} s after the delete")
+    log_dir = cluster.log_dir(name)
+    complete = complete_checkpoints(cluster.store(name))
+    assert complete, "the deleted job left no complete checkpoint"
+    newest = max(complete)
+    last = max(w for w in range(3) if list(records(log_dir, w)))
+    agreed = {r["step"] for r in records(log_dir, last) if r["event"] == "checkpoint" and r.get("drained")}
+    trained = max(r["step"] for w in range(last + 1) for r in records(log_dir, w) if r["event"] == "batch")
+    log(f"{name}: complete checkpoints {sorted(complete)}; last world {last} drained at {agreed}; "
+        f"last step trained {trained}")
+    assert agreed == {newest}, (last, agreed, sorted(complete))
+    assert trained == newest - 1, f"trained step {trained} past the newest complete checkpoint {newest}"
+    # The trainers keep their models beside their logs: the successor gets its predecessor's.
+    shutil.copytree(log_dir / "models", cluster.log_dir(successor) / "models")
+    manifest = in_place(cluster.manifest(successor, replicas=2, epochs=1, sleep_s=0.2, timeout_seconds=120), "agent")
+    manifest["spec"]["checkpoint"]["resumeFrom"] = {"uid": uid, "name": name}
+    cluster.apply(manifest)
+    status = wait_phase(cluster, successor, "Succeeded")
+    assert status.get("restarts", 0) == 0, status
+    assert resume_step(cluster.log_dir(successor), 0) == newest, (newest, status)
+    steps = sorted({r["step"] for r in records(cluster.log_dir(successor), 0) if r["event"] == "batch"})
+    assert steps == list(range(newest, 20)), steps
+    finish(cluster, successor)
