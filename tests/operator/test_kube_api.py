@@ -274,6 +274,29 @@ def test_deleting_a_job_lets_the_garbage_collector_remove_its_world(env: Env) ->
     wait_for_api(gone, 60, "pods, Service and ConfigMap removed by the garbage collector")
 
 
+def test_deleting_a_job_stops_its_pods_at_once_and_an_orphaning_delete_keeps_them(env: Env) -> None:
+    """Issue 22 item 5 (operator/deleting.py): the operator deletes a deleted job's pods itself, at
+    once (its log names them; the garbage collector would delete them too, later), but not under
+    `kubectl delete --cascade=orphan`, which keeps them, as the garbage collector does."""
+    for name in ("phi", "chi"):
+        env.apply(job_manifest(name, replicas=2))
+        wait_for_api(lambda: len(env.pods(name)) == 2, 30, f"the 2 pods of {name}")
+        for pod in env.pods(name):
+            env.set_phase(pod, "Running")
+    env.cp.kubectl("delete", "streamingjob", "phi", "--wait=true", "--timeout=60s")
+    wait_for_api(lambda: f"{NS}/phi: deleted; stopping its pods phi-w0-0, phi-w0-1" in env.log.read_text(
+        errors="replace"), 30, "the operator to stop the deleted job's pods")
+    wait_for_api(lambda: not env.pods("phi"), 30, "phi's pods gone")
+    env.cp.kubectl("delete", "streamingjob", "chi", "--cascade=orphan", "--wait=true", "--timeout=60s")
+    wait_for_api(lambda: all(not p.metadata.owner_references for p in env.pods("chi").values()), 30,
+                 "the garbage collector to orphan chi's pods")
+    time.sleep(2.0)  # the operator saw every event of the deletion by now
+    assert sorted(env.pods("chi")) == ["chi-w0-0", "chi-w0-1"]
+    assert f"{NS}/chi: deleted; stopping" not in env.log.read_text(errors="replace")
+    for pod in env.pods("chi"):
+        env.core.delete_namespaced_pod(pod, NS)
+
+
 # --- hardening (issue #9) ---------------------------------------------------------------------
 
 def kube_client(env: Env) -> Any:
