@@ -17,9 +17,20 @@ set -euo pipefail
 
 ADDRESS=10.254.0.1
 
+can_isolate() {
+    [[ $EUID -eq 0 ]] && command -v unshare >/dev/null && command -v ip >/dev/null \
+        && unshare --net --mount true 2>/dev/null
+}
+
+# `isolate.sh --check`: exit 0 where a namespace can be made (the Makefile then runs test
+# processes side by side, each through this script).
+if [[ "${1:-}" == --check ]]; then
+    can_isolate
+    exit
+fi
+
 if [[ "${SPLITFEED_ISOLATED:-}" != 1 ]]; then
-    if [[ $EUID -eq 0 ]] && command -v unshare >/dev/null && command -v ip >/dev/null \
-            && unshare --net --mount true 2>/dev/null; then
+    if can_isolate; then
         exec unshare --net --mount --fork env SPLITFEED_ISOLATED=1 bash "$0" "$@"
     fi
     echo "tests/isolate.sh: no network namespace here (needs root, unshare and ip):" \
