@@ -82,6 +82,20 @@ _LONG_LIVED = (set(), set(), set())  # type: tuple[set[int], set[int], set[str]]
 live on past the test that happened to set them up, and are stopped by their fixture."""
 
 
+_INHERITED = (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)
+"""Signals whose disposition a child process inherits when it is ignored (SIG_IGN survives
+exec) or blocked (the mask survives fork and exec)."""
+
+
+def _signal_state() -> tuple[frozenset[int], frozenset[int]]:
+    """Which of _INHERITED this process ignores, and which its main thread blocks."""
+    ignored = frozenset(int(s) for s in _INHERITED if signal.getsignal(s) is signal.SIG_IGN)
+    blocked = frozenset()
+    if threading.current_thread() is threading.main_thread():
+        blocked = frozenset(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []) if s in _INHERITED)
+    return ignored, blocked
+
+
 @dataclasses.dataclass
 class Snapshot:
     """What runs and what is in the session's shared memory before a test."""
@@ -89,10 +103,14 @@ class Snapshot:
     children: set[int]
     threads: set[int]
     shm: set[str]
+    signals: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+    """Ignored and blocked signals (_signal_state): a test that leaves SIGINT ignored makes every
+    process a later test starts ignore Ctrl-C and PR_SET_PDEATHSIG's SIGINT."""
 
     @classmethod
     def take(cls) -> Snapshot:
-        return cls(processes.children(), {t.ident or 0 for t in threading.enumerate()}, _shm_entries())
+        return cls(processes.children(), {t.ident or 0 for t in threading.enumerate()}, _shm_entries(),
+                   _signal_state())
 
     def adopt(self) -> None:
         """Everything new since this snapshot belongs to a fixture that outlives the test
@@ -127,6 +145,7 @@ class Snapshot:
             except OSError:
                 pass
         found += [f"thread {t.name!r}" for t in threads]
+        found += _restore_signals(self.signals)
         root = shm_root()
         for name in sorted(_shm_entries() - self.shm - _LONG_LIVED[2]):
             found.append(f"shared memory {root / name}")
@@ -140,3 +159,16 @@ def _shm_entries() -> set[str]:
         return set(os.listdir(shm_root()))
     except OSError:
         return set()
+
+
+def _restore_signals(before: tuple[frozenset[int], frozenset[int]]) -> list[str]:
+    """Name and undo what the test left ignored or blocked of _INHERITED."""
+    ignored, blocked = _signal_state()
+    found = []
+    for sig in sorted(ignored - before[0]):
+        found.append(f"{signal.Signals(sig).name} left ignored (SIG_IGN)")
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    if blocked - before[1]:
+        found.append("signals left blocked: " + ", ".join(signal.Signals(s).name for s in sorted(blocked - before[1])))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked - before[1])
+    return found

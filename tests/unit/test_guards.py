@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
 
@@ -77,3 +78,20 @@ def test_what_a_wider_fixture_starts_during_a_test_is_the_fixtures(monkeypatch):
     finally:
         server.kill()
         server.wait()
+
+
+def test_sigint_left_ignored_or_blocked_is_named_and_undone():
+    """SIG_IGN and a blocked mask outlive exec: every process a later test starts would ignore
+    Ctrl-C and the SIGINT of PR_SET_PDEATHSIG (splitfeed local's children)."""
+    before = guards.Snapshot.take()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    try:
+        leaks = before.leaks()
+        assert "SIGINT left ignored (SIG_IGN)" in leaks, leaks
+        assert "signals left blocked: SIGTERM" in leaks, leaks
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
