@@ -205,13 +205,14 @@ def _stranded(p: views.Pod) -> bool:
 
 def _finished(c: Ctx) -> bool:
     """The job reached its last step during the change: the world ran to the end before it
-    drained (the request came late), or the next world did before the operator saw it serve."""
+    drained (the request came late), drained at the last step itself (the agreement cuts at the
+    job's end: no next world follows), or the next world ran to the end before the operator saw
+    it serve."""
     if not c.world or any(p.phase != SUCCEEDED or p.final_report is None for p in c.world):
         return False
     reports = [p.final_report for p in c.world if p.final_report is not None]
-    ended = [r for r in reports if not r.drained]
     total = max(r.steps_per_epoch or 0 for r in reports) * c.job.data.epochs
-    return bool(ended) and total > 0 and all((r.global_step or 0) >= total and not r.error for r in ended)
+    return total > 0 and all((r.global_step or 0) >= total and not r.error for r in reports)
 
 
 def _finished_decision(c: Ctx) -> Decision:

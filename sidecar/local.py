@@ -93,8 +93,11 @@ def _die_with_parent() -> None:
     """In the child: get SIGINT if the launcher dies, even by SIGKILL (Linux).
 
     SIGINT, not SIGTERM: SIGTERM asks a world to drain (docs/agreement.md), and
-    an orphaned world has nobody to report to.
+    an orphaned world has nobody to report to. SIGINT's default action too: a launcher
+    started in the background by a shell (`splitfeed local ... &`, nohup, CI) has SIGINT
+    ignored, which exec passes on, and its trainers would outlive it and its stop.
     """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         import ctypes
 

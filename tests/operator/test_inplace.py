@@ -233,6 +233,20 @@ def test_a_job_that_ends_while_its_new_pods_start_succeeds_and_the_new_pods_go()
     assert c.reason("Complete") == "AllPodsSucceeded"
 
 
+def test_a_job_whose_world_drains_at_its_last_step_for_a_scale_up_succeeds_and_the_new_pods_go():
+    """The drain for a scale-up came so late that the agreement cut at the job's end (seen end to
+    end under load): the kept pods end drained at the last step, no next world follows, and the
+    new replica's pod, still waiting for one, must not fail the job into a restart."""
+    c = in_place(2)
+    c.scale(3)
+    c.step()
+    for name in ("resnet-r0", "resnet-r1"):
+        left(c, name, 200)  # 100 steps an epoch, 2 epochs: drained at step 200, the end
+    d = c.step()
+    assert c.status["phase"] == "Succeeded" and d.delete == ["resnet-r2"] and "drain" not in c.status
+    assert c.status.get("restarts", 0) == 0 and c.reason("Complete") == "AllPodsSucceeded"
+
+
 def test_a_new_replica_whose_name_an_earlier_pod_still_holds_is_waited_for_before_the_world_is_asked():
     c = in_place(4)
     c.scale(2)

@@ -118,12 +118,20 @@ def descendants(pid: int) -> list[str]:
     return found
 
 
+def sigint(disposition: signal.Handlers):
+    """A Popen preexec_fn: the launcher starts with SIGINT as a shell leaves it, whatever this test
+    process has (a suite started in the background inherits SIGINT ignored): SIG_DFL from a
+    terminal, SIG_IGN for a command a shell ran in the background (`&`, nohup)."""
+    return lambda: signal.signal(signal.SIGINT, disposition)
+
+
 def test_ctrl_c_stops_every_process(table_uri, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
          job_file(tmp_path, manifest(table_uri)), "--replicas", "2", "--quiet",
          "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint(signal.SIG_DFL))  # Ctrl-C at a terminal
     try:
         ids = tmp_path / "ids.jsonl"
         wait_for(lambda: running(proc) and ids.exists() and len(ids.read_text().splitlines()) >= 4, 120,
@@ -142,16 +150,19 @@ def test_ctrl_c_stops_every_process(table_uri, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
-def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path):
+@pytest.mark.parametrize("started", ["at-a-terminal", "in-the-background"])
+def test_a_killed_launcher_takes_its_processes_with_it(table_uri, tmp_path, started):
     # A SIGKILLed launcher cannot remove its work directory either: give it a directory of
     # its own (short: it holds ipc sockets), removed here, not the session's shared memory.
+    # In the background its SIGINT is ignored, which its children would inherit through exec.
     shm = tempfile.mkdtemp(prefix="sf-killed-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f",
          job_file(tmp_path, manifest(table_uri)), "--quiet",
          "--", sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--pause-after", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "SPLITFEED_SHM_ROOT": shm})
+        env={**os.environ, "SPLITFEED_SHM_ROOT": shm},
+        preexec_fn=sigint(signal.SIG_DFL if started == "at-a-terminal" else signal.SIG_IGN))
     try:
         wait_for(lambda: running(proc) and (tmp_path / "ids.jsonl").exists(), 120, "a batch taken")
         children = descendants(proc.pid)

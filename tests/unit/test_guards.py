@@ -83,6 +83,7 @@ def test_what_a_wider_fixture_starts_during_a_test_is_the_fixtures(monkeypatch):
 def test_sigint_left_ignored_or_blocked_is_named_and_undone():
     """SIG_IGN and a blocked mask outlive exec: every process a later test starts would ignore
     Ctrl-C and the SIGINT of PR_SET_PDEATHSIG (splitfeed local's children)."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run with `&` ignores it
     before = guards.Snapshot.take()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
@@ -93,5 +94,5 @@ def test_sigint_left_ignored_or_blocked_is_named_and_undone():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, inherited)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
