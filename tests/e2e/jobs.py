@@ -140,3 +140,18 @@ def finish(cluster: Cluster, name: str) -> None:
 
 def event_reasons(cluster: Cluster, name: str) -> list[str]:
     return [e["reason"] for e in cluster.events(name)]
+
+
+def assert_two_scales_ended_exact(cluster: Cluster, name: str, started: float) -> None:
+    """After `kubectl scale` 3 -> 1 -> 2 asked from `started` on: both within a second, and the
+    job ended exact, merged (one drain, the newest count) or queued (a 1-replica world drained
+    again), never lost, never failed; then the job is removed."""
+    assert time.time() - started < 1.0, "the two scales were not within a second (a loaded machine: run it again)"
+    status = wait_phase(cluster, name, "Succeeded", timeout=200)
+    summary = assert_exact(cluster, name, 1)
+    sizes = [(w.size, w.ended) for w in summary.worlds]
+    assert sizes in ([(3, exactness.DRAINED), (2, exactness.END)],
+                     [(3, exactness.DRAINED), (1, exactness.DRAINED), (2, exactness.END)]), summary
+    assert summary.replayed == 0 and status.get("restarts", 0) == 0, (summary, status)
+    assert status["replicas"] == 2, status
+    finish(cluster, name)

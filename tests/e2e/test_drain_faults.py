@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import NS, Cluster, log, wait_for
-from tests.e2e.jobs import assert_exact, event_reasons, finish, wait_phase, wait_running, wait_steps
+from tests.e2e.jobs import (assert_exact, assert_two_scales_ended_exact, event_reasons, finish, wait_phase,
+                            wait_running, wait_steps)
 from tests.support.exactness import DRAINED, END
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -120,12 +121,4 @@ def test_two_scales_within_a_second_are_merged_or_queued_and_lose_nothing(cluste
     for replicas in (1, 2):
         log(f"{name}: kubectl scale --replicas={replicas}")
         cluster.kubectl("-n", NS, "scale", f"sj/{name}", f"--replicas={replicas}")
-    assert time.time() - first < 1.0, "the two scales were not within a second (a loaded machine: run it again)"
-    status = wait_phase(cluster, name, "Succeeded", timeout=200)
-    summary = assert_exact(cluster, name, 1)
-    # Merged (one drain, the newest count) or queued (a 1-replica world drained again): never lost, never failed.
-    sizes = [(w.size, w.ended) for w in summary.worlds]
-    assert sizes in ([(3, DRAINED), (2, END)], [(3, DRAINED), (1, DRAINED), (2, END)]), summary
-    assert summary.replayed == 0 and status.get("restarts", 0) == 0, (summary, status)
-    assert status["replicas"] == 2, status
-    finish(cluster, name)
+    assert_two_scales_ended_exact(cluster, name, first)
