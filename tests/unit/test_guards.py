@@ -96,3 +96,32 @@ def test_sigint_left_ignored_or_blocked_is_named_and_undone():
     finally:
         signal.signal(signal.SIGINT, inherited)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+
+
+def test_a_thread_that_reuses_an_ended_fixture_threads_ident_is_still_named(monkeypatch):
+    """An ended thread's ident goes to the next thread started (glibc reuses its stack): a guard
+    that remembered a fixture's threads by ident let such a thread pass (seen failing at random)."""
+    monkeypatch.setattr(guards, "GRACE_S", 0.2)
+    setup = guards.Snapshot.take()
+    fixture_done = threading.Event()
+    fixture_thread = threading.Thread(target=fixture_done.wait, name="splitfeed-fixture")
+    fixture_thread.start()
+    setup.adopt()  # a wider fixture's thread, as test_what_a_wider_fixture_starts... adopts
+    fixture_done.set()  # its fixture stops it
+    fixture_thread.join()
+    before = guards.Snapshot.take()
+    stop = threading.Event()
+    for _ in range(50):
+        thread = threading.Thread(target=stop.wait, name="splitfeed-reused", daemon=True)
+        thread.start()
+        if thread.ident == fixture_thread.ident:
+            break
+        stop.set()
+        thread.join()
+        stop.clear()
+    try:
+        assert thread.ident == fixture_thread.ident, "the ident was not reused: the case is not made"
+        assert "thread 'splitfeed-reused'" in before.leaks()
+    finally:
+        stop.set()
+        thread.join()
