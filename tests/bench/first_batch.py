@@ -51,10 +51,14 @@ def main() -> int:
         next(batches)
         first = time.time()
         rows, started, taken = 0, time.perf_counter(), 0
-        waits: dict[str, list[float]] = {"epoch_start": [], "steady": []}
+        waits: dict[str, list[float]] = {"epoch_start": [], "steady": [], "mid_epoch": []}
+        mid = client.steps_per_epoch // 2
         asked = time.perf_counter()
         for batch in batches:
-            waits["epoch_start" if batch.step == 0 else "steady"].append(time.perf_counter() - asked)
+            waited = time.perf_counter() - asked
+            waits["epoch_start" if batch.step == 0 else "steady"].append(waited)
+            if batch.step == mid:  # the control: a step as rare as an epoch's first, and nothing special
+                waits["mid_epoch"].append(waited)
             rows += len(batch["id"])
             taken += 1
             step_done()

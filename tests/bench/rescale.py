@@ -135,17 +135,29 @@ def one_run(mode: str, uri: str, work: Path, attempt: int = 0) -> dict[str, Any]
             os.killpg(proc.pid, signal.SIGINT)
         proc.wait(60)
         reader.join(5)
+        (work / f"{mode}-{attempt}-launcher.log").write_text("".join(output))  # kept for a look at a slow change
     worlds = _world_batches(logs)
     drained = {}  # world -> when its last rank checkpointed the drain step
     for event in _events(logs):
         if event.get("event") == "checkpoint" and event.get("drained"):
             world = int(event.get("world", -1))
             drained[world] = max(drained.get(world, 0.0), event["t"])
+    def began(event: dict[str, Any]) -> float:  # when a rank's script (or its rejoin) began
+        return float(event["t"] - sum(event["startup"].values()))
+
+    starts = {}  # world -> the start event of the rank that began last (the others wait for it)
+    for event in _events(logs):
+        if event.get("event") == "start" and began(event) > began(starts.get(event["world"], {"t": 0, "startup": {}})):
+            starts[event["world"]] = event
     changes = []
     for (world, sizes), asked in zip(((1, "4 -> 2"), (2, "2 -> 3")), requests):
         firsts = [rows[0]["t"] for rows in worlds[world].values() if rows]
-        changes.append({"change": sizes, "seconds": max(firsts) - asked,
-                        "after_drain_s": max(firsts) - drained.get(world - 1, asked)})
+        at_drain = drained.get(world - 1, asked)
+        start = starts.get(world, {"t": at_drain, "startup": {}})
+        changes.append({"change": sizes, "seconds": max(firsts) - asked, "after_drain_s": max(firsts) - at_drain,
+                        # where the time after the drain goes, for the rank that began last
+                        "phases": {"to_script": began(start) - at_drain, **start["startup"],
+                                   "to_batch": max(firsts) - start["t"]}})
     gaps = [b["t"] - a["t"] for rows in worlds[0].values() for a, b in zip(rows, rows[1:])]
     redone = []  # batches a world trained at or past the step its successor started at
     for world in (0, 1):
@@ -167,6 +179,9 @@ def bench(repeats: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
             print(f"  {mode:10s} " + ", ".join(f"{c['change']}: {c['seconds']:.2f} s "
                                                f"({c['after_drain_s']:.2f} s after the drain)"
                                                for c in run["changes"])
+                  + "\n    after the drain: " + "; ".join(
+                      c["change"] + " " + ", ".join(f"{k} {v:.2f}" for k, v in c["phases"].items())
+                      for c in run["changes"])
                   + f"  (one step {run['step_s'] * 1000:.0f} ms, steps redone {run['redone']}, "
                   f"floor {out['floor_s'][-1]:.2f} s)", flush=True)
     return out

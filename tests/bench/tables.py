@@ -108,11 +108,14 @@ def run_local(work: Path, spec: dict, steps: int, *, lockstep: bool = False) -> 
     return {"first_batch_s": round(max(r["first_batch_at"] for r in ranks) - launched, 2),
             "rows_per_s": round(min(r["rows_per_s"] for r in ranks) * REPLICAS),
             "sidecar_peak_rss_mib": max(rss, default=float("nan")),
-            "epoch_start_p99_s": worst("epoch_start_p99_s"), "steady_p99_s": worst("steady_p99_s")}
+            "epoch_start_p99_s": worst("epoch_start_p99_s"), "steady_p99_s": worst("steady_p99_s"),
+            "mid_epoch_p99_s": worst("mid_epoch_p99_s")}
 
 
-EPOCH_ROWS, EPOCH_BATCH, EPOCHS = 1_000_000, 48_000, 12
-"""The epoch-start case: 20 steps an epoch, so a run crosses 11 epoch starts."""
+EPOCH_ROWS, EPOCH_BATCH, EPOCHS = 1_000_000, 48_000, 102
+"""The epoch-start case: 20 steps an epoch, so a run crosses 101 epoch starts, and their p99
+is the second longest wait of a rank's 101, not its longest (with the 11 starts of 12 epochs,
+a "p99" was the maximum, against a steady p99 over 200 steps: a skewed comparison)."""
 
 
 EPOCH_RUNS = 3
@@ -133,18 +136,21 @@ def bench_epoch_starts(runs: int = EPOCH_RUNS) -> dict:
         write_table(uri, EPOCH_ROWS)
         result: dict = {}
         for kind in ("lockstep", "free"):
-            ratios = []
+            ratios, controls = [], []
             for _ in range(runs):
                 shutil.rmtree(work / "ckpt", ignore_errors=True)  # cold: no stored plan
                 spec = job(uri, str(work / "ckpt"), EPOCH_BATCH)
                 spec["spec"]["data"]["epochs"] = EPOCHS
                 got = run_local(work, spec, EPOCHS * 20 - 2, lockstep=kind == "lockstep")
                 ratio = (got["epoch_start_p99_s"] or 0) / max(1e-9, got["steady_p99_s"] or 0)
+                control = (got["mid_epoch_p99_s"] or 0) / max(1e-9, got["steady_p99_s"] or 0)
                 ratios.append(round(ratio, 2))
+                controls.append(round(control, 2))
                 print(f"  epoch starts ({kind}): data-ready p99 {got['epoch_start_p99_s']} s at an "
-                      f"epoch's first step, {got['steady_p99_s']} s at the others ({ratio:.1f} x)",
-                      flush=True)
-            result[kind] = {"ratios": ratios, "worst": max(ratios), "best": min(ratios)}
+                      f"epoch's first step, {got['steady_p99_s']} s at the others ({ratio:.1f} x); "
+                      f"at each epoch's middle step {got['mid_epoch_p99_s']} s ({control:.1f} x)", flush=True)
+            result[kind] = {"ratios": ratios, "worst": max(ratios), "best": min(ratios),
+                            "mid_epoch_ratios": controls}
         return {**result, "ratio": result["lockstep"]["worst"]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -253,7 +259,9 @@ def verdicts(results: dict) -> list[str]:
         ratios, free = starts["lockstep"]["ratios"], starts["free"]["ratios"]
         lines.append(f"epoch-start data-ready p99 / steady p99, lockstep trainers, worst of {len(ratios)} "
                      f"{max(ratios)} (best {min(ratios)}) <= 2: {'met' if max(ratios) <= 2 else 'MISSED'}"
-                     f" (free-running trainers: {min(free)}-{max(free)})")
+                     f" (free-running trainers: {min(free)}-{max(free)}; the same statistic at each epoch's "
+                     f"middle step, lockstep: {min(starts['lockstep']['mid_epoch_ratios'])}-"
+                     f"{max(starts['lockstep']['mid_epoch_ratios'])})")
     if 1_000_000 in by_rows and 50_000_000 in by_rows:
         kind = "steady" if all("steady" in by_rows[r] for r in (1_000_000, 50_000_000)) else "warm"
         ratio = by_rows[50_000_000][kind]["rows_per_s"] / by_rows[1_000_000][kind]["rows_per_s"]
