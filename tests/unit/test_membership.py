@@ -225,3 +225,30 @@ def test_a_script_the_agent_runs_starts_with_torch_frozen_and_its_own_objects_ar
     assert at_exit["frozen"] > 10_000 and at_exit["torch"], at_exit  # skipped by the exit's collections
     assert at_exit["main"] == "__main__"
     assert (tmp_path / "finalized").read_text() == "yes"  # a cycle of the script's, finalized at the exit
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen_then_connects_at_once_and_gives_up_at_its_timeout():
+    """TCPStore's own retry connected 0.15-0.68 s after its server was up (membership._wait_listening)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    listening = threading.Event()
+
+    def listen_late() -> None:
+        time.sleep(0.3)
+        server.listen()
+        listening.set()
+
+    opener = threading.Thread(target=listen_late)
+    opener.start()
+    try:
+        membership._wait_listening("127.0.0.1", port, timeout_s=30)
+        assert listening.is_set()  # it returned once the port took connections, not before
+    finally:
+        opener.join()
+        server.close()
+    started = time.monotonic()
+    membership._wait_listening("127.0.0.1", port, timeout_s=0.2)  # nothing listens: TCPStore says so
+    assert time.monotonic() - started < 5
