@@ -40,8 +40,11 @@ from tests.support import manifests, tables
 TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
 ROWS = 24_000
 SLEEP_S = 0.05
-STEPS_BEFORE = 100
-"""Steps a world trains before the next request (past its start: a spare interpreter, trainer_client.agent.SPARE_AFTER_S)."""
+STEPS_BEFORE = 200
+"""Steps a world trains before the next request: past the agent's spare interpreter's start
+(trainer_client.agent.SPARE_AFTER_S, 5 s) and its imports (2-3 s here, beside the world that
+trains). At 100 steps (6 s) a request fell inside those imports, and on this one machine the
+new replica's start then shared 2 CPUs with them (on a cluster they are on other nodes)."""
 MODES = ("recreate", "agent", "in-process")
 
 
@@ -50,6 +53,18 @@ def floor_s(port: int) -> float:
     code = ("import torch, torch.distributed as d; "
             f"d.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1); "
             "d.destroy_process_group()")
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.monotonic() - started
+
+
+def ddp_start_s(port: int) -> float:
+    """What a new replica's trainer costs at least before it can join (beside the floor): the
+    floor, plus torch._dynamo (DistributedDataParallel's constructor imports it) and the
+    wrapper. A scale-up's time from the request includes it: the new pod starts first."""
+    code = ("import torch, torch._dynamo, torch.distributed as d; "
+            f"d.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1); "
+            "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2)); d.destroy_process_group()")
     started = time.monotonic()
     subprocess.run([sys.executable, "-c", code], check=True)
     return time.monotonic() - started
@@ -170,10 +185,11 @@ def bench(repeats: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="splitfeed-bench-rescale-"))
     uri = str(work / "db")
     tables.write_training_table(uri, rows=ROWS)
-    out: dict[str, Any] = {"floor_s": [], "runs": {m: [] for m in modes}}
+    out: dict[str, Any] = {"floor_s": [], "ddp_start_s": [], "runs": {m: [] for m in modes}}
     for attempt in range(repeats):
         for mode in modes:  # interleaved: each mode sees the same load
             out["floor_s"].append(floor_s(29_700))
+            out["ddp_start_s"].append(ddp_start_s(29_701))
             run = one_run(mode, uri, work, attempt)
             out["runs"][mode].append(run)
             print(f"  {mode:10s} " + ", ".join(f"{c['change']}: {c['seconds']:.2f} s "
@@ -213,6 +229,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         line += f"; steps redone {sorted(set(redone))}"
         lines.append(line)
     lines.append(f"restart floor (python + import torch + gloo group): median {floor:.2f} s")
+    lines.append(f"a new DDP trainer's own start (the floor + torch._dynamo + the DDP wrapper), which a "
+                 f"scale-up from the request includes: median {statistics.median(result['ddp_start_s']):.2f} s")
     return lines
 
 
