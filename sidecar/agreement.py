@@ -530,6 +530,8 @@ class Member:
         self.socket = self._ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.RECONNECT_IVL, messages.RECONNECT_IVL_MS)
+        self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, messages.RECONNECT_IVL_MAX_MS)
         self.socket.connect(address)
         self.published = -1
         self.commitment: tuple[int, str, int] = (-1, "", 0)

@@ -92,6 +92,8 @@ class Channel:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.IDENTITY, f"t{local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
+        self._sock.setsockopt(zmq.RECONNECT_IVL, messages.RECONNECT_IVL_MS)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, messages.RECONNECT_IVL_MAX_MS)
         self._sock.connect(f"ipc://{directory / messages.SOCKET_NAME}")
         self._inbox: collections.deque[messages.Message] = collections.deque()
 
