@@ -86,7 +86,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """`python SCRIPT ...` as python runs it: sys.argv, sys.path[0], __main__."""
 
 FIRST = AHEAD + RUN
-"""A world's first run of `python SCRIPT ...`: started at once."""
+"""A run of `python SCRIPT ...` started now: the pod's first, or one that has no spare."""
 
 WARM = AHEAD + """
 line = sys.stdin.readline()
