@@ -50,21 +50,22 @@ MODES = ("recreate", "agent", "in-process")
 
 def floor_s(port: int) -> float:
     """A trainer process's bare restart: start Python, import torch, make a gloo group."""
-    code = ("import torch, torch.distributed as d; "
-            f"d.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1); "
-            "d.destroy_process_group()")
-    started = time.monotonic()
-    subprocess.run([sys.executable, "-c", code], check=True)
-    return time.monotonic() - started
+    return _python_s("import torch, torch.distributed as d; "
+                     f"d.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1); "
+                     "d.destroy_process_group()")
 
 
 def ddp_start_s(port: int) -> float:
     """What a new replica's trainer costs at least before it can join (beside the floor): the
     floor, plus torch._dynamo (DistributedDataParallel's constructor imports it) and the
     wrapper. A scale-up's time from the request includes it: the new pod starts first."""
-    code = ("import torch, torch._dynamo, torch.distributed as d; "
-            f"d.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1); "
-            "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2)); d.destroy_process_group()")
+    return _python_s("import torch, torch._dynamo, torch.distributed as d; "
+                     f"d.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1); "
+                     "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2)); d.destroy_process_group()")
+
+
+def _python_s(code: str) -> float:
+    """Seconds a fresh `python -c CODE` takes, start to exit."""
     started = time.monotonic()
     subprocess.run([sys.executable, "-c", code], check=True)
     return time.monotonic() - started
