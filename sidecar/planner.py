@@ -82,11 +82,13 @@ def build_in_child(data: specs.DataSpec, storage_options: Mapping[str, str],
         raise errors.SidecarFailed(f"the plan builder of epoch {epoch} failed:\n{text}")
 
 
-EPOCHS_AHEAD = 2
+EPOCHS_AHEAD = 3
 """Plans built ahead of the epoch being read. One was not enough where an epoch is read
-about as fast as its plan is built (1M narrow rows: 0.25 s against 0.15-0.2 s): the
-build of epoch e+1 began at e's first step and ended after e's readers had read ahead
-into e+1. Two give a build a whole epoch of slack; each costs one more stored plan."""
+about as fast as its plan is built (1M narrow rows: 0.19-0.25 s against 0.1-0.3 s on a
+loaded machine): the build of epoch e+1 began at e's first step and ended after e's
+readers had read ahead into e+1. With two, a builder that ran back to back still let a
+few plans in a hundred land after their readers; three give it two epochs of slack.
+Each costs one more stored plan (8 B a row)."""
 
 
 class Planner:

@@ -37,6 +37,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import uuid
 import zlib
@@ -640,3 +641,38 @@ class Source:
 
         return wait_for(self.location, PlanKey.of(data), epoch, splits, timeout_s=self.timeout_s,
                         build=build_here if self.builds else None)
+
+    def arrival(self, epoch: int) -> Arrival:
+        """Watch for epoch `epoch`'s plan in the background (`Arrival`)."""
+        return Arrival(self, epoch)
+
+
+class Arrival:
+    """Whether an epoch's plan has arrived, known without waiting: a thread looks at the
+    source at `next_poll_s`'s pace until it is there or `close()` is called. A reader asks
+    at each take it hands out, and a look at an object store (a request, 10-50 ms) must not
+    hold up the trainer's batches that often; nor may a reader wait there for a plan that
+    its own published steps let the builder build (takes.Barrier)."""
+
+    def __init__(self, source: Source, epoch: int) -> None:
+        self._source = source
+        self._epoch = epoch
+        self._arrived = threading.Event()
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name=f"splitfeed-plan-arrival-{epoch}", daemon=True).start()
+
+    def _watch(self) -> None:
+        started = time.monotonic()
+        local = isinstance(self._source.location.filesystem()[0], pafs.LocalFileSystem)
+        while not self._stop.is_set():
+            if self._source.ready(self._epoch):
+                self._arrived.set()
+                return
+            self._stop.wait(next_poll_s(time.monotonic() - started, local))
+
+    def arrived(self) -> bool:
+        return self._arrived.is_set()
+
+    def close(self) -> None:
+        """Stop looking (the reads passed the plan's barrier, or ended)."""
+        self._stop.set()

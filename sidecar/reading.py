@@ -327,8 +327,9 @@ def _iter_planned(
     stays under takes.TAKE_BYTES). Takes run ahead across steps and epochs up to
     spec.data.readAheadBytes (takes.Takes); an epoch's row ids are loaded when the
     first take of that epoch is asked for, so at most two epochs' ids are held. The
-    planner builds epoch e+1's plan once a step of epoch e is published, so reads never
-    run ahead into an epoch whose plan is not there yet (takes.BARRIER).
+    planner builds the next epochs' plans once a step of epoch e is published, so reads
+    run ahead into an epoch whose plan is not there yet only once it arrives
+    (takes.Barrier, plans.Arrival).
     """
     sized = layout(table, data)
     per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
@@ -337,12 +338,13 @@ def _iter_planned(
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
     rows_per_step = per_step * len(splits)
 
-    def requests() -> Iterator[tuple[tuple[int, int], np.ndarray] | None]:
+    def requests() -> Iterator[tuple[tuple[int, int], np.ndarray] | takes.Barrier]:
         global_step = start_global_step
         while global_step < end:
             pos = positions.position_of(global_step, spe)
             if global_step != start_global_step and not plan.ready(pos.epoch):
-                yield takes.BARRIER  # built once this epoch's steps are published: no read-ahead
+                arrival = plan.arrival(pos.epoch)  # built once this epoch's steps are published
+                yield takes.Barrier(arrival.arrived, arrival.close)
             ids = plan.ids(table, data, pos.epoch, splits, sized.rows)
             last = min(spe, end - pos.epoch * spe)
             first = pos.step

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
@@ -251,11 +252,26 @@ def depth_for(budget_bytes: int, rows_per_take: int, bytes_per_row: float, *, cl
     return max(1, min(in_flight_cap(cpus), int(room // per_take)))
 
 
-BARRIER = None
-"""A request that says: what comes next may block (an epoch whose plan is still being
-built). Takes hands back every result asked before it, then asks for more only when the
-consumer asks for the next result: a plan built once a step before it is published
-must never wait for reads that wait for it."""
+def _never() -> bool:
+    return False
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+    """A request that says: what comes next may block (an epoch whose plan is still being
+    built) until `opened()` says it will not. Until then Takes hands back every result
+    asked before it, then asks for more only when the consumer asks for the next result:
+    a plan built once a step before it is published must never wait for reads that wait
+    for it. Once `opened()` (the plan arrived: `plans.Arrival`), reads run on past it, so
+    the next epoch's first rows are taken before its first step is asked for. `close()`
+    is called once the barrier is passed or the reads end (it stops what `opened` asks)."""
+
+    opened: Callable[[], bool] = _never
+    close: Callable[[], None] = _nothing
 
 
 class Takes(Generic[T]):
@@ -275,7 +291,7 @@ class Takes(Generic[T]):
     still come back as one result of its own."""
 
     def __init__(self, table: Any, columns: Sequence[str] | None,
-                 requests: Iterator[tuple[T, np.ndarray] | None], budget_bytes: int, *,
+                 requests: Iterator[tuple[T, np.ndarray] | Barrier], budget_bytes: int, *,
                  clump: int = 0, cpus: int | None = 1, scans: bool = False) -> None:
         self._table = table
         self._columns = list(columns) if columns else None
@@ -306,7 +322,8 @@ class Takes(Generic[T]):
         """Bytes of the last take's result: the consumer holds it while asking for more."""
         self._pool = concurrent.futures.ThreadPoolExecutor(self._cap, thread_name_prefix="splitfeed-take")
         self._exhausted = False
-        self._at_barrier = False
+        self._barrier: Barrier | None = None
+        """The barrier drawn and not passed yet."""
 
     def _held(self, rows: int) -> float:
         assert self._row_bytes is not None
@@ -331,20 +348,22 @@ class Takes(Generic[T]):
 
     def _draw(self, *, cross: bool) -> bool:
         """Draw the next request into `_pending`; False when there is none to draw now.
-        A BARRIER is crossed only when `cross` and every result before it is handed out."""
+        A Barrier is passed once it opened, or when `cross` and every result before it is
+        handed out."""
         while not self._exhausted:
-            if self._at_barrier:
-                if self._running or self._ready or self._pending or not cross:
+            if self._barrier is not None:
+                if not self._barrier.opened() and (
+                        self._running or self._ready or self._pending or not cross):
                     return False
-                self._at_barrier = False
+                self._barrier.close()
+                self._barrier = None
             request = next(self._requests, _END)
             if request is _END:
                 self._exhausted = True
                 return False
-            if request is BARRIER:
-                self._at_barrier = True
+            if isinstance(request, Barrier):
+                self._barrier = request
                 continue
-            assert isinstance(request, tuple)
             self._pending.append(request)
             return True
         return False
@@ -441,4 +460,7 @@ class Takes(Generic[T]):
         for _, _, future, _ in self._running:
             future.cancel()
         self._running.clear()
+        if self._barrier is not None:
+            self._barrier.close()
+            self._barrier = None
         self._pool.shutdown(wait=False, cancel_futures=True)

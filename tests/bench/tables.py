@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady-steps", type=int, default=STEADY_STEPS[0],
                         help="steps of each narrow table's steady run (the 50M/1M goal); 0: none")
     parser.add_argument("--no-epoch-starts", action="store_true",
-                        help="skip the epoch-start case (a 1M-row table over 12 epochs)")
+                        help=f"skip the epoch-start case (a 1M-row table over {EPOCHS} epochs)")
     args = parser.parse_args(argv)
     READ_BATCH[0] = args.read_batch_size
     STEADY_STEPS[0] = args.steady_steps

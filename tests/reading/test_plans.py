@@ -477,25 +477,81 @@ def test_requests_drawn_are_taken_together_and_each_gets_its_own_rows(
     assert takes.merged_rows(256 * mib, 12.0, 0, 50_000_000) == takes.rows_per_take(256 * mib, 12.0)
 
 
-def test_takes_never_draw_past_a_barrier_before_every_result_before_it_is_handed_out(db_uri: str) -> None:
-    """What follows a BARRIER may wait for the plan that a published step lets the planner
-    build: every result asked before it reaches the consumer before it is drawn."""
-    table, _ = pinned(db_uri)
+def _barrier_crossed(table: object, barrier: takes.Barrier) -> tuple[list[int], list[int]]:
+    """(tags received in order, results handed out when the requests went past `barrier`),
+    with every take that fits in flight at once (cpus=None): a barrier passed early is
+    passed before the first result."""
     received: list[int] = []
     crossed: list[int] = []
 
-    def requests() -> Iterator[tuple[int, np.ndarray] | None]:
+    def requests() -> Iterator[tuple[int, np.ndarray] | takes.Barrier]:
         for i in range(6):
             yield i, np.arange(i * 50, (i + 1) * 50, dtype=np.uint64)
-        yield takes.BARRIER
+        yield barrier
         crossed.append(len(received))
         for i in range(6, 8):
             yield i, np.arange(i * 50, (i + 1) * 50, dtype=np.uint64)
 
-    for tag, batch in takes.Takes(table, ["id"], requests(), 256 << 20):
+    for tag, batch in takes.Takes(table, ["id"], requests(), 256 << 20, cpus=None):
         assert ids_of(batch) == list(range(tag * 50, (tag + 1) * 50))
         received.append(tag)
-    assert received == list(range(8)) and crossed == [6]
+    return received, crossed
+
+
+def test_takes_never_draw_past_a_closed_barrier_before_every_result_before_it_is_handed_out(db_uri: str) -> None:
+    """What follows a Barrier may wait for the plan that a published step lets the planner
+    build: every result asked before it reaches the consumer before it is drawn."""
+    table, _ = pinned(db_uri)
+    closed: list[bool] = []
+    received, crossed = _barrier_crossed(table, takes.Barrier(close=lambda: closed.append(True)))
+    assert received == list(range(8)) and crossed == [6] and closed == [True]
+
+
+def test_takes_read_on_past_a_barrier_that_opened(db_uri: str) -> None:
+    """Once the plan is there (the barrier opened), the next epoch's rows are taken ahead
+    like any others: the epoch's first step does not wait for them."""
+    table, _ = pinned(db_uri)
+    closed: list[bool] = []
+    received, crossed = _barrier_crossed(table, takes.Barrier(lambda: True, lambda: closed.append(True)))
+    assert received == list(range(8)) and crossed == [0] and closed == [True]
+
+
+def test_a_barrier_not_passed_is_closed_with_its_takes(db_uri: str) -> None:
+    table, _ = pinned(db_uri)
+    closed: list[bool] = []
+
+    def requests() -> Iterator[tuple[int, np.ndarray] | takes.Barrier]:
+        yield 0, np.arange(50, dtype=np.uint64)
+        yield takes.Barrier(close=lambda: closed.append(True))
+        yield 1, np.arange(50, 100, dtype=np.uint64)
+
+    taken: takes.Takes[int] = takes.Takes(table, ["id"], requests(), 256 << 20)
+    assert next(taken)[0] == 0 and not closed
+    taken.close()
+    assert closed == [True]
+
+
+def test_an_arrival_says_a_plan_is_there_once_it_is_published_and_stops_looking_when_closed(
+        db_uri: str, tmp_path: Path) -> None:
+    table, data = pinned(db_uri)
+    location = plans.location_for(data, str(tmp_path))
+    source = plans.Source(location)
+    arrival = source.arrival(1)
+    try:
+        time.sleep(0.05)
+        assert not arrival.arrived()
+        plans.build_and_publish(table, data, location, 1, rows=reading.layout(table, data).rows)
+        deadline = time.monotonic() + 5
+        while not arrival.arrived() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert arrival.arrived()
+    finally:
+        arrival.close()
+    waiting = source.arrival(2)  # never built
+    watcher = next(t for t in threading.enumerate() if t.name == "splitfeed-plan-arrival-2")
+    waiting.close()
+    watcher.join(5)
+    assert not watcher.is_alive() and not waiting.arrived()
 
 
 def test_the_pool_is_set_once_for_the_process_and_a_users_own_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
