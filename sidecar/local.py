@@ -424,6 +424,10 @@ def _follow(history: list[World], rescales: list[Rescale], launch: Launch, plan:
     while True:
         failure = world.failure()
         finished = world.finished()
+        # Before the end check: a world that served and ended between two looks (the job's
+        # last steps after a late change) still times its change's first batch.
+        steps = world.steps()
+        _time_first_batch(rescales, world, steps)
         if failure or (finished and (world.drain_to is None or world.drain_to[0] >= world.total_steps())):
             return None, failure  # done; a --scale-at step past the job's end drained nothing
         if world.drain_to is None:
@@ -431,8 +435,6 @@ def _follow(history: list[World], rescales: list[Rescale], launch: Launch, plan:
             if stopped or failure:
                 return stopped, failure
         _ask_ahead(world, plan, display)
-        steps = world.steps()
-        _time_first_batch(rescales, world, steps)
         # In place, a change asked ahead starts at once (a scale-up's new replicas start while
         # the world trains), once the change before it reached its first batch (timed).
         changed = not rescales or rescales[-1].first_batch_s is not None
