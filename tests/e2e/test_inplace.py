@@ -91,7 +91,10 @@ def test_a_second_scale_during_a_change_in_place_and_a_coordinator_killed_in_one
     coordinator took first. Then 3 -> 2, and replica 0's sidecar (the coordinator) is killed while
     the world drains: the world is restarted as a whole, from the newest complete checkpoint, and
     the job still ends exact, never hung."""
-    name, epochs = "inplace-twice", 3
+    # 8 epochs (160 steps, 40 s of training), as the test above: world 1 trains on while the
+    # scale-up's new pod starts (up to 25 s under make test's two workers); with 3, world 2
+    # once began 2 steps before the job's end and never trained the 3 steps asked below.
+    name, epochs = "inplace-twice", 8
     manifest = cluster.manifest(name, replicas=4, epochs=epochs, sleep_s=0.25, timeout_seconds=60)
     manifest["spec"]["rescale"] = "inPlace"
     trainer = manifest["spec"]["trainer"]["template"]["spec"]["containers"][0]
