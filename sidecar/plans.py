@@ -28,6 +28,7 @@ own, built by each sidecar for itself.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -553,13 +554,47 @@ def next_poll_s(waited_s: float, local: bool = True) -> float:
     return min(POLL_MAX_S, max(POLL_FIRST_S[local], waited_s * POLL_SHARE))
 
 
+class Pace:
+    """When a reader waiting for a plan looks again (`next_poll_s` of the time since it came
+    to need the plan) and when it gives up. A reader that loads an epoch's ids ahead
+    (`Ahead`) does not need them until its reads get there (`need`): until then it looks at
+    the pace of a wait begun when it started, and no timeout runs. `close` ends the wait."""
+
+    def __init__(self, location: Location, *, needed: bool = True) -> None:
+        self._local = isinstance(location.filesystem()[0], pafs.LocalFileSystem)
+        self._since = time.monotonic()
+        self._needed = needed
+        self._wake = threading.Event()
+        self._closed = False
+
+    def need(self) -> None:
+        """The reads got to the plan: look again soon, and time out from now."""
+        if not self._needed:
+            self._needed = True
+            self._since = time.monotonic()
+            self._wake.set()
+
+    def expired(self, timeout_s: float) -> bool:
+        return self._needed and time.monotonic() - self._since > timeout_s
+
+    def sleep(self) -> None:
+        """Until the next look; CancelledError once closed (its reads ended first)."""
+        self._wake.wait(next_poll_s(time.monotonic() - self._since, self._local))
+        self._wake.clear()
+        if self._closed:
+            raise concurrent.futures.CancelledError
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+
 def wait_for(location: Location, key: PlanKey, epoch: int, splits: Sequence[int], *,
-             timeout_s: float, build: Callable[[], None] | None = None) -> np.ndarray:
+             timeout_s: float, build: Callable[[], None] | None = None,
+             pace: Pace | None = None) -> np.ndarray:
     """`read_splits`, waiting for the plan's builder; or building it with `build` (the
     builder's own readers, a job without a shared store) when it is missing."""
-    started = time.monotonic()
-    deadline = started + timeout_s
-    local = isinstance(location.filesystem()[0], pafs.LocalFileSystem)
+    pace = pace or Pace(location)
     while True:
         try:
             got = _load(location, key, epoch, splits)
@@ -579,11 +614,11 @@ def wait_for(location: Location, key: PlanKey, epoch: int, splits: Sequence[int]
             why = failed(location, epoch)
             if why is not None:
                 raise PlanError(f"the plan of epoch {epoch} could not be built: {why}") from None
-        if time.monotonic() > deadline:
+        if pace.expired(timeout_s):
             raise errors.UserError(
                 f"the plan of epoch {epoch} did not appear at {location.uri} within "
                 f"{timeout_s:.0f} s: replica 0's sidecar builds it (is it running?)")
-        time.sleep(next_poll_s(time.monotonic() - started, local))
+        pace.sleep()
 
 
 def temp_file(directory: str | None = None) -> str:
@@ -623,56 +658,58 @@ class Source:
     builds: bool = False
     timeout_s: float = PLAN_WAIT_S
 
-    def ready(self, epoch: int) -> bool:
-        """Epoch `epoch`'s plan is there (or this reader would build it without waiting)."""
-        if self.builds:
-            return True
-        fs, _ = self.location.filesystem()
-        try:
-            return bool(fs.get_file_info(self.location.path(epoch)).type == pafs.FileType.File)
-        except OSError:
-            return False
-
     def ids(self, table: Any, data: specs.DataSpec, epoch: int, splits: Sequence[int],
-            rows: int) -> np.ndarray:
+            rows: int, *, pace: Pace | None = None) -> np.ndarray:
         """(len(splits), splitSize) row ids of `splits` in epoch `epoch`, lancedb's order."""
         def build_here() -> None:
             build_and_publish(table, data, self.location, epoch, rows=rows)
 
         return wait_for(self.location, PlanKey.of(data), epoch, splits, timeout_s=self.timeout_s,
-                        build=build_here if self.builds else None)
+                        build=build_here if self.builds else None, pace=pace)
 
-    def arrival(self, epoch: int) -> Arrival:
-        """Watch for epoch `epoch`'s plan in the background (`Arrival`)."""
-        return Arrival(self, epoch)
+    def ahead(self, table: Any, data: specs.DataSpec, epoch: int, splits: Sequence[int],
+              rows: int) -> Ahead:
+        """Load epoch `epoch`'s ids of `splits` in the background (`Ahead`)."""
+        return Ahead(self, table, data, epoch, splits, rows)
 
 
-class Arrival:
-    """Whether an epoch's plan has arrived, known without waiting: a thread looks at the
-    source at `next_poll_s`'s pace until it is there or `close()` is called. A reader asks
-    at each take it hands out, and a look at an object store (a request, 10-50 ms) must not
-    hold up the trainer's batches that often; nor may a reader wait there for a plan that
-    its own published steps let the builder build (takes.Barrier)."""
+class Ahead:
+    """An epoch's row ids, loaded in a thread while the epoch before it is read. At an
+    epoch start the reader then waits neither for a look at the store (a request on an
+    object store, 10-50 ms) nor for the ids' ranged read (16 MB a rank at 10^9 rows and 512
+    ranks); it holds this and the next epoch's ids, as docs/architecture.md counts. Where
+    the plan is not built yet, the reads stop before the epoch until it arrives
+    (takes.Barrier: it may wait for steps that only the reads before it let the trainers
+    publish)."""
 
-    def __init__(self, source: Source, epoch: int) -> None:
-        self._source = source
-        self._epoch = epoch
-        self._arrived = threading.Event()
-        self._stop = threading.Event()
-        threading.Thread(target=self._watch, name=f"splitfeed-plan-arrival-{epoch}", daemon=True).start()
+    def __init__(self, source: Source, table: Any, data: specs.DataSpec, epoch: int,
+                 splits: Sequence[int], rows: int) -> None:
+        self._pace = Pace(source.location, needed=False)
+        self._loaded: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
 
-    def _watch(self) -> None:
-        started = time.monotonic()
-        local = isinstance(self._source.location.filesystem()[0], pafs.LocalFileSystem)
-        while not self._stop.is_set():
-            if self._source.ready(self._epoch):
-                self._arrived.set()
-                return
-            self._stop.wait(next_poll_s(time.monotonic() - started, local))
+        def load() -> None:
+            try:
+                self._loaded.set_result(source.ids(table, data, epoch, splits, rows, pace=self._pace))
+            except concurrent.futures.CancelledError:
+                self._loaded.cancel()
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader that asks (ids)
+                self._loaded.set_exception(exc)
+
+        threading.Thread(target=load, name=f"splitfeed-plan-ahead-{epoch}", daemon=True).start()
 
     def arrived(self) -> bool:
-        return self._arrived.is_set()
+        """The ids are loaded (or their load failed: `ids` says how), without waiting."""
+        return self._loaded.done()
+
+    def need(self) -> None:
+        """The reads got here: look for a missing plan at a waiting reader's pace (Pace.need)."""
+        self._pace.need()
+
+    def ids(self) -> np.ndarray:
+        """The ids, waiting for them (PlanError, UserError: as Source.ids)."""
+        self.need()
+        return self._loaded.result()
 
     def close(self) -> None:
-        """Stop looking (the reads passed the plan's barrier, or ended)."""
-        self._stop.set()
+        """Stop waiting for a plan that the reads will not use (they ended)."""
+        self._pace.close()

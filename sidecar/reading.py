@@ -315,6 +315,29 @@ def step_order(ids: np.ndarray, first: int, steps: int, per_step: int) -> np.nda
     return block.reshape(len(ids), steps, per_step).transpose(1, 2, 0).ravel()
 
 
+def _epochs_ids(table: Any, data: specs.DataSpec, plan: plans.Source, splits: Sequence[int], rows: int,
+                epochs: range) -> Generator[tuple[int, np.ndarray] | takes.Barrier, None, None]:
+    """(epoch, row ids of `splits`) of each of `epochs`: the first loaded here, each next one
+    in a thread while the one before is read (plans.Ahead), with a Barrier before one whose
+    plan is not there yet (the planner builds it once a step of the epoch before is published)."""
+    ahead: plans.Ahead | None = None
+    try:
+        for epoch in epochs:
+            if ahead is None:
+                ids = plan.ids(table, data, epoch, splits, rows)
+            else:
+                if not ahead.arrived():
+                    ahead.need()
+                    yield takes.Barrier(ahead.arrived)
+                ids = ahead.ids()
+            ahead = plan.ahead(table, data, epoch + 1, splits, rows) if epoch + 1 in epochs else None
+            yield epoch, ids
+            del ids
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
 def _iter_planned(
     table: Any, data: specs.DataSpec, splits: Sequence[int], start_global_step: int,
     stop_global_step: int | None, plan: plans.Source,
@@ -325,11 +348,11 @@ def _iter_planned(
     readBatchSize rows of each split), asked in the reference order, so its rows are the
     steps' blocks as they are (fewer steps once rows are known to be large: a take
     stays under takes.TAKE_BYTES). Takes run ahead across steps and epochs up to
-    spec.data.readAheadBytes (takes.Takes); an epoch's row ids are loaded when the
-    first take of that epoch is asked for, so at most two epochs' ids are held. The
+    spec.data.readAheadBytes (takes.Takes); the next epoch's row ids are loaded in the
+    background once an epoch's are (plans.Ahead), so two epochs' ids are held. The
     planner builds the next epochs' plans once a step of epoch e is published, so reads
     run ahead into an epoch whose plan is not there yet only once it arrives
-    (takes.Barrier, plans.Arrival).
+    (takes.Barrier).
     """
     sized = layout(table, data)
     per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
@@ -338,26 +361,28 @@ def _iter_planned(
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
     rows_per_step = per_step * len(splits)
 
-    def requests() -> Iterator[tuple[tuple[int, int], np.ndarray] | takes.Barrier]:
-        global_step = start_global_step
-        while global_step < end:
-            pos = positions.position_of(global_step, spe)
-            if global_step != start_global_step and not plan.ready(pos.epoch):
-                arrival = plan.arrival(pos.epoch)  # built once this epoch's steps are published
-                yield takes.Barrier(arrival.arrived, arrival.close)
-            ids = plan.ids(table, data, pos.epoch, splits, sized.rows)
-            last = min(spe, end - pos.epoch * spe)
-            first = pos.step
-            while first < last:
-                count = min(taken.steps_per_take(steps_per_take, rows_per_step), last - first)
-                yield (pos.epoch * spe + first, count), step_order(ids, first, count, per_step)
-                first += count
-            global_step = pos.epoch * spe + last
-            del ids
+    def requests() -> Generator[tuple[tuple[int, int], np.ndarray] | takes.Barrier, None, None]:
+        epochs = range(start_global_step // spe, -(-end // spe)) if start_global_step < end else range(0)
+        loaded = _epochs_ids(table, data, plan, splits, sized.rows, epochs)
+        try:
+            for item in loaded:
+                if isinstance(item, takes.Barrier):
+                    yield item
+                    continue
+                epoch, ids = item
+                first, last = max(0, start_global_step - epoch * spe), min(spe, end - epoch * spe)
+                while first < last:
+                    count = min(taken.steps_per_take(steps_per_take, rows_per_step), last - first)
+                    yield (epoch * spe + first, count), step_order(ids, first, count, per_step)
+                    first += count
+                del ids, item
+        finally:
+            loaded.close()
 
     # Each of the numWorkers loaders reads ahead its share: together they hold readAheadBytes.
     budget = specs.parse_quantity_bytes(str(data.read_ahead_bytes), "spec.data.readAheadBytes")
-    taken = takes.Takes(table, data.columns, requests(), max(1, budget // max(1, data.num_workers)),
+    asked = requests()
+    taken = takes.Takes(table, data.columns, asked, max(1, budget // max(1, data.num_workers)),
                         clump=data.shuffle_clump_size,
                         cpus=None if remote(data.uri) else max(1, cgroups.process_cpus() // data.num_workers),
                         scans=not remote(data.uri))
@@ -367,6 +392,7 @@ def _iter_planned(
                 yield first + i, rows.slice(i * rows_per_step, rows_per_step)
     finally:
         taken.close()
+        asked.close()  # and its next epoch's ids stop loading
 
 
 # --- transforms and packing: lancedb's StreamingDataset does the work ---------------

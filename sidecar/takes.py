@@ -256,22 +256,16 @@ def _never() -> bool:
     return False
 
 
-def _nothing() -> None:
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Barrier:
     """A request that says: what comes next may block (an epoch whose plan is still being
     built) until `opened()` says it will not. Until then Takes hands back every result
     asked before it, then asks for more only when the consumer asks for the next result:
     a plan built once a step before it is published must never wait for reads that wait
-    for it. Once `opened()` (the plan arrived: `plans.Arrival`), reads run on past it, so
-    the next epoch's first rows are taken before its first step is asked for. `close()`
-    is called once the barrier is passed or the reads end (it stops what `opened` asks)."""
+    for it. Once `opened()` (the plan arrived: `plans.Ahead`), reads run on past it, so
+    the next epoch's first rows are taken before its first step is asked for."""
 
     opened: Callable[[], bool] = _never
-    close: Callable[[], None] = _nothing
 
 
 class Takes(Generic[T]):
@@ -355,7 +349,6 @@ class Takes(Generic[T]):
                 if not self._barrier.opened() and (
                         self._running or self._ready or self._pending or not cross):
                     return False
-                self._barrier.close()
                 self._barrier = None
             request = next(self._requests, _END)
             if request is _END:
@@ -460,7 +453,5 @@ class Takes(Generic[T]):
         for _, _, future, _ in self._running:
             future.cancel()
         self._running.clear()
-        if self._barrier is not None:
-            self._barrier.close()
-            self._barrier = None
+        self._barrier = None
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -15,7 +15,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lancedb
@@ -502,56 +502,72 @@ def test_takes_never_draw_past_a_closed_barrier_before_every_result_before_it_is
     """What follows a Barrier may wait for the plan that a published step lets the planner
     build: every result asked before it reaches the consumer before it is drawn."""
     table, _ = pinned(db_uri)
-    closed: list[bool] = []
-    received, crossed = _barrier_crossed(table, takes.Barrier(close=lambda: closed.append(True)))
-    assert received == list(range(8)) and crossed == [6] and closed == [True]
+    received, crossed = _barrier_crossed(table, takes.Barrier())
+    assert received == list(range(8)) and crossed == [6]
 
 
 def test_takes_read_on_past_a_barrier_that_opened(db_uri: str) -> None:
     """Once the plan is there (the barrier opened), the next epoch's rows are taken ahead
     like any others: the epoch's first step does not wait for them."""
     table, _ = pinned(db_uri)
-    closed: list[bool] = []
-    received, crossed = _barrier_crossed(table, takes.Barrier(lambda: True, lambda: closed.append(True)))
-    assert received == list(range(8)) and crossed == [0] and closed == [True]
+    received, crossed = _barrier_crossed(table, takes.Barrier(lambda: True))
+    assert received == list(range(8)) and crossed == [0]
 
 
-def test_a_barrier_not_passed_is_closed_with_its_takes(db_uri: str) -> None:
-    table, _ = pinned(db_uri)
-    closed: list[bool] = []
-
-    def requests() -> Iterator[tuple[int, np.ndarray] | takes.Barrier]:
-        yield 0, np.arange(50, dtype=np.uint64)
-        yield takes.Barrier(close=lambda: closed.append(True))
-        yield 1, np.arange(50, 100, dtype=np.uint64)
-
-    taken: takes.Takes[int] = takes.Takes(table, ["id"], requests(), 256 << 20)
-    assert next(taken)[0] == 0 and not closed
-    taken.close()
-    assert closed == [True]
+def _wait_until(done: Callable[[], bool], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return done()
 
 
-def test_an_arrival_says_a_plan_is_there_once_it_is_published_and_stops_looking_when_closed(
-        db_uri: str, tmp_path: Path) -> None:
+def test_a_plan_loaded_ahead_arrives_once_published_with_lancedbs_rows(db_uri: str, tmp_path: Path) -> None:
+    """The next epoch's ids load in a thread: not there before its plan is published, then
+    each split's rows are lancedb's."""
     table, data = pinned(db_uri)
     location = plans.location_for(data, str(tmp_path))
-    source = plans.Source(location)
-    arrival = source.arrival(1)
+    ahead = plans.Source(location).ahead(table, data, 1, range(4, 8), 1000)
     try:
         time.sleep(0.05)
-        assert not arrival.arrived()
+        assert not ahead.arrived()
         plans.build_and_publish(table, data, location, 1, rows=reading.layout(table, data).rows)
-        deadline = time.monotonic() + 5
-        while not arrival.arrived() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert arrival.arrived()
+        assert _wait_until(ahead.arrived)
+        ids = ahead.ids()
     finally:
-        arrival.close()
-    waiting = source.arrival(2)  # never built
-    watcher = next(t for t in threading.enumerate() if t.name == "splitfeed-plan-arrival-2")
-    waiting.close()
-    watcher.join(5)
-    assert not watcher.is_alive() and not waiting.arrived()
+        ahead.close()
+    for i, split in enumerate(range(4, 8)):
+        expected = [r["id"] for r in reference_rows(data, epoch=1, rank=split, world_size=data.num_splits)]
+        assert ids_of(takes.take_rows(table, ids[i], ["id"])) == expected, f"split {split}"
+
+
+def test_a_plan_loaded_ahead_times_out_only_once_the_reads_need_it(db_uri: str, tmp_path: Path) -> None:
+    """A load begun an epoch early must not count that epoch against the plan's timeout:
+    the wait's clock starts when the reads get there."""
+    table, data = pinned(db_uri)
+    location = plans.location_for(data, str(tmp_path))
+    ahead = plans.Source(location, timeout_s=0.05).ahead(table, data, 1, range(4), 1000)
+    try:
+        time.sleep(0.3)
+        assert not ahead.arrived()
+        with pytest.raises(errors.UserError, match="did not appear .* replica 0's sidecar builds it"):
+            ahead.ids()
+    finally:
+        ahead.close()
+
+
+def test_reads_that_end_stop_the_next_epochs_load(db_uri: str, tmp_path: Path) -> None:
+    """A reader closed mid-epoch (a drain, a trainer gone) leaves no thread waiting for a
+    plan that will never be built."""
+    table, data = pinned(db_uri, epochs=3)
+    location = plans.location_for(data, str(tmp_path))
+    plan_ids(table, data, 0, location)  # epoch 1's plan is never built
+    blocks = reading.iter_blocks(table, data, range(data.num_splits), start_global_step=0, plan=plans.Source(location))
+    next(blocks)
+    assert _wait_until(lambda: any(t.name == "splitfeed-plan-ahead-1" for t in threading.enumerate()))
+    loader = next(t for t in threading.enumerate() if t.name == "splitfeed-plan-ahead-1")
+    blocks.close()
+    loader.join(5)
+    assert not loader.is_alive()
 
 
 def test_the_pool_is_set_once_for_the_process_and_a_users_own_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
