@@ -17,6 +17,7 @@ import multiprocessing.connection
 import threading
 import traceback
 from collections.abc import Mapping
+from typing import Any
 
 from splitfeed.trainer_client import errors, specs
 
@@ -109,6 +110,14 @@ class Planner:
         self._closed = False
         self.failure: str | None = None
         self._thread: threading.Thread | None = None
+        self._checked = False
+        """The store's plans were found built by this image's lancedb (`plans.check_builder`):
+        once per builder, as every plan it adds after is its own. Checked at every build, it
+        read every stored plan's footer, 3 requests a plan on an object store: a job's 100th
+        epoch took 300 requests to build."""
+        self._table: Any = None
+        """The table, opened at the first build this process runs (an open is several
+        requests on an object store)."""
 
     def ensure(self, epoch: int) -> None:
         """Epoch `epoch`'s plan exists and is whole once this returns (built if need be)."""
@@ -119,10 +128,13 @@ class Planner:
             log.info("building the plan of epoch %d (%d rows) at %s", epoch, self._rows,
                      self.location.uri)
             try:
-                plans.check_builder(self.location)
+                if not self._checked:
+                    plans.check_builder(self.location)
+                    self._checked = True
                 if self._rows <= IN_PROCESS_ROWS:
-                    table = reading.open_table(self.data, self._options)
-                    plans.build_and_publish(table, self.data, self.location, epoch, rows=self._rows)
+                    if self._table is None:
+                        self._table = reading.open_table(self.data, self._options)
+                    plans.build_and_publish(self._table, self.data, self.location, epoch, rows=self._rows)
                 else:
                     build_in_child(self.data, self._options, self.location, epoch, self._rows)
             except Exception as exc:

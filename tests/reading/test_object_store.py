@@ -34,7 +34,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Endpoint
 
 def remote_spec(endpoint: S3Endpoint, **overrides: object):  # type: ignore[no-untyped-def]
     options = {k: v for k, v in endpoint.storage_options().items() if k not in CREDENTIALS}
-    return data_spec(f"s3://{BUCKET}/db", storage_options=options, epochs=1, **overrides)
+    return data_spec(f"s3://{BUCKET}/db", storage_options=options, **{"epochs": 1, **overrides})
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -141,3 +141,22 @@ def test_the_world_start_check_of_a_stored_plan_reads_its_footer_alone(store: tu
     assert not isinstance(info.value, errors.DataError)  # a restart cures it
     assert path.with_name(path.name + plans.DAMAGED).is_file()  # marked through the store
     assert plans.verify(location, key, 0) is None  # the next world's builder builds it again
+
+
+def test_a_builders_requests_per_plan_do_not_grow_with_the_plans_stored(store: tuple[S3Endpoint, str]) -> None:
+    """A job's 100th epoch must cost its builder what its 2nd did: the check that the stored
+    plans are this lancedb's (3 requests a plan) runs once per builder, not at every build."""
+    from splitfeed.sidecar import planner
+
+    endpoint, _ = store
+    table, data = reading.pin(remote_spec(endpoint, epochs=8), CREDENTIALS)
+    location = plans.location_for(data, f"s3://{BUCKET}/ckpt/test/job/requests", endpoint.storage_options())
+    builder = planner.Planner(data, CREDENTIALS, location, rows=reading.layout(table, data).rows)
+    counted = []
+    for epoch in range(8):
+        endpoint.reset_counters()
+        builder.ensure(epoch)
+        counted.append(sum(endpoint.requests.values()))
+    assert len(set(counted[1:])) == 1, counted
+    key = plans.PlanKey.of(data)
+    assert all(plans.verify(location, key, epoch) for epoch in range(8))
