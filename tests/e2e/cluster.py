@@ -204,10 +204,15 @@ class Cluster:
         items = self.get(f"/api/v1/namespaces/{NS}/events?fieldSelector=involvedObject.name%3D{name}")["items"]
         return sorted(items, key=lambda e: (e.get("firstTimestamp") or "", e["metadata"]["creationTimestamp"]))
 
-    def operator_pod(self) -> dict[str, Any]:
+    def operator_pods(self) -> list[dict[str, Any]]:
+        """The operator's pods not being deleted: none for a moment after one is deleted,
+        until its ReplicaSet creates the next."""
         items = self.get(f"/api/v1/namespaces/{SYSTEM_NS}/pods?labelSelector="
                          "app.kubernetes.io/component%3Doperator")["items"]
-        live = [p for p in items if not p["metadata"].get("deletionTimestamp")]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def operator_pod(self) -> dict[str, Any]:
+        live = self.operator_pods()
         if len(live) != 1:
             raise AssertionError(f"expected one operator pod, found {[p['metadata']['name'] for p in live]}")
         return live[0]

@@ -126,8 +126,10 @@ def test_an_operator_killed_mid_rescale_comes_back_through_its_deployment_and_fi
         os.kill(pid, signal.SIGKILL)
         log(f"{name}: SIGKILL the operator (pid {pid}) in Rescaling/{watch.seen[-1][1]}; deleting its pod")
         cluster.kubectl("-n", SYSTEM_NS, "delete", "pod", old_name, "--grace-period=0", "--force")
-        new = wait_for(lambda: (p := cluster.operator_pod())["metadata"]["name"] != old_name
-                       and p["status"].get("phase") == "Running" and p, 60,
+        # the next pod may not exist yet: the ReplicaSet creates it once it saw the deletion
+        new = wait_for(lambda: len(live := cluster.operator_pods()) == 1
+                       and live[0]["metadata"]["name"] != old_name
+                       and live[0]["status"].get("phase") == "Running" and live[0], 60,
                        "the Deployment's ReplicaSet to bring a new operator pod up")
         log(f"{name}: operator back as {new['metadata']['name']}")
         wait_running(cluster, name, 1)
