@@ -453,5 +453,4 @@ class Takes(Generic[T]):
         for _, _, future, _ in self._running:
             future.cancel()
         self._running.clear()
-        self._barrier = None
         self._pool.shutdown(wait=False, cancel_futures=True)
