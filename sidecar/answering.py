@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from splitfeed.trainer_client import contract, errors, messages, ring
 from splitfeed.trainer_client.messages import Bye, Checkpoint, Commit, Drain, Error, Hello, Wake
@@ -81,7 +81,7 @@ class Answers:
     def __init__(self, feeds: list[Feed], send: Callable[[bytes, messages.Message], None],
                  coordination: Coordination, *, instance: str, world_size: int, steps_per_epoch: int,
                  checkpoint: Callable[[int, int], str] | None,
-                 commit: Callable[[int, int], None] | None) -> None:
+                 commit: Callable[[int, int], None] | None, earlier: Collection[bytes] = ()) -> None:
         self._feeds = feeds
         self._send = send
         self._world = coordination
@@ -90,6 +90,9 @@ class Answers:
         self._steps_per_epoch = steps_per_epoch
         self._checkpoint = checkpoint
         self._commit = commit
+        self._earlier = set(earlier)
+        """The trainers (socket identities) this process served in the world before, which changed
+        in place, and not yet welcomed in this one."""
         self.last_checkpoint: contract.LastCheckpoint | None = None
         self.failed_at: float | None = None
         """When a rank's publisher first failed: the sidecar answers a while longer, then stops."""
@@ -122,6 +125,17 @@ class Answers:
         if not 0 <= local_rank < len(self._feeds):
             raise errors.ProtocolError(
                 f"local_rank {local_rank} is not served here (0..{len(self._feeds) - 1})")
+        if message.next_step is not None and peer in self._earlier:
+            # A trainer of the world before, which still thinks it trains there (its world was
+            # lost while it checkpointed or waited): it may not go on here at its own step.
+            # This world starts where its coordinator chose; the trainer comes through
+            # `rejoin`, whose hello names no step. Nothing here changes.
+            self._send(peer, Error(code=messages.WORLD_ENDED, fatal=False, message=(
+                "the world this trainer trained in ended, and its sidecar went on to the next: "
+                "call StreamClient.rejoin() (failed=True after a lost member pod; README, "
+                "'Rescaling in place')")))
+            return
+        self._earlier.discard(peer)
         feed = self._feeds[local_rank]
         session, control = feed.session, feed.control
         if session.failure:

@@ -417,6 +417,9 @@ class Carried:
     rows: int
     steps_per_epoch: int
     report: contract.Report
+    trainers: frozenset[bytes] = frozenset()
+    """The trainers' socket identities: one that says hello to continue the world before is
+    told that world ended (answering.Answers.hello)."""
 
 
 class NotInWorld(errors.SplitfeedError):
@@ -659,7 +662,8 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
         total_steps=o.total_steps, start_step=o.start_step, resume_step=o.start_step,
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
         member=o.member if failure is None else None, instance=instance,
-        skipping=data is not None and data.drops_rows, on_published=on_published, on_drain=on_drain)
+        skipping=data is not None and data.drops_rows, on_published=on_published, on_drain=on_drain,
+        earlier=o.carried.trainers if o.carried is not None else ())
     if failure is not None and o.member is not None:
         o.member.close()
     observed.feeds = lambda: server.feeds
@@ -892,7 +896,8 @@ def carry(sidecar: Sidecar, report: contract.Report) -> Carried:
     """What the next world in place takes over from this one."""
     return Carried(builder=sidecar.builder, plan=sidecar.plan, metrics=sidecar.metrics,
                    coordinator=sidecar.coordinator, data=sidecar.data, rows=sidecar.rows,
-                   steps_per_epoch=sidecar.steps_per_epoch, report=report)
+                   steps_per_epoch=sidecar.steps_per_epoch, report=report,
+                   trainers=frozenset(f.session.peer for f in sidecar.server.feeds if f.session.peer is not None))
 
 
 def write_report(path: Path | None, report: contract.Report) -> None:

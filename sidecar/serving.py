@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,8 @@ class Server:
                  context: zmq.Context[Any] | None = None,
                  skipping: bool = False,
                  on_published: Callable[[int, int], None] | None = None,
-                 on_drain: Callable[[int, str, int], None] | None = None) -> None:
+                 on_drain: Callable[[int, str, int], None] | None = None,
+                 earlier: Collection[bytes] = ()) -> None:
         self.directory = Path(directory)
         self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
@@ -182,7 +183,7 @@ class Server:
         ]
         self._answers = Answers(self.feeds, self._send, self._coordination, instance=self.instance,
                                 world_size=world_size, steps_per_epoch=steps_per_epoch,
-                                checkpoint=checkpoint, commit=commit)
+                                checkpoint=checkpoint, commit=commit, earlier=earlier)
         for i, feed in enumerate(self.feeds):
             if i in served:  # nobody will say hello: finish once the linger for a checkpoint ends
                 log.info("rank %d: its trainer took every batch from this sidecar's predecessor; "

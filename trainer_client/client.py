@@ -26,6 +26,9 @@ for `timeout_s` is a SidecarFailed.
 Either side may restart: the client says `hello` with the next global step it
 expects, so a new sidecar continues exactly there, and a new trainer process
 (which sends no step) continues after the last batch its predecessor received.
+A sidecar that went on in place to a later world never lets a trainer of the
+earlier one continue in it: that hello is refused (WORLD_ENDED), and the trainer,
+told WorldLost, rejoins (`rejoin`) at the step the new world starts from.
 
 The socket is here (`Channel`); the handshake is `handshake`, the receive path
 `receiving`, checkpoints `checkpointing` and SIGTERM `preemption`.
@@ -47,7 +50,7 @@ import zmq
 
 from . import contract, counters, membership, messages, taking
 from .checkpointing import Checkpoints
-from .errors import CheckpointError, NotWelcomed, ProtocolError, SidecarFailed, SidecarUnavailable
+from .errors import CheckpointError, NotWelcomed, ProtocolError, SidecarFailed, SidecarUnavailable, WorldLost
 from .handshake import Session
 from .preemption import Preemption
 from .receiving import Receiver
@@ -85,9 +88,11 @@ class Channel:
     """The DEALER socket to this rank's sidecar, and the messages read ahead of their turn."""
 
     def __init__(self, context: zmq.Context[Any], directory: Path, local_rank: int, *,
-                 timeout_s: float, heartbeat_s: float) -> None:
+                 timeout_s: float, heartbeat_s: float, lost: Callable[[], bool]) -> None:
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
+        self._lost = lost
+        """Whether this process's world was lost (membership.lost): a WORLD_ENDED is then its news."""
         self._sock = context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
@@ -113,7 +118,8 @@ class Channel:
         self._inbox.clear()
 
     def receive(self, timeout_s: float) -> messages.Message | None:
-        """The next message within `timeout_s`, or None; a fatal error raises SidecarFailed."""
+        """The next message within `timeout_s`, or None; a fatal error raises SidecarFailed, and
+        the word that this process's world was lost raises WorldLost."""
         if self._inbox:
             return self._inbox.popleft()
         if not self._sock.poll(int(timeout_s * 1000)):
@@ -127,6 +133,10 @@ class Channel:
         if isinstance(message, messages.Error):
             if message.fatal:
                 raise SidecarFailed(message.message)
+            if message.code == messages.WORLD_ENDED:
+                if self._lost():
+                    raise WorldLost(message.message)
+                return None  # it answers a hello sent before this process rejoined: nothing now
             log.warning("sidecar: %s", message.message)
         return message
 
@@ -200,7 +210,8 @@ class StreamClient:
         self._dir = socket_directory(socket_dir)
         self.local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") if local_rank is None else local_rank)
         self._channel = Channel(context or zmq.Context.instance(), self._dir, self.local_rank,
-                                timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+                                timeout_s=timeout_s, heartbeat_s=heartbeat_s,
+                                lost=lambda: membership.lost(self._dir, self._session.world_epoch))
         self._taker = taking.Taker(self._dir, self.local_rank, as_tensors=as_tensors)
         self._session = Session(self._channel, self._dir, self.local_rank, timeout_s=timeout_s,
                                 heartbeat_s=heartbeat_s)
@@ -333,7 +344,7 @@ class StreamClient:
         self._preemption.uninstall()
         try:
             self._checkpoints.commit_implicitly()
-        except (CheckpointError, SidecarFailed, SidecarUnavailable) as exc:
+        except (CheckpointError, SidecarFailed, SidecarUnavailable, WorldLost) as exc:
             log.error("the last checkpoint was not committed: %s", exc)
         self.stats.write(final=True)
         self._channel.close()

@@ -13,6 +13,7 @@
     ├── SidecarUnavailable                 the sidecar does not answer; reconnect or retry
     ├── SidecarFailed                      the sidecar reported a fatal error (e.g. missing table)
     ├── CheckpointError                    a checkpoint could not be written or read
+    ├── WorldLost                          (also RuntimeError) this world lost a member pod: rejoin
     ├── sidecar.main.NotInWorld            this pod is not in its world any more (an in-place scale-down)
     ├── trainer_client.fields.SpecError    (also ValueError) a manifest field is invalid; names it
     ├── trainer_client.topology.TopologyError  (also ValueError) splits, ranks and batches do not fit
@@ -67,3 +68,9 @@ class SidecarFailed(SplitfeedError):
 
 class CheckpointError(SplitfeedError):
     pass
+
+
+class WorldLost(SplitfeedError, RuntimeError):
+    """The world this process trains in lost a member pod and ended without a drain; its
+    sidecar went on to the next world. A RuntimeError, as the collective that a lost peer
+    fails is: the README's in-place loop catches it and calls `rejoin(failed=True)`."""

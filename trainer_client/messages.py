@@ -209,6 +209,10 @@ class Committed(Message):
 
 NOT_WELCOMED = "not-welcomed"
 """Error.code for a message from a trainer the sidecar has not welcomed (errors.NotWelcomed)."""
+WORLD_ENDED = "world-ended"
+"""Error.code for a hello that would continue, in the world a sidecar went on to in place, the
+world before it: that world ended (drained, or lost a member pod), and the trainer rejoins
+(`StreamClient.rejoin`; errors.WorldLost)."""
 
 
 @_wire("error")

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.trainer_client import contract, membership, worlds
+from splitfeed.trainer_client import contract, membership, ring, worlds
+from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.errors import WorldLost
 from tests.streaming.harness import manifest, pods, reference_batches, socket_root, table_uri  # noqa: F401
 from tests.support.tables import check_exact
 from tests.support import exactness, ports, processes
@@ -102,3 +104,55 @@ def test_a_member_killed_mid_world_is_replaced_alone_and_the_others_go_on_in_pla
     for pod in sidecars[:2]:  # ... under sidecars that served both worlds in one process
         text = (pod.dir / "sidecar.log").read_text()
         assert "world 1 follows in place" in text and "lost replicas [2]" in text, text[-2000:]
+
+
+def test_a_trainer_that_talks_to_its_sidecar_after_the_world_was_lost_is_told_so_and_never_joins_the_next_world_midway(
+        pods, table_uri, tmp_path):  # noqa: F811
+    """The race behind a CI failure: world 0 is lost while a surviving rank's trainer is between
+    collectives (checkpointing, or waiting for a batch). Its next word to the sidecar reaches the
+    next world's server, which never welcomed it. It must be told that its world ended (WorldLost,
+    a RuntimeError as a failed collective is), and must not be welcomed into world 1 at its own
+    next step: world 1 starts from the newest complete checkpoint, which `rejoin(failed=True)`
+    then gives it, exactly lancedb's batches from there. Trainers here are StreamClients driven
+    by the test, so that the order of events is the test's, not the scheduler's."""
+    store = tmp_path / "ckpt"
+    job = manifest(table_uri, str(store), epochs=EPOCHS)
+    coordinator, master_port = ports.tcp_address(), ports.free_port()
+    sidecars = [start_pod(pods, job, f"r{r}", r, coordinator, master_port, 0, "none") for r in range(3)]
+    saved = dict(os.environ)  # rejoin sets this process's RANK, WORLD_SIZE, ... as a new pod's
+    clients = [StreamClient(pod.socket_dir, 0, timeout_s=60, as_tensors=False) for pod in sidecars]
+    try:
+        for _ in range(3):
+            [next(c) for c in clients]
+        assert [c.checkpoint() for c in clients] == [3, 3, 3]
+        for c in clients:
+            c.commit(3)
+        for _ in range(2):  # steps 3 and 4 taken; world 0 goes on past its checkpoint
+            [next(c) for c in clients[:2]]
+        sidecars[2].kill()  # replica 2's pod is lost; the test does what the operator does
+        clients[2].close()
+        assert worlds.request_drain(coordinator, "replace-w0-r2", "replace", replicas=3, lost=[2]) == "lost"
+        host, _, port = coordinator.rpartition(":")
+        following = f"{host}:{membership.next_port(int(port), 0)}"
+        new = start_pod(pods, job, "r2-w1", 2, following, membership.next_port(master_port, 0), 1, "latest")
+        for pod in sidecars[:2]:
+            wait_for(lambda: (w := membership.read(pod.socket_dir)) is not None and w.epoch == 1
+                     and w.state == membership.SERVING, 60, f"{pod.dir.name} to serve world 1")
+        with pytest.raises(WorldLost, match="ended"):
+            clients[1].checkpoint()  # its Checkpoint reaches world 1's server, which never welcomed it
+        with pytest.raises(WorldLost, match="ended"):
+            for _ in range(ring.MAX_SLOTS + 1):  # what world 0 left in its ring, then its sidecar's word
+                next(clients[0])
+        assert isinstance(WorldLost("x"), RuntimeError)  # what the README's loop catches
+        joined = [c.rejoin(timeout_s=60, failed=True) for c in clients[:2]]
+        assert [(w.epoch, w.world_size) if w else None for w in joined] == [(1, 3), (1, 3)]
+        clients[2] = StreamClient(new.socket_dir, 0, timeout_s=60, as_tensors=False)
+        assert [c.resume_step for c in clients] == [3, 3, 3]
+        for rank, client in enumerate(clients):
+            got = [next(client)["id"].tolist() for _ in range(4)]
+            assert got == reference_batches(table_uri, {"epochs": EPOCHS}, 3, rank)[3:7], rank
+    finally:
+        for c in clients:
+            c.close()
+        os.environ.clear()
+        os.environ.update(saved)
