@@ -315,6 +315,11 @@ class Location:
     def path(self, epoch: int) -> str:
         return f"{self.filesystem()[1]}/{file_name(epoch)}"
 
+    @property
+    def local(self) -> bool:
+        """On this machine's filesystem, not an object store: a rename is atomic, a look is cheap."""
+        return isinstance(self.filesystem()[0], pafs.LocalFileSystem)
+
 
 def location_for(data: specs.DataSpec, root: str | None,
                  storage_options: Mapping[str, str] | None = None) -> Location:
@@ -482,7 +487,7 @@ def publish(location: Location, local_file: str, epoch: int) -> None:
     """Put a built plan at its place whole: a rename locally, one (multipart) put on S3."""
     fs, root = location.filesystem()
     path = location.path(epoch)
-    if isinstance(fs, pafs.LocalFileSystem):
+    if location.local:
         fs.create_dir(root, recursive=True)
         os.replace(local_file, path)
         return
@@ -563,7 +568,7 @@ class Pace:
     the pace of a wait begun when it started, and no timeout runs. `close` ends the wait."""
 
     def __init__(self, location: Location, *, needed: bool = True) -> None:
-        self._local = isinstance(location.filesystem()[0], pafs.LocalFileSystem)
+        self._local = location.local
         self._since = time.monotonic()
         self._needed = needed
         self._wake = threading.Event()
@@ -636,8 +641,8 @@ def build_and_publish(table: Any, data: specs.DataSpec, location: Location, epoc
                       rows: int) -> Footer:
     """Build epoch `epoch`'s plan and put it at `location` (a local build file first: on a
     local store in the same directory, so that the rename is atomic)."""
-    fs, root = location.filesystem()
-    local = isinstance(fs, pafs.LocalFileSystem)
+    root = location.filesystem()[1]
+    local = location.local
     if local:
         os.makedirs(root, exist_ok=True)
     path = temp_file(root if local else None)
