@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -36,6 +37,21 @@ class _WiderFixtures:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_WiderFixtures(), "splitfeed-wider-fixtures")
+
+
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """Each test starts from the environment the one before it started from.
+
+    A StreamClient in the test process sets RANK, WORLD_SIZE, SPLITFEED_WORLD_EPOCH, ... as
+    the world it joins says (a trainer's environment: `rejoin`, `Session.adopt_world`). Left
+    there, a later test's clients took world 2 of an earlier test for their own (found in CI).
+    """
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -107,7 +107,7 @@ def test_a_member_killed_mid_world_is_replaced_alone_and_the_others_go_on_in_pla
 
 
 def test_a_trainer_that_talks_to_its_sidecar_after_the_world_was_lost_is_told_so_and_never_joins_the_next_world_midway(
-        pods, table_uri, tmp_path):  # noqa: F811
+        pods, table_uri, tmp_path, monkeypatch):  # noqa: F811
     """The race behind a CI failure: world 0 is lost while a surviving rank's trainer is between
     collectives (checkpointing, or waiting for a batch). Its next word to the sidecar reaches the
     next world's server, which never welcomed it. It must be told that its world ended (WorldLost,
@@ -119,7 +119,7 @@ def test_a_trainer_that_talks_to_its_sidecar_after_the_world_was_lost_is_told_so
     job = manifest(table_uri, str(store), epochs=EPOCHS)
     coordinator, master_port = ports.tcp_address(), ports.free_port()
     sidecars = [start_pod(pods, job, f"r{r}", r, coordinator, master_port, 0, "none") for r in range(3)]
-    saved = dict(os.environ)  # rejoin sets this process's RANK, WORLD_SIZE, ... as a new pod's
+    monkeypatch.setenv(contract.WORLD_EPOCH_ENV, "0")  # the trainers' pods are world 0's
     clients = [StreamClient(pod.socket_dir, 0, timeout_s=60, as_tensors=False) for pod in sidecars]
     try:
         for _ in range(3):
@@ -154,5 +154,3 @@ def test_a_trainer_that_talks_to_its_sidecar_after_the_world_was_lost_is_told_so
     finally:
         for c in clients:
             c.close()
-        os.environ.clear()
-        os.environ.update(saved)
