@@ -223,7 +223,8 @@ def bench(seconds: float, latencies: list[float], quick: bool) -> dict:
                 endpoint.say("latency 0.05")
                 if payload == 512:  # short epochs (0.5 s): a plan built and read every half second
                     stored = sidecar_run(work, endpoint, 0, seconds, store=f"s3://{BUCKET}/ckpt")
-                    own = results["cases"][-2]["latencies"].get("0.05", {}).get("sidecar", {})
+                    clump_0 = next(c for c in results["cases"] if (c["payload"], c["clump"]) == (payload, 0))
+                    own = clump_0["latencies"].get("0.05", {}).get("sidecar", {})
                     results["plans_in_store_at_50ms"] = {"sidecar": stored, "own_plans": own}
                     print(f"  {payload} B x {rows:,}, clump 0, 50 ms, plans in the store (checkpoint.uri): "
                           f"{stored['rows_per_s']:,} rows/s against {own.get('rows_per_s', 0):,} with the "
