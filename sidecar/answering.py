@@ -174,10 +174,12 @@ class Answers:
     def _checkpoint_rank(self, feed: Feed, step: int) -> None:
         """Phase one: write the rank's data position for `step` (not yet resumable)."""
         session = feed.session
-        acked = feed.control.acked
-        if step != acked + 1:
-            raise errors.ProtocolError(
-                f"checkpoint of step {step}, but the trainer has received {acked + 1} steps")
+        received = feed.control.acked + 1
+        # Any step the trainer completed in this world: a framework that reads ahead has
+        # received more steps than it trained, and checkpoints the ones it trained.
+        if not session.resume_step <= step <= received:
+            raise errors.ProtocolError(f"checkpoint of step {step}, but the trainer started at step "
+                                       f"{session.resume_step} and has received {received} steps")
         if self._checkpoint is None:
             self._send(session.peer or b"", Error(code="checkpoint", fatal=False,
                                                   message="checkpoints are disabled: set spec.checkpoint.uri"))

@@ -229,8 +229,22 @@ class World:
         return _total_steps([_read_json(f) for f in self.stats])
 
     def steps(self) -> list[int]:
-        """Each rank's received global steps (its last step + 1; 0 before the first)."""
-        return [int(_read_json(f).get("last_step", -1)) + 1 for f in self.stats]
+        """Each rank's trained global steps where its loop says (StreamClient.trained), else its
+        received ones (its last step + 1; 0 before the first)."""
+        return [_steps_done(_read_json(f)) for f in self.stats]
+
+
+def _redone_and_lost(steps: list[int], cut: int) -> dict[str, int]:
+    """Steps trained past the world's cut (the next world trains them again) and steps before it
+    that a rank never trained (a loop that read ahead and checkpointed what it was handed)."""
+    return {"redone": max(0, max(steps, default=cut) - cut), "lost": max(0, cut - min(steps, default=cut))}
+
+
+def _steps_done(record: dict[str, Any]) -> int:
+    """A stats record's completed steps: trained if said, else received (a framework that reads
+    ahead received more than it trained; the steps after a drain counts are those trained)."""
+    trained = record.get("trained")
+    return int(trained) if isinstance(trained, int) else int(record.get("last_step", -1)) + 1
 
 
 def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, logs: Path, *,
@@ -331,6 +345,8 @@ class Rescale:
     agreed_s: float
     first_batch_s: float | None = None
     redone: int = 0
+    lost: int = 0
+    """Steps before the cut that some rank said it never trained (StreamClient.trained)."""
     in_place: bool = False
 
     def __str__(self) -> str:
@@ -341,7 +357,8 @@ class Rescale:
         how = " in place" if self.in_place else ""
         return (f"rescale {self.old} -> {self.new} replicas{how} at global step {self.step}: old world "
                 f"checkpointed {self.agreed_s:.1f} s after the request, new world's first batch after "
-                f"{first}; {self.redone} steps redone")
+                f"{first}; {self.redone} steps redone"
+                + (f"; {self.lost} steps before the cut never trained by some rank" if self.lost else ""))
 
 
 def parse_scale_at(text: str) -> tuple[int, int]:
@@ -614,7 +631,7 @@ def _rescale(world: World, replicas: int, launch: Launch, display: Progress) -> 
             display.update(world, [])
         step = _agreed_step(world)
         rescale = Rescale(world.job.replicas, replicas, step, asked, time.monotonic() - asked,
-                          redone=max(world.steps()) - step)
+                          **_redone_and_lost(world.steps(), step))
         display.note(f"world {world.epoch} drained at global step {step}; world {world.epoch + 1} "
                      f"starts there with {replicas} replicas")
         start_sidecars(nxt, launch.work, launch.logs, resume=launch.resume, resume_step=step,
@@ -660,7 +677,7 @@ def _rescale_in_place(world: World, replicas: int, launch: Launch,
     step = now.resume_step
     nxt.resume_step = step
     rescale = Rescale(old, replicas, step, asked, time.monotonic() - asked,
-                      redone=max(world.steps()) - step, in_place=True)
+                      **_redone_and_lost(world.steps(), step), in_place=True)
     display.note(f"world {world.epoch} drained at global step {step}; world {nxt.epoch} goes on there "
                  f"in place with {replicas} replicas")
     return nxt, rescale

@@ -39,20 +39,45 @@ class Checkpoints:
         self._timeout_s = timeout_s
         self.prepared: int | None = None  # step of the last checkpoint(), until committed
         self.drained = False
+        self.trained: int | None = None
+        """Global steps the model has trained, as the loop said (`trained`); None: as many as
+        were handed out. A framework that reads ahead hands out more than it trained."""
         self._stand_in: tuple[str, messages.StandIn] | None = None
         """(address, request) when the last checkpoint went to the world's coordinator."""
 
-    def requested(self) -> bool:
-        """The world agreed to checkpoint after the batch this rank just took."""
-        control, step = self._session.control, self._session.next_step
-        if control is None or step is None:
-            return False
-        at = control.checkpoint_at
-        return at >= 0 and step == at and self.prepared != at and not self.drained
+    def position(self) -> int:
+        """The global steps this rank completed: trained where the loop says so, else handed out."""
+        return self.trained if self.trained is not None else self._session.next_step or 0
 
-    def checkpoint(self) -> int:
-        """Persist the position after the last batch handed out; the global steps completed."""
-        step = self._session.next_step or 0
+    def mark_trained(self, steps: int) -> None:
+        """The model trained the first `steps` global steps (the batch of step `steps - 1` last)."""
+        taken = self._session.next_step or 0
+        if not 0 <= steps <= taken:
+            raise CheckpointError(f"trained({steps}): this rank was handed {taken} global steps, "
+                                  "so it cannot have trained more")
+        self.trained = steps
+
+    def agreed(self) -> int | None:
+        """The step the world agreed to checkpoint after, while it is still ahead or due."""
+        control = self._session.control
+        at = -1 if control is None else control.checkpoint_at
+        return None if at < 0 or self.prepared == at or self.drained else at
+
+    def requested(self) -> bool:
+        """The world agreed to checkpoint after the step this rank just completed."""
+        return self.agreed() == self.position()
+
+    def checkpoint(self, after_step: int | None = None) -> int:
+        """Persist the position after `after_step` global steps (default: `position()`); the
+        global steps completed. Any step this process completed in this world may be named:
+        the sidecar knows each one's position."""
+        step = self.position() if after_step is None else after_step
+        first, taken = self._session.resume_step, self._session.next_step or 0
+        if not first <= step <= taken:
+            raise CheckpointError(
+                f"checkpoint(after_step={step}): this rank started this world at global step {first} "
+                f"and was handed {taken} steps; name a step in {first}..{taken} (the steps the model "
+                "trained: batch.global_step + 1 of the last batch it trained on)")
         stand_in = self._stranded(step)
         if stand_in is None:
             try:
@@ -94,7 +119,7 @@ class Checkpoints:
     def reset(self) -> None:
         """A new world: nothing prepared, nothing drained."""
         self.drained = False
-        self.prepared, self._stand_in = None, None
+        self.prepared, self._stand_in, self.trained = None, None, None
 
     def _request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer]) -> _Answer:
         """`request` to this rank's sidecar; once more after a hello if a restarted sidecar did

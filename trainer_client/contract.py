@@ -311,6 +311,8 @@ class StatsRecord(TypedDict):
     wait_s: float
     elapsed_s: float
     last_step: int
+    trained: int | None
+    """Global steps trained where the loop said so (StreamClient.trained), else None."""
     total_steps: int
     steps_per_epoch: int
     final: bool

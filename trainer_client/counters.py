@@ -33,6 +33,8 @@ class Stats:
         self.wait_s = 0.0
         self.first: float | None = None
         self.last_step = -1
+        self.trained: int | None = None
+        """Global steps trained, where the loop says so (StreamClient.trained)."""
         self.total_steps = 0
         self.steps_per_epoch = 0
         self._written = 0.0
@@ -71,7 +73,7 @@ class Stats:
         elapsed = now - self.first if self.first is not None else 0.0
         record: contract.StatsRecord = {
             "batches": self.batches, "rows": self.rows, "wait_s": self.wait_s, "elapsed_s": elapsed,
-            "last_step": self.last_step, "total_steps": self.total_steps,
+            "last_step": self.last_step, "trained": self.trained, "total_steps": self.total_steps,
             "steps_per_epoch": self.steps_per_epoch, "final": final,
             "data_ready_buckets": self.stalls.counts}
         blob = json.dumps(record)

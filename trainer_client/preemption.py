@@ -48,6 +48,12 @@ class Preemption:
         if self._previous is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, self._previous)
 
+    def reclaim(self) -> None:
+        """Take SIGTERM back from a framework that replaced this handler after `install`
+        (Lightning's own calls a collective inside the signal handler: every rank deadlocks)."""
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
     def _on_sigterm(self, signum: int, frame: object) -> None:
         now = time.monotonic()
         if self._sigterm and now - self._first_at < SAME_SIGTERM_S:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import struct
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,19 @@ def _torch_module() -> Any:
     return _torch
 
 
-class Batch(Mapping[str, Any]):
-    """One rank's batch of one global step: column name -> tensor/array."""
+class Batch(MutableMapping[str, Any]):
+    """One rank's batch of one global step: column name -> tensor/array.
 
-    def __init__(self, columns: dict[str, Any], *, epoch: int, step: int, global_step: int,
-                 rows: int = 0) -> None:
-        self._columns = columns
+    Frameworks move and rebuild batches: `to()` and `pin_memory()` keep the step metadata
+    (Lightning and Accelerate call `.to`, a DataLoader's pin thread `.pin_memory`), and so
+    does `copy.copy` (torch's `default_convert` copies a mutable mapping and updates it).
+    `type(batch)(mapping)` (HF Trainer's `_prepare_input`) builds a Batch whose metadata is
+    unknown (-1): count trained steps where the batch came from, not from a rebuilt one.
+    """
+
+    def __init__(self, columns: Mapping[str, Any] | None = None, *, epoch: int = -1, step: int = -1,
+                 global_step: int = -1, rows: int = 0) -> None:
+        self._columns = dict(columns or {})
         self.epoch = epoch
         self.step = step
         self.global_step = global_step
@@ -44,11 +51,32 @@ class Batch(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         return self._columns[key]
 
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._columns[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._columns[key]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._columns)
 
     def __len__(self) -> int:
         return len(self._columns)
+
+    def __copy__(self) -> Batch:
+        return self._with(self._columns)
+
+    def _with(self, columns: Mapping[str, Any]) -> Batch:
+        return Batch(columns, epoch=self.epoch, step=self.step, global_step=self.global_step, rows=self.rows)
+
+    def to(self, *args: Any, **kwargs: Any) -> Batch:
+        """Every tensor column `.to(*args, **kwargs)` (device, dtype, non_blocking=...); the rest as is."""
+        return self._with({k: v.to(*args, **kwargs) if hasattr(v, "to") else v for k, v in self._columns.items()})
+
+    def pin_memory(self, *args: Any) -> Batch:
+        """Every tensor column in pinned memory (a copy out of the ring: its slot is freed sooner)."""
+        return self._with({k: v.pin_memory(*args) if hasattr(v, "pin_memory") else v
+                           for k, v in self._columns.items()})
 
     def __repr__(self) -> str:
         return f"Batch(global_step={self.global_step}, epoch={self.epoch}, step={self.step}, columns={list(self._columns)})"

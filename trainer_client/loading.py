@@ -1,0 +1,80 @@
+"""A StreamClient as a torch `IterableDataset`: what `DataLoader(dataset, batch_size=None)`,
+Lightning and Accelerate take (torch imported only here, on first use)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .client import StreamClient
+    from .taking import Batch
+
+
+class Handed:
+    """The global steps handed out and not yet said trained, oldest first.
+
+    A framework that reads ahead trains its batches in the order it took them, so the
+    oldest step handed out is the one its next "batch done" hook is about; counted here,
+    where the batch came from, since frameworks rebuild batches without their metadata.
+    """
+
+    def __init__(self) -> None:
+        self._steps: collections.deque[int] = collections.deque()
+
+    def took(self, step: int) -> None:
+        self._steps.append(step)
+
+    def trained_one(self) -> int:
+        """The steps trained once the oldest step handed out is: its global step + 1."""
+        if not self._steps:
+            raise RuntimeError("a batch was said trained, but none was handed out untrained")
+        return self._steps.popleft() + 1
+
+    def clear(self) -> None:
+        self._steps.clear()
+
+
+def _base() -> type:
+    from torch.utils.data import IterableDataset
+
+    return IterableDataset
+
+
+class _Iterable:
+    """The dataset's behaviour; `iterable_dataset` mixes it into torch's IterableDataset."""
+
+    def __init__(self, client: StreamClient) -> None:
+        self.client = client
+        self.handed = Handed()
+
+    def __iter__(self) -> Iterator[Batch]:
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:
+            raise RuntimeError(
+                "a StreamClient cannot be read from DataLoader worker processes: use num_workers=0 "
+                "(the sidecar's own workers decode and transform: spec.data.numWorkers)")
+        for batch in self.client:
+            self.handed.took(batch.global_step)
+            yield batch
+
+    def __len__(self) -> int:
+        """Batches still to come in this world (a drain or the job's end cuts the stream there)."""
+        return self.client.steps_left
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to do: splitfeed's epochs follow from the global step (frameworks call it)."""
+
+
+_classes: dict[str, type] = {}
+
+
+def iterable_dataset(client: StreamClient) -> Any:
+    """`client` as a torch IterableDataset: `len()` is the steps left in this world, `set_epoch`
+    does nothing, and `handed` knows which step a framework's next "trained" is of."""
+    cls = _classes.get("dataset")
+    if cls is None:
+        cls = _classes["dataset"] = type("StreamDataset", (_Iterable, _base()), {})
+    return cls(client)
