@@ -39,6 +39,16 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+class Unsized(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The client's dataset without `__len__`: Lightning's fetcher takes a batch ahead of the one it trains."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset, self.handed = dataset, dataset.handed
+
+    def __iter__(self) -> Any:
+        return iter(self.dataset)
+
+
 class Model(pl.LightningModule):
     def __init__(self, client: StreamClient, log_dir: Path, args: argparse.Namespace) -> None:
         super().__init__()
@@ -81,6 +91,8 @@ def main() -> int:
     parser.add_argument("log_dir", type=Path)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--sleep-s", type=float, default=0.0)
+    parser.add_argument("--unsized", action="store_true",
+                        help="hide the data's len(), as a user's own wrapper would: Lightning then reads one ahead")
     parser.add_argument("--sigterm-at", type=int, default=None, help="rank 0 sends itself SIGTERM at this step")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -91,7 +103,10 @@ def main() -> int:
     trainer = pl.Trainer(max_steps=args.max_steps, callbacks=[checkpoints], accelerator="cpu",
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, **trainer_arguments(client))
-    trainer.fit(model, datamodule=SplitfeedDataModule(client), ckpt_path=checkpoints.resume_path)
+    data = SplitfeedDataModule(client)
+    if args.unsized:
+        data.dataset = Unsized(data.dataset)
+    trainer.fit(model, datamodule=data, ckpt_path=checkpoints.resume_path)
     reason = "drained" if client.drained else ("stopped" if client.steps_left else "end")
     model.record(event="exit", reason=reason, globalStep=trainer.global_step)
     client.close()

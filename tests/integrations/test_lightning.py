@@ -1,0 +1,74 @@
+"""PyTorch Lightning on splitfeed, through the real framework: `Trainer(strategy="ddp")` with
+its default prefetching fetcher, gloo on CPU, ranks run by `splitfeed local` as pods would be.
+
+The trainer (lightning_trainer.py) logs the batches Lightning trained, in `training_step`; the
+exactness rule (tests/support/exactness.py) compares them with lancedb's StreamingDataset order.
+Lightning reads one batch ahead of the one it trains: a checkpoint of what was handed out, not
+trained, leaves a step untrained at every drain, which that rule fails on (a gap)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.streaming.harness import manifest
+from tests.streaming.test_local import splitfeed
+from tests.support import exactness
+from tests.support.tables import check_exact
+
+TRAINER = Path(__file__).with_name("lightning_trainer.py")
+
+
+def run(table_uri: str, tmp_path: Path, *args: str, trainer_args: tuple[str, ...] = ()) -> str:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(manifest(table_uri, str(tmp_path / "ckpt"))))
+    done = splitfeed("local", "-f", str(job), *args, "--", sys.executable, str(TRAINER), str(tmp_path / "logs"),
+                     *trainer_args, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def exits(logs: Path) -> dict[str, dict]:
+    return {p.name: [json.loads(line) for line in p.read_text().splitlines()][-1] for p in sorted(logs.glob("w*.jsonl"))}
+
+
+@pytest.mark.parametrize("data", ["sized", "unsized"])
+def test_a_live_rescale_under_lightning_trains_every_step_once(table_uri, tmp_path, data):
+    """`unsized`: a DataLoader without len(), over which Lightning's fetcher reads one ahead."""
+    (tmp_path / "logs").mkdir()
+    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", "--scale-at", "6:3",
+              trainer_args=("--sleep-s", "0.2", *(["--unsized"] if data == "unsized" else [])))
+    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
+    assert [(w.size, w.resume_step, w.ended) for w in summary.worlds] == [
+        (2, 0, exactness.DRAINED), (3, 6, exactness.END)], summary
+    assert summary.replayed == 0
+    assert "; 0 steps redone" in err and "never trained" not in err, err
+    # Lightning's own step count went on across the worlds: restored from its checkpoint at 6.
+    assert {e["globalStep"] for name, e in exits(tmp_path / "logs").items() if name.startswith("w1")} == {20}
+
+
+def test_a_sigterm_to_one_lightning_rank_drains_the_world_and_it_exits_0(table_uri, tmp_path):
+    """Lightning's own SIGTERM handler broadcasts inside the signal handler: the ranks deadlocked.
+    The callback gives SIGTERM back to the client, which asks the world to drain at one step."""
+    (tmp_path / "logs").mkdir()
+    run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", trainer_args=("--sigterm-at", "4"))
+    worlds = exactness.read_worlds(tmp_path / "logs")
+    assert len(worlds) == 1
+    ended, step = worlds[0].ended()
+    assert ended == exactness.DRAINED and step is not None and 4 < step < 20, (ended, step)
+    assert step in exactness.complete_checkpoints(tmp_path / "ckpt" / "test" / "job")
+
+
+def test_max_steps_then_a_resume_on_three_ranks_continues_at_the_saved_step(table_uri, tmp_path):
+    (tmp_path / "logs").mkdir()
+    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", trainer_args=("--max-steps", "5"))
+    assert "trainers stopped at global step 5 of 20" in err, err
+    run(table_uri, tmp_path, "--replicas", "3")
+    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
+    assert [(w.size, w.resume_step, w.steps) for w in summary.worlds] == [(2, 0, 5), (3, 5, 15)], summary
+    starts = [json.loads(line) for line in (tmp_path / "logs" / "w1-r0.jsonl").read_text().splitlines()]
+    assert starts[0]["globalStep"] == 5  # Lightning restored its own loop from the step-5 checkpoint
