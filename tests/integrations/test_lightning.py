@@ -8,32 +8,18 @@ trained, leaves a step untrained at every drain, which that rule fails on (a gap
 
 from __future__ import annotations
 
+import functools
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.streaming.harness import manifest
-from tests.streaming.test_local import splitfeed
+from tests.integrations import jobs
 from tests.support import exactness
 from tests.support.tables import check_exact
 
-TRAINER = Path(__file__).with_name("lightning_trainer.py")
-
-
-def run(table_uri: str, tmp_path: Path, *args: str, trainer_args: tuple[str, ...] = ()) -> str:
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(manifest(table_uri, str(tmp_path / "ckpt"))))
-    done = splitfeed("local", "-f", str(job), *args, "--", sys.executable, str(TRAINER), str(tmp_path / "logs"),
-                     *trainer_args, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done.stderr
-
-
-def exits(logs: Path) -> dict[str, dict]:
-    return {p.name: [json.loads(line) for line in p.read_text().splitlines()][-1] for p in sorted(logs.glob("w*.jsonl"))}
+run = functools.partial(jobs.run, Path(__file__).with_name("lightning_trainer.py"))
+exits = jobs.exits
 
 
 @pytest.mark.parametrize("data", ["sized", "unsized"])

@@ -1,0 +1,49 @@
+"""The Hugging Face Trainer (Accelerate underneath) on splitfeed, through the real framework:
+DDP over gloo on CPU, ranks run by `splitfeed local` as pods would be. The trainer
+(hf_trainer.py) logs the batches the Trainer trained; the exactness rule compares them with
+lancedb's StreamingDataset order. The plain Trainer read an iterable on rank 0 alone and
+dispatched it (rank 1's splits never trained), and skipped `resume_step` batches on resume."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integrations import jobs
+from tests.support import exactness
+from tests.support.tables import check_exact
+
+run = functools.partial(jobs.run, Path(__file__).with_name("hf_trainer.py"))
+
+
+def test_a_live_rescale_under_the_hf_trainer_trains_every_step_once(table_uri, tmp_path):
+    (tmp_path / "logs").mkdir()
+    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", "--scale-at", "6:3",
+              trainer_args=("--sleep-s", "0.2"))
+    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
+    assert [(w.size, w.resume_step, w.ended) for w in summary.worlds] == [
+        (2, 0, exactness.DRAINED), (3, 6, exactness.END)], summary
+    assert "; 0 steps redone" in err, err
+    ends = jobs.exits(tmp_path / "logs")
+    assert {e["globalStep"] for name, e in ends.items() if name.startswith("w1")} == {20}
+
+
+def test_max_steps_then_a_resume_on_three_ranks_skips_no_batch(table_uri, tmp_path):
+    (tmp_path / "logs").mkdir()
+    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", trainer_args=("--max-steps", "5"))
+    assert "trainers stopped at global step 5 of 20" in err, err
+    run(table_uri, tmp_path, "--replicas", "3")
+    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
+    assert [(w.size, w.resume_step, w.steps) for w in summary.worlds] == [(2, 0, 5), (3, 5, 15)], summary
+    first = json.loads((tmp_path / "logs" / "w1-r0.jsonl").read_text().splitlines()[0])
+    assert first["globalStep"] == 5  # the Trainer's state came back from its checkpoint
+
+
+def test_the_trainer_refuses_a_train_dataset_of_its_own():
+    from splitfeed.trainer_client.integrations.hf import SplitfeedTrainer
+
+    with pytest.raises(ValueError, match="pass no train_dataset"):
+        SplitfeedTrainer(object(), train_dataset=[1])  # type: ignore[arg-type]
