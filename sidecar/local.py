@@ -234,10 +234,10 @@ class World:
         return [_steps_done(_read_json(f)) for f in self.stats]
 
 
-def _redone_and_lost(steps: list[int], cut: int) -> dict[str, int]:
+def _redone_and_lost(steps: list[int], cut: int) -> tuple[int, int]:
     """Steps trained past the world's cut (the next world trains them again) and steps before it
     that a rank never trained (a loop that read ahead and checkpointed what it was handed)."""
-    return {"redone": max(0, max(steps, default=cut) - cut), "lost": max(0, cut - min(steps, default=cut))}
+    return max(0, max(steps, default=cut) - cut), max(0, cut - min(steps, default=cut))
 
 
 def _steps_done(record: dict[str, Any]) -> int:
@@ -630,8 +630,9 @@ def _rescale(world: World, replicas: int, launch: Launch, display: Progress) -> 
             time.sleep(0.1)
             display.update(world, [])
         step = _agreed_step(world)
+        redone, lost = _redone_and_lost(world.steps(), step)
         rescale = Rescale(world.job.replicas, replicas, step, asked, time.monotonic() - asked,
-                          **_redone_and_lost(world.steps(), step))
+                          redone=redone, lost=lost)
         display.note(f"world {world.epoch} drained at global step {step}; world {world.epoch + 1} "
                      f"starts there with {replicas} replicas")
         start_sidecars(nxt, launch.work, launch.logs, resume=launch.resume, resume_step=step,
@@ -676,8 +677,9 @@ def _rescale_in_place(world: World, replicas: int, launch: Launch,
         raise
     step = now.resume_step
     nxt.resume_step = step
-    rescale = Rescale(old, replicas, step, asked, time.monotonic() - asked,
-                      **_redone_and_lost(world.steps(), step), in_place=True)
+    redone, lost = _redone_and_lost(world.steps(), step)
+    rescale = Rescale(old, replicas, step, asked, time.monotonic() - asked, redone=redone, lost=lost,
+                      in_place=True)
     display.note(f"world {world.epoch} drained at global step {step}; world {nxt.epoch} goes on there "
                  f"in place with {replicas} replicas")
     return nxt, rescale

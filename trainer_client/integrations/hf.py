@@ -57,7 +57,7 @@ class SplitfeedCallback(TrainerCallback):
                 **kwargs: Any) -> None:
         if self.prepared is None:
             return  # a save of the Trainer's own schedule (save_steps): no data position was taken
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero:
             (folder / STEP_FILE).write_text(json.dumps({"step": self.prepared}))
         self.client.commit(self.prepared)
@@ -95,7 +95,7 @@ class SplitfeedTrainer(Trainer):
         step = self.client.resume_step
         if not step:
             return None
-        for folder in Path(self.args.output_dir).glob("checkpoint-*"):
+        for folder in Path(str(self.args.output_dir)).glob("checkpoint-*"):
             marker = folder / STEP_FILE
             if marker.exists() and json.loads(marker.read_text()).get("step") == step:
                 return str(folder)
