@@ -20,7 +20,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from splitfeed.trainer_client import StreamClient
-from splitfeed.trainer_client.integrations.hf import SplitfeedTrainer
+from splitfeed.trainer_client.integrations import hf
 
 CLASSES = 10
 
@@ -43,12 +43,15 @@ class Net(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(self.net(vec.float()), label.long())}
 
 
-class Logged(SplitfeedTrainer):
-    """Logs each batch as the Trainer trains it, and each checkpoint's model."""
+class SplitfeedTrainer(hf.SplitfeedTrainer):
+    """The integration's Trainer, logging each batch as it trains it and each checkpoint's model."""
 
-    def setup_log(self, log_dir: Path, sleep_s: float) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         world, rank = os.environ["SPLITFEED_WORLD_EPOCH"], os.environ["RANK"]
-        self.log_file, self.sleep_s = open(log_dir / f"w{world}-r{rank}.jsonl", "a"), sleep_s
+        self.log_file = open(f"w{world}-r{rank}.jsonl", "a")  # in LOG_DIR, the working directory
+        self.sleep_s = float(os.environ.get("TEST_SLEEP_S", "0"))
+        self.add_callback(Recorder(self))
 
     def record(self, **fields: Any) -> None:
         self.log_file.write(json.dumps({**fields, "t": time.time()}) + "\n")
@@ -63,7 +66,7 @@ class Logged(SplitfeedTrainer):
 
 
 class Recorder(TrainerCallback):
-    def __init__(self, trainer: Logged) -> None:
+    def __init__(self, trainer: SplitfeedTrainer) -> None:
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -81,23 +84,25 @@ class Recorder(TrainerCallback):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("log_dir", type=Path)
+    parser.add_argument("log_dir", type=lambda p: Path(p).resolve())
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--sleep-s", type=float, default=0.0)
     args = parser.parse_args()
+    os.environ["TEST_SLEEP_S"] = str(args.sleep_s)
     torch.set_num_threads(1)
-    # The README's Hugging Face section, as written there:
+    os.chdir(args.log_dir)
+    options = {"max_steps": args.max_steps, "use_cpu": True, "ddp_backend": "gloo", "learning_rate": 0.05,
+               "report_to": [], "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True}
+    model = Net()
+    # README, "Lightning, the Hugging Face Trainer, a DataLoader", as written there:
     client = StreamClient()
-    training = TrainingArguments(str(args.log_dir / "models"), max_steps=args.max_steps, use_cpu=True,
-                                 ddp_backend="gloo", learning_rate=0.05, report_to=[], save_strategy="no",
-                                 logging_strategy="no", disable_tqdm=True)
-    trainer = Logged(client, model=Net(), args=training)
-    trainer.setup_log(args.log_dir, args.sleep_s)
-    trainer.add_callback(Recorder(trainer))
+    args = TrainingArguments("models", **options)  # max_steps defaults to the job's steps
+    trainer = SplitfeedTrainer(client, model=model, args=args)  # no train_dataset: the client is it
     trainer.train(resume_from_checkpoint=trainer.resume_path)
+    client.close()
+    # (README ends.)
     reason = "drained" if client.drained else ("stopped" if client.steps_left else "end")
     trainer.record(event="exit", reason=reason, globalStep=trainer.state.global_step)
-    client.close()
     return 0
 
 

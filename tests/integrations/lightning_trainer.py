@@ -39,6 +39,12 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+class UnsizedDataModule(SplitfeedDataModule):
+    def __init__(self, client: StreamClient) -> None:
+        super().__init__(client)
+        self.dataset = Unsized(self.dataset)
+
+
 class Unsized(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """The client's dataset without `__len__`: Lightning's fetcher takes a batch ahead of the one it trains."""
 
@@ -50,13 +56,17 @@ class Unsized(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
 
 class Model(pl.LightningModule):
-    def __init__(self, client: StreamClient, log_dir: Path, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, CLASSES))
-        self.client, self.args = client, args
+        self.args = args
         world, rank = os.environ["SPLITFEED_WORLD_EPOCH"], os.environ["RANK"]
-        self.log_file = open(log_dir / f"w{world}-r{rank}.jsonl", "a")
+        self.log_file = open(args.log_dir / f"w{world}-r{rank}.jsonl", "a")
+
+    @property
+    def client(self) -> StreamClient:
+        return self.trainer.datamodule.client
 
     def record(self, **fields: Any) -> None:
         self.log_file.write(json.dumps({**fields, "t": time.time()}) + "\n")
@@ -88,7 +98,7 @@ class Model(pl.LightningModule):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("log_dir", type=Path)
+    parser.add_argument("log_dir", type=lambda p: Path(p).resolve())
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--sleep-s", type=float, default=0.0)
     parser.add_argument("--unsized", action="store_true",
@@ -96,20 +106,22 @@ def main() -> int:
     parser.add_argument("--sigterm-at", type=int, default=None, help="rank 0 sends itself SIGTERM at this step")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # The README's Lightning section, as written there:
-    client = StreamClient()
-    checkpoints = SplitfeedCheckpoint(client, args.log_dir / "models")
-    model = Model(client, args.log_dir, args)
-    trainer = pl.Trainer(max_steps=args.max_steps, callbacks=[checkpoints], accelerator="cpu",
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, **trainer_arguments(client))
-    data = SplitfeedDataModule(client)
+    os.chdir(args.log_dir)
+    options = {"max_steps": args.max_steps, "accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+               "enable_progress_bar": False, "enable_model_summary": False}
+    model = Model(args)
+    global SplitfeedDataModule
     if args.unsized:
-        data.dataset = Unsized(data.dataset)
-    trainer.fit(model, datamodule=data, ckpt_path=checkpoints.resume_path)
+        SplitfeedDataModule = UnsizedDataModule
+    # README, "Lightning, the Hugging Face Trainer, a DataLoader", as written there:
+    client = StreamClient()
+    checkpoints = SplitfeedCheckpoint(client, "models")  # Lightning checkpoints, one per agreed step
+    trainer = pl.Trainer(callbacks=[checkpoints], **trainer_arguments(client), **options)
+    trainer.fit(model, datamodule=SplitfeedDataModule(client), ckpt_path=checkpoints.resume_path)
+    client.close()
+    # (README ends.)
     reason = "drained" if client.drained else ("stopped" if client.steps_left else "end")
     model.record(event="exit", reason=reason, globalStep=trainer.global_step)
-    client.close()
     return 0
 
 
