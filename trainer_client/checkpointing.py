@@ -38,6 +38,8 @@ class Checkpoints:
         self._local_rank = local_rank
         self._timeout_s = timeout_s
         self.prepared: int | None = None  # step of the last checkpoint(), until committed
+        self.last: int | None = None
+        """The step of the last checkpoint() in this world, committed or not."""
         self.drained = False
         self.trained: int | None = None
         """Global steps the model has trained, as the loop said (`trained`); None: as many as
@@ -88,7 +90,7 @@ class Checkpoints:
                     raise
         if stand_in is not None:
             reply = stranded.ask(stand_in[0], stand_in[1], messages.Checkpointed, self._timeout_s)
-        self.prepared, self._stand_in = step, stand_in
+        self.prepared, self._stand_in, self.last = step, stand_in, step
         self.drained = reply.drained
         return step
 
@@ -119,7 +121,7 @@ class Checkpoints:
     def reset(self) -> None:
         """A new world: nothing prepared, nothing drained."""
         self.drained = False
-        self.prepared, self._stand_in, self.trained = None, None, None
+        self.prepared, self._stand_in, self.trained, self.last = None, None, None, None
 
     def _request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer]) -> _Answer:
         """`request` to this rank's sidecar; once more after a hello if a restarted sidecar did

@@ -294,6 +294,11 @@ class StreamClient:
         return self._checkpoints.position()
 
     @property
+    def checkpointed_step(self) -> int | None:
+        """The step of this world's last `checkpoint()`, committed or not (None: none yet)."""
+        return self._checkpoints.last
+
+    @property
     def drain_step(self) -> int | None:
         """The global step this world drains at: no batch of it or after it comes in this world."""
         control = self._session.control
@@ -314,6 +319,12 @@ class StreamClient:
         from . import loading
 
         return loading.iterable_dataset(self)
+
+    def data_state(self) -> Any:
+        """The data position as a `torch.distributed.checkpoint` Stateful (trainer_client.loading.DataState)."""
+        from . import loading
+
+        return loading.DataState(self)
 
     def trained(self, through: Batch | int) -> None:
         """The model has trained through `through`: a batch this iterator returned, or a count of

@@ -78,3 +78,30 @@ def iterable_dataset(client: StreamClient) -> Any:
     if cls is None:
         cls = _classes["dataset"] = type("StreamDataset", (_Iterable, _base()), {})
     return cls(client)
+
+
+class DataState:
+    """The data position as a `torch.distributed.checkpoint` Stateful, saved beside the model.
+
+    `state_dict()` has no side effects (DCP calls it on load too, for the structure): it says the
+    global step of the checkpoint this rank took last (`checkpoint()`, whose data position the
+    sidecar stored), or of the steps completed before any; save between `checkpoint()` and
+    `commit()`. `load_state_dict` refuses a model of another step than the one this
+    world resumes at: the model and the data would disagree.
+    """
+
+    def __init__(self, client: StreamClient) -> None:
+        self.client = client
+
+    def state_dict(self) -> dict[str, Any]:
+        step = self.client.checkpointed_step
+        return {"global_step": self.client.checkpoint_position if step is None else step,
+                "world_size": self.client.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        step = int(state["global_step"])
+        if step != self.client.resume_step:
+            raise ValueError(
+                f"this checkpoint holds global step {step}, but the world resumes its data at step "
+                f"{self.client.resume_step}: load the checkpoint of step {self.client.resume_step} "
+                "(client.resume_step)")

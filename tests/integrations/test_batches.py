@@ -94,3 +94,32 @@ def test_a_loader_that_reads_ahead_checkpoints_the_steps_it_trained(pods, table_
         client.commit(6)
     from tests.support.exactness import complete_checkpoints
     assert {5, 6} <= complete_checkpoints(tmp_path / "ckpt")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: no group to save over
+def test_a_dcp_checkpoint_of_the_data_resumes_only_at_its_step(pods, table_uri, tmp_path):  # noqa: F811
+    """torch.distributed.checkpoint saves the data position beside the model; a new world loads
+    it only where it resumes (DCP calls state_dict() before load_state_dict(): no side effects)."""
+    import torch.distributed.checkpoint as dcp
+
+    job = manifest(table_uri, str(tmp_path / "ckpt"))
+    pod = pods("a", job, replicas=1, replica=0).start_thread()
+    with StreamClient(pod.socket_dir, 0) as client:
+        for batch in client:
+            if batch.global_step == 5:
+                break
+        for after in (4, 6):  # a checkpoint of step 4 (trained: 4), then of step 6
+            step = client.checkpoint(after_step=after)
+            dcp.save({"data": client.data_state(), "w": torch.full((2,), float(step))},
+                     checkpoint_id=str(tmp_path / f"dcp-{step}"), no_dist=True)
+            client.commit(step)
+        assert client.checkpoint_position == 6  # saving moved nothing
+    again = pods("b", job, replicas=1, replica=0).start_thread()
+    with StreamClient(again.socket_dir, 0) as client:
+        assert client.resume_step == 6
+        model = {"data": client.data_state(), "w": torch.zeros(2)}
+        dcp.load(model, checkpoint_id=str(tmp_path / "dcp-6"), no_dist=True)
+        assert model["w"].tolist() == [6.0, 6.0]
+        with pytest.raises(Exception, match="holds global step 4, but the world resumes its data at step 6"):
+            dcp.load({"data": client.data_state(), "w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "dcp-4"), no_dist=True)
+        assert next(iter(client)).global_step == 6
