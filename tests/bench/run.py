@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -227,7 +228,14 @@ def inprocess_rows_per_s(uri: str, num_workers: int, rows: int) -> float:
     return got / elapsed
 
 
-def sidecar_rows_per_s(uri: str, workdir: Path) -> float:
+def bare_loop(client: StreamClient) -> Iterator[int]:
+    """The README's loop, doing nothing with its batches: the rows of each."""
+    for batch in client:
+        yield len(batch["id"])
+
+
+def sidecar_rows_per_s(uri: str, workdir: Path, loop: Callable[[StreamClient], Iterator[int]] = bare_loop) -> float:
+    """Rows/s that `loop` takes from one sidecar over the bench table, its first batch excluded."""
     from splitfeed.trainer_client import specs
 
     job = specs.parse_job({
@@ -244,12 +252,10 @@ def sidecar_rows_per_s(uri: str, workdir: Path) -> float:
                              "--config", str(config)], env=env, cwd=ROOT)
     try:
         with StreamClient(sockets, 0, timeout_s=120) as client:
-            it = iter(client)
+            it = loop(client)
             next(it)
             start = time.perf_counter()
-            got = 0
-            for batch in it:
-                got += len(batch["id"])
+            got = sum(it)
             elapsed = time.perf_counter() - start
         proc.wait(30)
         return got / elapsed
@@ -285,8 +291,12 @@ def main() -> int:
     transport = bench_transport()
     print("end to end (LanceDB -> trainer):", flush=True)
     end_to_end = bench_end_to_end()
+    print("framework adapters (rows/s against the bare StreamClient loop, same sidecar and table):", flush=True)
+    from tests.bench import adapters, preprocessing
+
+    adapted = adapters.bench(5)
+    adapted["verdicts"] = adapters.verdicts(adapted)
     print("preprocessing (image decode; sequence packing):", flush=True)
-    from tests.bench import preprocessing
 
     prep = {"image": preprocessing.bench_image(), "packing": preprocessing.bench_packing()}
     print("real tables (launch to first batch, sidecar memory, rows/s as tables grow):", flush=True)
@@ -304,7 +314,7 @@ def main() -> int:
 
     rescales = rescale.bench(3)
     rescales["verdicts"] = rescale.verdicts(rescales)
-    results = {"transport": transport, "end_to_end": end_to_end, "preprocessing": prep,
+    results = {"transport": transport, "end_to_end": end_to_end, "adapters": adapted, "preprocessing": prep,
                "tables": big, "object_store": store, "rescale": rescales,
                "machine": {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2)}}
     out = ROOT / "bench" / "results.json"
@@ -328,7 +338,8 @@ def main() -> int:
               "in-process workers counted)")
     e2e = [f"end to end rows/s = {e['ratio']:.2f} x in-process >= {E2E_GOAL}: "
            f"{'met' if e['ratio'] >= E2E_GOAL else 'MISSED'}"]
-    for line in transport_verdicts(transport) + e2e + big["verdicts"] + store["verdicts"] + rescales["verdicts"]:
+    for line in (transport_verdicts(transport) + e2e + adapted["verdicts"] + big["verdicts"] + store["verdicts"]
+                 + rescales["verdicts"]):
         print(f"goal: {line}")
     print(f"checkpoint write (record + commit) at 50 ms a request: {store['checkpoint_write_s_at_50ms']} s")
     print(f"\nwritten to {out.relative_to(ROOT)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
