@@ -163,6 +163,7 @@ class Answers:
             log.info("rank %d: trainer pid %d continues at global step %d",
                      session.rank, message.pid, wanted)
             control.acked = wanted - 1
+            control.trained = -1  # this trainer has said nothing yet
             session.end_sent = False
             # A drained rank publishes nothing more (its trainer stops after saving).
             feed.publisher.reset(wanted, trainer_gone=new_trainer, restart=not session.drained)

@@ -77,7 +77,7 @@ def read_rank(feed: Any) -> RankProgress:
     """A serving.Feed's progress (its control block, rank, and its publisher's bytes)."""
     control: ring.Control = feed.control
     counts, words = control.read_progress()
-    return RankProgress(rank=feed.rank, global_step=control.acked + 1, counts=counts,
+    return RankProgress(rank=feed.rank, global_step=control.steps_done(), counts=counts,
                         wait_s=words["wait_ns"] / 1e9, wall_s=words["wall_ns"] / 1e9,
                         rows=words["rows"], batches=words["batches"],
                         bytes=int(feed.publisher.bytes_published),

@@ -334,6 +334,9 @@ class StreamClient:
         steps = through if isinstance(through, int) else through.global_step + 1
         self._checkpoints.mark_trained(steps)
         self.stats.trained = steps
+        control = self._session.control
+        if control is not None:
+            control.trained = steps  # the sidecar's progress (its metrics, the operator's status) counts it
 
     def checkpoint(self, after_step: int | None = None) -> int:
         """Phase one: persist this rank's data position; returns the global steps completed.

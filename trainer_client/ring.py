@@ -259,6 +259,7 @@ class Control:
     end_step = _Word(4)              # no batch at or after this global step
     prefetch = _Word(5)              # a waiting sidecar is woken below half of it
     skipping = _Word(6)              # 1: steps may be absent (onTransformError=skip/warn ends epochs early)
+    trained = _Word(7)               # global steps the trainer said it trained (StreamClient.trained); -1: not said
     checkpoint_at = _Word(8)         # the world's agreed step: checkpoint once this many steps are taken (-1: none)
     drain_at = _Word(9)              # the same step when the world drains: no batch at or after it (-1: none)
     trainer_waiting = _Flag(0)       # non-zero: the trainer sleeps on the socket for a batch (the trainer writes it)
@@ -289,9 +290,15 @@ class Control:
         if create:
             self.step[:] = -1
             self.magic, self.version, self.acked = MAGIC, LAYOUT_VERSION, -1
-            self.checkpoint_at = self.drain_at = -1
+            self.checkpoint_at = self.drain_at = self.trained = -1
         elif self.magic != MAGIC or self.version != LAYOUT_VERSION:
             raise ValueError(f"{self.path} is not a splitfeed control block of layout {LAYOUT_VERSION}")
+
+    def steps_done(self) -> int:
+        """Global steps the trainer completed: trained where it says so (a framework reads
+        ahead), else received."""
+        received, trained = int(self.acked) + 1, int(self.trained)
+        return received if trained < 0 else min(trained, received)
 
     def _hot_views(self) -> None:
         """What the per-batch path reads and writes, at a fraction of a numpy scalar's cost:

@@ -84,6 +84,9 @@ def test_a_loader_that_reads_ahead_checkpoints_the_steps_it_trained(pods, table_
             client.trained(trained)
         assert (trained.global_step, ahead.global_step) == (4, 5)
         assert client.checkpoint_position == 5
+        # The sidecar's progress (its splitfeed_global_step, the operator's status) counts trained steps.
+        from splitfeed.sidecar import metrics
+        assert metrics.read_rank(pod._sidecar.server.feeds[0]).global_step == 5
         assert client.checkpoint() == 5  # 6 batches handed out, 5 trained
         client.commit(5)
         with pytest.raises(CheckpointError, match="was handed 6 global steps"):
