@@ -32,8 +32,12 @@ class Handed:
             raise RuntimeError("a batch was said trained, but none was handed out untrained")
         return self._steps.popleft() + 1
 
-    def clear(self) -> None:
-        self._steps.clear()
+    def trained_all(self) -> int:
+        """The steps trained once every step handed out is (a window of batches trained together)."""
+        steps = self.trained_one()
+        while self._steps:
+            steps = self._steps.popleft() + 1
+        return steps
 
 
 def _base() -> type:

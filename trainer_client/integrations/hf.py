@@ -42,9 +42,9 @@ class SplitfeedCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        steps = 0
-        for _ in range(args.gradient_accumulation_steps):  # every batch of this optimizer step trained
-            steps = self.dataset.handed.trained_one()
+        # The Trainer takes an optimizer step's batches (gradient_accumulation_steps of them, fewer
+        # where the stream ends) before it trains them: at its end all it took is trained.
+        steps = self.dataset.handed.trained_all()
         self.client.trained(steps)
         last = state.global_step >= state.max_steps
         if self.client.checkpoint_requested or (last and steps > self.client.resume_step):
