@@ -146,8 +146,9 @@ CITED_NAME = re.compile(r"(?<![\w./-])([a-z_]\w*)\.([A-Za-z_]\w*)")
 CITED_IN_FILE = re.compile(r"\b([\w/]+\.py): `?([A-Za-z_]\w*)")
 """`path.py: name`, as in `sidecar/reading.py: reference_dataset`."""
 
-ALIASES = {"client": ("trainer_client/client.py", "StreamClient")}
-"""Names the docs use for an object rather than a module: the README's `client = StreamClient(...)`."""
+ALIASES = {"client": [("trainer_client/client.py", "StreamClient"), ("trainer_client/adapting.py", "Adapting")]}
+"""Names the docs use for an object rather than a module: the README's `client = StreamClient(...)`
+(the class and the base class it takes its framework-facing members from)."""
 
 
 def cited_paths(text: str) -> set[str]:
@@ -202,8 +203,7 @@ def unresolved_names(text: str) -> list[str]:
             if name in ("py", "md", "yaml", "json", "sh"):
                 continue  # a file name such as `reading.py`: CITED_PATH's and the folder's business
             if module in ALIASES:
-                where, cls = ALIASES[module]
-                found = name in names_in(ROOT / where, cls)
+                found = any(name in names_in(ROOT / where, cls) for where, cls in ALIASES[module])
             elif module in modules:
                 found = any(name in names_in(path) for path in modules[module])
                 found = found or chart_values(quoted[m.start():].split()[0].strip("(),"))
