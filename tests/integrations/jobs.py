@@ -23,6 +23,21 @@ def run(trainer: Path, table_uri: str, tmp_path: Path, *args: str, trainer_args:
     return done.stderr
 
 
+def stop_at_5_then_resume_on_3(trainer: Path, table_uri: str, tmp_path: Path) -> None:
+    """`max_steps=5` on 2 ranks, then a run on 3 that resumes at step 5: exact against lancedb,
+    with the framework's own step count restored from its checkpoint."""
+    from tests.support.tables import check_exact
+
+    (tmp_path / "logs").mkdir()
+    err = run(trainer, table_uri, tmp_path, "--replicas", "2", "--resume", "none", trainer_args=("--max-steps", "5"))
+    assert "trainers stopped at global step 5 of 20" in err, err
+    run(trainer, table_uri, tmp_path, "--replicas", "3")
+    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
+    assert [(w.size, w.resume_step, w.steps) for w in summary.worlds] == [(2, 0, 5), (3, 5, 15)], summary
+    first = json.loads((tmp_path / "logs" / "w1-r0.jsonl").read_text().splitlines()[0])
+    assert first["globalStep"] == 5, first
+
+
 def exits(logs: Path) -> dict[str, dict]:
     """Each log file's last line (the trainer's exit record)."""
     return {p.name: [json.loads(line) for line in p.read_text().splitlines()][-1] for p in sorted(logs.glob("w*.jsonl"))}

@@ -7,7 +7,6 @@ dispatched it (rank 1's splits never trained), and skipped `resume_step` batches
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,7 @@ def test_a_live_rescale_under_the_hf_trainer_trains_every_step_once(table_uri, t
 
 
 def test_max_steps_then_a_resume_on_three_ranks_skips_no_batch(table_uri, tmp_path):
-    (tmp_path / "logs").mkdir()
-    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", trainer_args=("--max-steps", "5"))
-    assert "trainers stopped at global step 5 of 20" in err, err
-    run(table_uri, tmp_path, "--replicas", "3")
-    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
-    assert [(w.size, w.resume_step, w.steps) for w in summary.worlds] == [(2, 0, 5), (3, 5, 15)], summary
-    first = json.loads((tmp_path / "logs" / "w1-r0.jsonl").read_text().splitlines()[0])
-    assert first["globalStep"] == 5  # the Trainer's state came back from its checkpoint
+    jobs.stop_at_5_then_resume_on_3(Path(__file__).with_name("hf_trainer.py"), table_uri, tmp_path)
 
 
 def test_the_trainer_refuses_a_train_dataset_of_its_own():

@@ -9,7 +9,6 @@ trained, leaves a step untrained at every drain, which that rule fails on (a gap
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
@@ -50,11 +49,4 @@ def test_a_sigterm_to_one_lightning_rank_drains_the_world_and_it_exits_0(table_u
 
 
 def test_max_steps_then_a_resume_on_three_ranks_continues_at_the_saved_step(table_uri, tmp_path):
-    (tmp_path / "logs").mkdir()
-    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", trainer_args=("--max-steps", "5"))
-    assert "trainers stopped at global step 5 of 20" in err, err
-    run(table_uri, tmp_path, "--replicas", "3")
-    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
-    assert [(w.size, w.resume_step, w.steps) for w in summary.worlds] == [(2, 0, 5), (3, 5, 15)], summary
-    starts = [json.loads(line) for line in (tmp_path / "logs" / "w1-r0.jsonl").read_text().splitlines()]
-    assert starts[0]["globalStep"] == 5  # Lightning restored its own loop from the step-5 checkpoint
+    jobs.stop_at_5_then_resume_on_3(Path(__file__).with_name("lightning_trainer.py"), table_uri, tmp_path)
