@@ -27,8 +27,9 @@ def require_extra(extra: str, *modules: str) -> None:
     """MissingExtra unless every top-level module in `modules` is installed (looked up, not imported)."""
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
-        raise errors.MissingExtra(
-            f"needs {', '.join(missing)}, not installed here: pip install 'splitfeed[{extra}]'")
+        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+        raise errors.MissingExtra(f"needs {names}, which {'is' if len(missing) == 1 else 'are'} not "
+                                  f"installed: pip install 'splitfeed[{extra}]'")
 
 
 def build_parser() -> argparse.ArgumentParser:
