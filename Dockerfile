@@ -22,8 +22,11 @@ COPY pyproject.toml ./
 COPY trainer_client/ trainer_client/
 COPY sidecar/ sidecar/
 COPY operator/ operator/
-RUN pip install . \
-    && splitfeed --help >/dev/null \
+# The sidecar's and the operator's extras: `pip install .` alone is the trainer client.
+# The extras' torch range is met by the CPU build above, so nothing larger is fetched.
+RUN pip install ".[sidecar,operator]" \
+    && splitfeed --version \
+    && splitfeed sidecar --help >/dev/null && splitfeed operator --help >/dev/null \
     && rm -rf /tmp/splitfeed-src \
     && groupadd --gid 65532 splitfeed \
     && useradd --uid 65532 --gid 65532 --create-home --home-dir /home/splitfeed \

@@ -14,7 +14,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from splitfeed.trainer_client import contract
+from splitfeed.trainer_client import cli, contract
 
 from . import configs, planning
 
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
+    cli.require_extra("operator", "kopf", "kubernetes", "prometheus_client")
     p: argparse.ArgumentParser = add_parser(
         name, help="run the StreamingJob operator (Kopf)",
         description="Reconcile StreamingJobs into worlds of GPU pods with the loader sidecar.")

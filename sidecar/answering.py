@@ -59,6 +59,16 @@ class Session:
         return self.all_taken_at is not None and now - self.all_taken_at >= linger_s
 
 
+def _versions_note(trainer_package: str) -> str:
+    """The trainer's splitfeed version where it is not the sidecar's (the protocol is the same,
+    or decode had refused the hello): worth a word in the log, not a refusal."""
+    own = messages.package_version()
+    if trainer_package == own:
+        return ""
+    said = f"splitfeed {trainer_package}" if trainer_package else "a splitfeed that does not say its version"
+    return f" (it runs {said}, this sidecar splitfeed {own}; the same wire protocol {messages.PROTOCOL_VERSION})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Feed:
     """A local rank: its publisher (the publishing thread's) and its session (the loop's)."""
@@ -160,8 +170,8 @@ class Answers:
         in_step = same_trainer and acked + 1 == wanted
         session.peer, session.trainer_pid, session.said_bye = peer, message.pid, False
         if not in_step:
-            log.info("rank %d: trainer pid %d continues at global step %d",
-                     session.rank, message.pid, wanted)
+            log.info("rank %d: trainer pid %d continues at global step %d%s",
+                     session.rank, message.pid, wanted, _versions_note(message.package))
             control.acked = wanted - 1
             control.trained = -1  # this trainer has said nothing yet
             session.end_sent = False
@@ -170,7 +180,8 @@ class Answers:
         self._send(peer, messages.Welcome(
             instance=self._instance, rank=session.rank, world_size=self._world_size, ctl=str(control.path),
             resume_step=session.resume_step, next_step=wanted, total_steps=session.total_steps,
-            steps_per_epoch=self._steps_per_epoch))
+            steps_per_epoch=self._steps_per_epoch,
+            package=messages.package_version() if message.package else ""))
 
     def _checkpoint_rank(self, feed: Feed, step: int) -> None:
         """Phase one: write the rank's data position for `step` (not yet resumable)."""

@@ -2,6 +2,8 @@
 
 Each function configures its argparse sub-parser (see trainer_client/cli.py);
 heavy imports happen only when the command runs, so `splitfeed --help` stays fast.
+Each first checks that the `sidecar` extra's modules it needs are installed
+(`cli.require_extra`): `pip install splitfeed` alone is the trainer client.
 """
 
 from __future__ import annotations
@@ -11,12 +13,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from splitfeed.trainer_client import contract, errors, specs, topology
+from splitfeed.trainer_client import cli, contract, errors, specs, topology
 
 if TYPE_CHECKING:
     from . import plans
 
 AddParser = Callable[..., argparse.ArgumentParser]
+
+EXTRA = "sidecar"
+"""The extra (pyproject.toml) that brings these commands' dependencies."""
+SERVING = ("lancedb", "prometheus_client")
+"""What a sidecar imports beyond the trainer client's pyzmq, numpy and pyarrow."""
 
 MANIFEST_HELP = "StreamingJob manifest (YAML/JSON)"
 STORAGE_OPTIONS_HELP = "one storage option per file"
@@ -59,6 +66,7 @@ def parse_job_file(path: str, replicas: int | None = None) -> specs.JobSpec:
 
 
 def plan(add_parser: AddParser, name: str) -> None:
+    cli.require_extra(EXTRA, "yaml")
     p = add_parser(name, help="show valid replica counts, splits per rank and steps per epoch")
     p.add_argument("-f", "--file", required=True, help=MANIFEST_HELP)
     p.add_argument("--replicas", type=int, help="plan for this many replicas instead")
@@ -72,6 +80,8 @@ def plan(add_parser: AddParser, name: str) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     """Everything the manifest alone decides; the table only when asked (--read-table)."""
+    if args.read_table:
+        cli.require_extra(EXTRA, *SERVING)
     job = parse_job_file(args.file, args.replicas)
     for line in _layout_lines(job) + _preprocessing_lines(job.data):
         print(line)
@@ -187,6 +197,7 @@ def plan_storage_options(uri: str, named: dict[str, str]) -> dict[str, str]:
 
 
 def sidecar(add_parser: AddParser, name: str) -> None:
+    cli.require_extra(EXTRA, *SERVING)
     p = add_parser(name, help="run the loader sidecar of one pod (ranks from the environment)")
     p.add_argument("--config", required=True, type=Path, help="job data config (JSON)")
     p.add_argument("--socket-dir", type=Path, help="default: $SPLITFEED_SOCKET_DIR")
@@ -212,6 +223,7 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 def local(add_parser: AddParser, name: str) -> None:
+    cli.require_extra(EXTRA, *SERVING, "yaml", "tqdm")
     p = add_parser(name, help="run a StreamingJob's ranks as local processes")
     p.add_argument("-f", "--file", required=True, help=MANIFEST_HELP)
     p.add_argument("--replicas", type=int, help="override spec.replicas")

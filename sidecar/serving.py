@@ -333,10 +333,28 @@ class Server:
                     self._hello(peer, message)
                 else:
                     self._answers.handle(peer, message)
+            except errors.VersionMismatch as exc:
+                refuse_version(self.sock, self._sockets.complain, peer, exc)
             except errors.ProtocolError as exc:
                 self._sockets.complain(peer, f"sent a bad message: {exc}")
                 code = messages.NOT_WELCOMED if isinstance(exc, errors.NotWelcomed) else "protocol"
                 self._send(peer, Error(code=code, message=str(exc), fatal=False))
+
+
+def refuse_version(sock: zmq.Socket[Any], complain: Callable[[bytes, str], None], peer: bytes,
+                   exc: errors.VersionMismatch) -> None:
+    """A frame of another protocol version: one fatal error in the sender's version, which it
+    reads whatever its version (messages, "Versions"), and one line in the log (at most one a
+    second, however often it is said). A version no peer has gets a plain protocol error."""
+    assert exc.peer_protocol is not None
+    text = messages.mismatch(trainer=(exc.peer_protocol, exc.peer_package),
+                             sidecar=(messages.PROTOCOL_VERSION, messages.package_version()))
+    frame = messages.refusal(exc.peer_protocol, text)
+    complain(peer, f"is refused: {text}" if frame is not None else f"sent a bad message: {exc}")
+    if frame is None:
+        frame = Error(code="protocol", message=str(exc), fatal=False).encode()
+    with contextlib.suppress(zmq.ZMQError):  # zmq.Again included: a peer that does not read
+        sock.send_multipart([peer, frame], zmq.NOBLOCK)
 
 
 def flush(context: zmq.Context[Any], timeout_s: float = CLOSE_LINGER_S + 1.0) -> bool:

@@ -48,9 +48,10 @@ from typing import Any, TypeVar
 
 import zmq
 
-from . import adapting, contract, counters, membership, messages, taking
+from . import adapting, contract, counters, handshake, membership, messages, taking
 from .checkpointing import Checkpoints
-from .errors import CheckpointError, NotWelcomed, ProtocolError, SidecarFailed, SidecarUnavailable, WorldLost
+from .errors import (CheckpointError, NotWelcomed, ProtocolError, SidecarFailed, SidecarUnavailable,
+                     VersionMismatch, WorldLost)
 from .handshake import Session
 from .preemption import Preemption
 from .receiving import Receiver
@@ -127,10 +128,15 @@ class Channel:
         frame = self._sock.recv()
         try:
             message = messages.decode(frame)
+        except VersionMismatch as exc:  # nothing this sidecar says can be read: end here, once
+            raise VersionMismatch(handshake.sidecar_mismatch(exc), peer_protocol=exc.peer_protocol,
+                                  peer_package=exc.peer_package) from None
         except ProtocolError as exc:
             log.error("sidecar sent a malformed message (%s); resynchronising", exc)
             return None
         if isinstance(message, messages.Error):
+            if message.fatal and message.code == messages.VERSION_MISMATCH:
+                raise VersionMismatch(message.message)  # the sidecar refused this trainer's version
             if message.fatal:
                 raise SidecarFailed(message.message)
             if message.code == messages.WORLD_ENDED:

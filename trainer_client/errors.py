@@ -7,9 +7,13 @@
     │   │   ├── sidecar.checkpoints.ProvenanceMismatch   checkpoints of other data or another order
     │   │   └── sidecar.plans.PlanError    a plan that cannot be built, or is damaged or foreign
     │   ├── sidecar.checkpoints.StaleWorld         a newer world replaced this pod's
-    │   └── sidecar.blobs.StoreUnavailable         the checkpoint store kept failing; a restart may help
+    │   ├── sidecar.blobs.StoreUnavailable         the checkpoint store kept failing; a restart may help
+    │   ├── MissingExtra                   (also ImportError) a command's optional dependencies are not
+    │   │                                  installed; names the extra (pip install 'splitfeed[sidecar]')
+    │   └── UnsupportedPlatform            (also ImportError) the shared-memory ring needs Linux
     ├── ProtocolError                      a malformed, oversized or out-of-order message
-    │   └── NotWelcomed                    from a trainer the sidecar has not welcomed (it restarted)
+    │   ├── NotWelcomed                    from a trainer the sidecar has not welcomed (it restarted)
+    │   └── VersionMismatch                the peer speaks another wire protocol version: fatal
     ├── SidecarUnavailable                 the sidecar does not answer; reconnect or retry
     ├── SidecarFailed                      the sidecar reported a fatal error (e.g. missing table)
     ├── CheckpointError                    a checkpoint could not be written or read
@@ -51,6 +55,28 @@ class DataError(UserError):
 
 class ProtocolError(SplitfeedError):
     pass
+
+
+class MissingExtra(UserError, ImportError):
+    """A command needs modules that `pip install splitfeed` (the trainer client alone) leaves out;
+    the message names them and the extra that brings them. An ImportError too, so the dispatcher
+    treats it as the one command's missing dependency."""
+
+
+class UnsupportedPlatform(UserError, ImportError):
+    """The shared-memory ring (futex(2) on a mapped control block) exists on Linux only; raised
+    when it is first imported anywhere else."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another wire protocol version (messages.PROTOCOL_VERSION): nothing it
+    says can be read, so the conversation ends at once; the message names both sides' versions.
+    `peer_protocol` and `peer_package` are the peer's, where its frame said them."""
+
+    def __init__(self, message: str, *, peer_protocol: int | None = None, peer_package: str = "") -> None:
+        super().__init__(message)
+        self.peer_protocol = peer_protocol
+        self.peer_package = peer_package
 
 
 class NotWelcomed(ProtocolError):

@@ -9,12 +9,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import contract, membership, messages, ring
-from .errors import SidecarUnavailable
+from .errors import SidecarUnavailable, VersionMismatch
 
 if TYPE_CHECKING:
     from .client import Channel
 
 log = logging.getLogger(__name__)
+
+REFUSED_PACKAGE = "hello message has unknown fields ['package']"
+"""How a sidecar of a splitfeed whose hello had no `package` yet refuses this one's hello (its
+decode refuses a field it does not know): the same protocol version, but an older sidecar."""
+
+
+def sidecar_mismatch(exc: VersionMismatch) -> str:
+    """The sidecar's frame is of another protocol version (`exc`, from decode): say both."""
+    assert exc.peer_protocol is not None
+    return messages.mismatch(trainer=(messages.PROTOCOL_VERSION, messages.package_version()),
+                             sidecar=(exc.peer_protocol, exc.peer_package))
+
+
+def older_sidecar(refusal: str) -> str:
+    """The sidecar refused this trainer's hello for the `package` field it does not know."""
+    return (f"the sidecar refused this trainer's hello ({refusal}): it runs a splitfeed older than "
+            f"this trainer's splitfeed {messages.package_version()} (wire protocol "
+            f"{messages.PROTOCOL_VERSION}), one whose hello did not say its version yet; install the "
+            "same splitfeed version in the trainer image as in the sidecar image "
+            "(`splitfeed --version` in each prints both numbers)")
 
 
 class Session:
@@ -38,12 +58,13 @@ class Session:
 
     def say_hello(self) -> None:
         self._channel.send(messages.Hello(local_rank=self._local_rank, pid=os.getpid(),
-                                          next_step=self.next_step))
+                                          next_step=self.next_step, package=messages.package_version()))
 
     def hello(self, stale: str | None = None) -> messages.Welcome:
         """Send hello until a welcome arrives; the sidecar may be (re)starting. A welcome from
         the sidecar instance `stale` (the world before, answering a hello sent while it still
-        served) is not an answer."""
+        served) is not an answer. A sidecar of another version ends it at once (VersionMismatch:
+        Channel.receive, or the refusal of an older sidecar here)."""
         deadline = time.monotonic() + self._timeout_s
         membership.mark_waiting(self._dir, self._local_rank)  # a new pod's trainer is ready to join
         while True:
@@ -58,6 +79,8 @@ class Session:
                     break  # no answer yet: say hello again
                 if isinstance(message, messages.Welcome) and message.instance != stale:
                     return message
+                if isinstance(message, messages.Error) and message.message.startswith(REFUSED_PACKAGE):
+                    raise VersionMismatch(older_sidecar(message.message), peer_protocol=messages.PROTOCOL_VERSION)
                 # a stale ready/end from before the resync: drop it
             if time.monotonic() > deadline:
                 raise SidecarUnavailable(
@@ -78,6 +101,14 @@ class Session:
             except FileNotFoundError:
                 raise SidecarUnavailable(
                     f"the sidecar at {self._dir} went away during the handshake") from None
+            except ValueError as exc:  # a control block of another layout: another splitfeed
+                versions = messages.mismatch(trainer=(messages.PROTOCOL_VERSION, messages.package_version()),
+                                             sidecar=(messages.PROTOCOL_VERSION, message.package))
+                raise VersionMismatch(f"{exc}: {versions}") from None
+            if message.package != messages.package_version():
+                log.info("the sidecar runs %s, this trainer splitfeed %s (the same wire protocol %d)",
+                         f"splitfeed {message.package}" if message.package else "a splitfeed that does not say its version",
+                         messages.package_version(), messages.PROTOCOL_VERSION)
             self.instance = message.instance
             self.control = opened = control  # the old one is unmapped with its last batch (they reference it)
         self.world_size = message.world_size

@@ -18,6 +18,16 @@ send bytes, rather than `send_json`/`send_pyobj`; JSON rather than pickle,
 which would execute code on the receiver. Like httpx's models, a message is a
 plain typed object and the wire form is built and parsed in one place.
 
+Versions. `v` is the wire protocol version (PROTOCOL_VERSION), bumped for any change a
+peer of the version before cannot read (a field added with a default is not one: see
+Message); `hello` and `welcome` also carry the splitfeed package version (`package`).
+Three things never change from one version to the next, so that two sides of different
+versions end their conversation at once with one error that names both: the envelope
+(`v`, `type`), the `error` message's fields (`code`, `message`, `fatal`), and the name of
+the `package` field. A side that receives a frame of another version knows the peer's
+version from it (`decode` raises VersionMismatch), and the sidecar answers it with a
+fatal error in the *sender's* version (`refusal`), which the sender reads as its own.
+
 `decode` validates everything a peer controls: the frame's size, the protocol
 version, the type, that every field is present with its declared type (a bool
 is not an int) and nothing else, and that integers fit the int64 words they
@@ -30,15 +40,20 @@ class (`match message: case Hello(): ...`), never on a type string.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-from .errors import ProtocolError
+from .errors import ProtocolError, VersionMismatch
 
 PROTOCOL_VERSION = 1
+"""The wire protocol's version: every frame's `v`; `splitfeed --version` prints it."""
+DISTRIBUTION = "splitfeed"
+VERSION_MISMATCH = "version"
+"""Error.code of a refusal of a frame of another protocol version (`refusal`): fatal."""
 MAX_MESSAGE_BYTES = 64 * 1024
 """Also ZeroMQ's MAXMSGSIZE on every socket that receives these: a larger frame is dropped before it is buffered."""
 SOCKET_NAME = "sidecar.sock"
@@ -117,11 +132,14 @@ def _wire(kind: str) -> typing.Callable[[type[M]], type[M]]:
 @_wire("hello")
 @dataclasses.dataclass(frozen=True)
 class Hello(Message):
-    """A trainer (re)connects; `next_step` None: a new process, continue where the world is."""
+    """A trainer (re)connects; `next_step` None: a new process, continue where the world is.
+    `package`: the trainer's splitfeed version (package_version); "" from a splitfeed whose
+    hello did not say it yet."""
 
     local_rank: int
     pid: int
     next_step: int | None
+    package: str = ""
 
 
 @_wire("checkpoint")
@@ -176,6 +194,9 @@ class Welcome(Message):
     next_step: int
     total_steps: int
     steps_per_epoch: int
+    package: str = ""
+    """The sidecar's splitfeed version, said only to a trainer whose hello said its own: a
+    trainer of before, whose decode refuses a field it does not know, gets the welcome it knows."""
 
 
 @_wire("ready")
@@ -449,11 +470,14 @@ def decode(frame: bytes) -> Message:
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     version = message.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {version!r} is not {PROTOCOL_VERSION}; "
-            "run the same splitfeed version in the trainer and the sidecar"
-        )
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        text = (f"protocol version {_short(version)} is not {PROTOCOL_VERSION}; "
+                "run the same splitfeed version in the trainer and the sidecar")
+        if type(version) is not int:  # no version at all (True is not 1 either): not a peer's frame
+            raise ProtocolError(text)
+        package = message.get("package")
+        raise VersionMismatch(text, peer_protocol=version,
+                              peer_package=package[:64] if isinstance(package, str) else "")
     kind = message.get("type")
     cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None or not isinstance(kind, str):
@@ -461,6 +485,43 @@ def decode(frame: bytes) -> Message:
     fields = {name: value for name, value in message.items() if name not in ("v", "type")}
     _validate(kind, cls._schema, fields, optional=cls._defaults)
     return cls(**fields)
+
+
+def refusal(peer_protocol: int, text: str) -> bytes | None:
+    """A fatal `error` frame in the peer's protocol version `peer_protocol`, which it can read
+    whatever its version (the error's shape never changes); None for a version no peer has."""
+    if not 0 < peer_protocol < 1 << 31:
+        return None
+    return json.dumps({"v": peer_protocol, "type": "error", "code": VERSION_MISMATCH,
+                       "message": text, "fatal": True}, separators=(",", ":")).encode()
+
+
+@functools.cache
+def package_version() -> str:
+    """This process's splitfeed version, from the installed distribution's metadata (read once)."""
+    from importlib import metadata  # not at import: the trainer's import stays lean
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # the sources on sys.path without an install
+        return "unknown"
+
+
+def version_line() -> str:
+    """What `splitfeed --version` prints: the package and the wire protocol."""
+    return f"splitfeed {package_version()} (wire protocol {PROTOCOL_VERSION})"
+
+
+def mismatch(*, trainer: tuple[int, str], sidecar: tuple[int, str]) -> str:
+    """The one text a version mismatch is told in: each side's (protocol, package) and the fix."""
+
+    def side(name: str, protocol: int, package: str) -> str:
+        return (f"{name} speaks wire protocol {protocol} "
+                f"({f'splitfeed {package}' if package else 'a splitfeed too old to say its version'})")
+
+    return (f"{side('the trainer', *trainer)} and {side('its sidecar', *sidecar)}: install the same "
+            "splitfeed version in the trainer image as in the sidecar image "
+            "(`splitfeed --version` in each prints both numbers)")
 
 
 def _validate(kind: str, schema: Mapping[str, tuple[type, ...]], fields: Mapping[str, Any],

@@ -48,12 +48,21 @@ import ctypes
 import mmap
 import os
 import platform
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from . import stalls
+from .errors import UnsupportedPlatform
+
+if not sys.platform.startswith("linux"):
+    # Checked before anything below runs: elsewhere the futex call number would name another call.
+    raise UnsupportedPlatform(
+        f"splitfeed's trainer client and sidecar need Linux (a futex(2) on a control block mapped "
+        f"from a memory volume); this is {sys.platform}: run them in Linux containers, or "
+        "`splitfeed local` on a Linux machine")
 
 MAGIC = 0x53465247  # "SFRG"
 LAYOUT_VERSION = 6

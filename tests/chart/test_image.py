@@ -4,7 +4,7 @@ No container engine runs here, so the build is checked in parts: the recipe's
 fixed points (base, torch pin, entry point, a numeric non-root user that
 matches the chart), and a wheel built from exactly the files the Dockerfile
 COPYs out of the .dockerignore-filtered context, which is what its
-`pip install .` would install.
+`pip install ".[sidecar,operator]"` would install.
 """
 
 from __future__ import annotations
@@ -95,8 +95,12 @@ class TestRecipe:
         assert not re.search(r"torch(?!==2\.13\.0)[<>=~ ]", runs)
         assert any("/whl/cpu" in arg for arg in of("ARG"))
 
-    def test_the_project_is_installed_with_pip_install_dot(self):
-        assert any(re.search(r"\bpip install \.(\s|$)", run) for run in of("RUN"))
+    def test_the_project_is_installed_with_the_sidecar_and_operator_extras(self):
+        """`pip install .` alone is the trainer client (pyproject.toml): the image runs both others."""
+        installs = [m.group(1) for run in of("RUN") for m in re.finditer(r"\bpip install \"?\.\[([^\]]*)\]", run)]
+        assert installs and {"sidecar", "operator"} <= set(installs[0].split(",")), of("RUN")
+        # and it checks that their commands load (an extra missing: exit 2, naming it)
+        assert any("splitfeed sidecar --help" in run and "splitfeed operator --help" in run for run in of("RUN"))
 
     def test_it_runs_as_the_numeric_non_root_user_the_chart_expects(self):
         user = of("USER")[-1]

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from splitfeed.trainer_client import messages
-from splitfeed.trainer_client.errors import ProtocolError
+from splitfeed.trainer_client.errors import ProtocolError, VersionMismatch
 from splitfeed.trainer_client.messages import (
     CommitAt, DrainAck, DrainRequest, Error, Hello, Joined, Ready, Wake, Welcome,
 )
@@ -97,3 +97,32 @@ def test_a_message_the_peer_would_refuse_is_not_sent():
 def test_messages_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ready(global_step=1).global_step = 2  # type: ignore[misc]
+
+
+# -- versions (messages, "Versions") ------------------------------------------------------------
+
+def test_a_frame_of_another_protocol_version_names_the_peers_versions():
+    with pytest.raises(VersionMismatch) as raised:
+        messages.decode(b'{"v":2,"type":"hello","local_rank":0,"pid":1,"package":"9.9.9","new":[1]}')
+    assert (raised.value.peer_protocol, raised.value.peer_package) == (2, "9.9.9")
+    for frame in (b'{"v":true,"type":"wake"}', b'{"type":"wake"}', b'{"v":"1","type":"wake"}'):
+        with pytest.raises(ProtocolError) as raised_plain:  # no version: garbage, not a peer's version
+            messages.decode(frame)
+        assert not isinstance(raised_plain.value, VersionMismatch), frame
+
+
+def test_a_refusal_is_read_by_a_peer_of_the_version_it_is_written_in(monkeypatch):
+    frame = messages.refusal(7, "the trainer speaks wire protocol 7 ...")
+    assert frame is not None and json.loads(frame)["v"] == 7
+    monkeypatch.setattr(messages, "PROTOCOL_VERSION", 7)  # as the peer of protocol 7 decodes it
+    assert messages.decode(frame) == Error(code=messages.VERSION_MISMATCH, fatal=True,
+                                           message="the trainer speaks wire protocol 7 ...")
+    assert messages.refusal(0, "x") is None and messages.refusal(1 << 40, "x") is None
+
+
+def test_hello_and_welcome_leave_the_package_out_only_when_it_is_not_said():
+    said = Hello(local_rank=0, pid=1, next_step=None, package="0.1.0")
+    assert json.loads(said.encode())["package"] == "0.1.0"
+    unsaid = b'{"v":1,"type":"hello","local_rank":0,"pid":1,"next_step":null}'
+    assert messages.decode(unsaid) == Hello(local_rank=0, pid=1, next_step=None, package="")
+    assert "package" not in json.loads(Welcome("i", 0, 1, "c", 0, 0, 1, 1).encode())
