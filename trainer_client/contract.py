@@ -63,6 +63,10 @@ PODINFO_LABELS = "labels"
 STORAGE_DIR = "/etc/splitfeed/storage"
 TRANSFORMS_DIR = "/etc/splitfeed/transforms"
 TERMINATION_LOG = "/dev/termination-log"
+KEYS_DIR = "/etc/splitfeed/keys"
+"""Where a pod's sidecar and trainers find the job's keypair (the job's Secret, read-only)."""
+KEY_PUBLIC, KEY_SECRET = "public.key", "secret.key"
+"""The keypair's two files (and the job Secret's two keys): Z85 text, 40 characters each."""
 MASTER_PORT = 29500
 """torch.distributed's rendezvous on replica 0."""
 COORDINATOR_PORT = 29501
@@ -90,6 +94,9 @@ STATS_FILE_ENV = "SPLITFEED_STATS_FILE"
 METRICS_PORT_ENV = "SPLITFEED_METRICS_PORT"
 """Where the sidecar serves Prometheus /metrics (docs/observability.md); 0: off."""
 """Only `splitfeed local` sets it: where a trainer's client writes its StatsRecord."""
+KEYS_DIR_ENV = "SPLITFEED_KEYS_DIR"
+"""A directory holding the job's CURVE keypair (trainer_client.keys): every socket to the
+world's coordinator is encrypted and admitted with it (docs/security.md)."""
 
 LOCAL_JOB_UID = "local"
 """SPLITFEED_JOB_UID in `splitfeed local`: runs of one job file resume each other."""
