@@ -423,14 +423,18 @@ class Rejections:
         return line
 
 
+UNKNOWN_PEER = "an address ZeroMQ closed before it could be read"
+
+
 def peer_of(fd: int) -> str:
-    """The remote address of the connection on `fd` (a monitor's ACCEPTED event), or "?" when
-    it is gone already; for the log line only."""
+    """The remote address of the connection on `fd` (a monitor's ACCEPTED event), for the log
+    line only. A peer without CURVE is usually gone already by then (the mechanism mismatch
+    ends its connection at once): UNKNOWN_PEER. A CURVE peer with a wrong key is named by ZAP."""
     try:
         with socket.socket(fileno=os.dup(fd)) as conn:
             name = conn.getpeername()
     except (OSError, ValueError):
-        return "?"
+        return UNKNOWN_PEER
     return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name or "a local socket")
 
 
@@ -541,7 +545,7 @@ class CoordinatorThread:
             if kind == zmq.EVENT_ACCEPTED:
                 self._accepted[value] = peer_of(value)
             elif kind == zmq.EVENT_DISCONNECTED:
-                peer = self._accepted.pop(value, "?")
+                peer = self._accepted.pop(value, UNKNOWN_PEER)
                 if self._failing:  # a failed handshake is followed by its connection's end
                     self._failing -= 1
                     self._reject(peer, "it did not complete a CURVE handshake with the job's key")
