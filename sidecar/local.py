@@ -310,7 +310,7 @@ def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, 
     master_port = world.master_port
     for replica in replicas if replicas is not None else range(job.replicas):
         socket_dir = _socket_dir(work, epoch, replica)
-        socket_dir.mkdir()
+        socket_dir.mkdir(mode=0o700)  # owner-only, like the run's work dir (docs/security.md)
         world.socket_dirs.append(socket_dir)
         for local_rank in range(job.gpus_per_replica):
             env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)

@@ -46,7 +46,9 @@ VOLUME_SHM = "splitfeed-shm"
 VOLUME_CONFIG = "splitfeed-config"
 VOLUME_PODINFO = "splitfeed-podinfo"
 VOLUME_STORAGE = "splitfeed-storage"
-RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE)
+VOLUME_KEYS = "splitfeed-keys"
+"""The job's CURVE keypair Secret, mounted read-only at KEYS_DIR in the sidecar and trainer only."""
+RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE, VOLUME_KEYS)
 VOLUME_TRANSFORMS = "splitfeed-transforms"
 """A volume of this name in the trainer template (a ConfigMap of small transform modules,
 say) is mounted read-only into the sidecar at TRANSFORMS_DIR, which is put on its
