@@ -8,6 +8,7 @@ StreamingDataset order, and the forger (tests/streaming/forger.py) must never ge
 
 from __future__ import annotations
 
+import glob
 import json
 import re
 import subprocess
@@ -26,6 +27,21 @@ E2E_TRAINER = Path(__file__).parents[1] / "e2e" / "trainer.py"
 FORGER = Path(__file__).with_name("forger.py")
 
 
+def owner_only(work_glob: str) -> dict[str, int] | None:
+    """The modes of a running world's private files (docs/security.md), once they all exist: the
+    run's work dir (under /dev/shm, where the `replicas` control file goes), its keypair, each
+    replica's socket dir (the trainer's ipc socket, ring files, sidecar lock); None before."""
+    works = glob.glob(work_glob)
+    if len(works) != 1:
+        return None
+    work = Path(works[0])
+    paths = [work, work / "keys", *(work / "keys").glob("*.key"), *work.glob("w0-replica-*"),
+             *work.glob("w0-replica-*/ctl-*"), *work.glob("w0-replica-*/sidecar.lock")]
+    if sum(p.name.startswith("ctl-") for p in paths) < 2 or sum(p.name == "sidecar.lock" for p in paths) < 2:
+        return None
+    return {str(p): p.stat().st_mode & 0o777 for p in paths}
+
+
 @pytest.mark.parametrize("rescale", ["recreate", "inPlace"])
 def test_forged_messages_from_a_process_without_the_key_change_nothing(table_uri, tmp_path, rescale):  # noqa: F811
     logs, store, report = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "forger.json"
@@ -35,17 +51,24 @@ def test_forged_messages_from_a_process_without_the_key_change_nothing(table_uri
     forger = subprocess.Popen([sys.executable, str(FORGER), work_glob, str(report)],
                               preexec_fn=processes.die_with_parent())
     try:
-        done = subprocess.run(
+        run = subprocess.Popen(
             [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", str(tmp_path / "job.yaml"),
              "--replicas", "2", "--resume", "none", "--rescale", rescale, "--scale-at", "8:4",
              "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.25"],
-            capture_output=True, text=True, timeout=300)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=processes.die_with_parent())
+        try:
+            modes = wait_for(lambda: owner_only(work_glob), 120, "the run's work dir, keys and rings")
+            _, err = run.communicate(timeout=300)
+        finally:
+            processes.stop(run)
+        done = subprocess.CompletedProcess(run.args, run.returncode, "", err)
         attacked = wait_for(lambda: json.loads(report.read_text()) if report.exists() else None, 30,
                             "the forger's report")
     finally:
         forger.terminate()
         forger.wait(30)
     assert done.returncode == 0, done.stderr
+    assert all(mode in (0o700, 0o600) for mode in modes.values()), {p: oct(m) for p, m in modes.items()}
     assert attacked["answered"] == 0, attacked
     assert attacked["sent"] > 0 and len(attacked["addresses"]) == 2, attacked  # both worlds' coordinators
     summary = check_exact(logs, store / "test" / "job", table_uri)
