@@ -28,7 +28,7 @@ from typing import Any
 import kubernetes
 import urllib3
 
-from splitfeed.trainer_client import contract, errors
+from splitfeed.trainer_client import contract, errors, keys
 
 from . import planning
 
@@ -86,8 +86,8 @@ def _error(exc: BaseException) -> KubeError:
 
 
 class Kube:
-    """Calls for StreamingJobs, the pods, Services, ConfigMaps and budgets of their worlds,
-    admission checks, and the operator's leader Lease."""
+    """Calls for StreamingJobs, the pods, Services, ConfigMaps, budgets and keypair Secrets of
+    their worlds, admission checks, and the operator's leader Lease."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> None:
@@ -100,6 +100,7 @@ class Kube:
         self.authorization = kubernetes.client.AuthorizationV1Api(api_client)
         self.coordination = kubernetes.client.CoordinationV1Api(api_client)
         self._warned: set[str] = set()
+        self._keys: dict[tuple[str, str], keys.Keypair] = {}
 
     @classmethod
     def connect(cls, kubeconfig: str | None = None, timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> "Kube":
@@ -165,7 +166,7 @@ class Kube:
                 if ((p.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_JOB) == job]
 
     async def create(self, obj: Mapping[str, Any]) -> bool | None:
-        """Create a Pod, Service, ConfigMap or PodDisruptionBudget.
+        """Create a Pod, Service, ConfigMap, Secret or PodDisruptionBudget.
 
         True: created. False: an object of that name exists and the same job
         (controller UID) controls it; a ConfigMap's data and a budget's spec are
@@ -177,6 +178,7 @@ class Kube:
         ns, name = meta["namespace"], meta["name"]
         creators = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
                     "ConfigMap": self.core.create_namespaced_config_map,
+                    "Secret": self.core.create_namespaced_secret,
                     "PodDisruptionBudget": self.policy.create_namespaced_pod_disruption_budget}
         try:
             created = await self._call(creators[kind], ns, dict(obj), ok=(409,))
@@ -191,6 +193,7 @@ class Kube:
             return True
         readers = {"Pod": self.core.read_namespaced_pod, "Service": self.core.read_namespaced_service,
                    "ConfigMap": self.core.read_namespaced_config_map,
+                   "Secret": self.core.read_namespaced_secret,
                    "PodDisruptionBudget": self.policy.read_namespaced_pod_disruption_budget}
         existing = await self._call(readers[kind], name, ns, ok=(404,))
         if existing is None:  # deleted in between: the next reconcile creates it
@@ -208,6 +211,28 @@ class Kube:
             await self._call(self.policy.patch_namespaced_pod_disruption_budget, name, ns,
                              {"spec": obj["spec"]}, _content_type=MERGE_PATCH)
         return False
+
+    async def job_keys(self, namespace: str, owner: planning.Owner, *, create: bool = False) -> keys.Keypair | None:
+        """The job's CURVE keypair from its Secret (planning.keys_secret), which `create` makes
+        first where there is none; None without one. Kept once read: the Secret is immutable
+        and its name holds the job's UID."""
+        name = planning.keys_secret_name(owner.name, owner.uid)
+        cached = self._keys.get((namespace, name))
+        if cached is not None:
+            return cached
+        found = await self._call(self.core.read_namespaced_secret, name, namespace, ok=(404,))
+        if found is None and create:
+            await self.create(planning.keys_secret(namespace, owner, keys.generate()))
+            found = await self._call(self.core.read_namespaced_secret, name, namespace, ok=(404,))
+        if found is None:
+            return None
+        theirs = planning.controller_uid(found)
+        if theirs != owner.uid:
+            raise NotOwned(409, f"Secret {name}: its controller is {theirs or 'none'}, not StreamingJob "
+                                f"{owner.uid}", "NotOwned")
+        keypair = planning.keypair_of(found)
+        self._keys[(namespace, name)] = keypair
+        return keypair
 
     async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         await self._call(self.core.patch_namespaced_pod, name, namespace,
@@ -256,3 +281,13 @@ class Kube:
         meta = lease["metadata"]
         return await self._call(self.coordination.replace_namespaced_lease, meta["name"], meta["namespace"],
                                 dict(lease), ok=(409,)) is not None
+
+
+async def asking_keys(k: Kube, namespace: str, name: str, uid: str) -> keys.Keypair | None:
+    """The job's keypair to ask its world's coordinator with; None (logged) when it cannot be
+    read: every such ask is best effort, and the pod annotation is the sure path."""
+    try:
+        return await k.job_keys(namespace, planning.Owner(name=name, uid=uid))
+    except (KubeError, errors.UserError) as exc:
+        log.warning("%s/%s: cannot read the job's keypair Secret: %s", namespace, name, exc)
+        return None

@@ -207,7 +207,10 @@ class Poller:
         epoch = status.world_epoch
         in_place = (body.get("spec") or {}).get("rescale") == specs.IN_PLACE
         address = planning.coordinator_of(name, epoch, pods, in_place) if epoch is not None else None
-        answer = await asyncio.to_thread(worlds.request_status, address) if address else None
+        keypair = await kube.asking_keys(k, namespace, name, str((body.get("metadata") or {}).get("uid") or "")) \
+            if address else None
+        answer = await asyncio.to_thread(worlds.request_status, address, keys=keypair) \
+            if address and keypair else None
         patch, events = self.observe(key, status.raw, answer, datetime.datetime.now(datetime.timezone.utc))
         if patch:
             await k.patch_job_status(namespace, name, patch)

@@ -8,13 +8,14 @@ is docs/pod-contract.md; change that document and this module together.
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from splitfeed.trainer_client import contract, membership, specs
+from splitfeed.trainer_client import contract, errors, keys, membership, specs
 
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
@@ -141,6 +142,54 @@ def _meta(job: specs.JobSpec, name: str, owner: Owner, labels: Mapping[str, str]
     }
 
 
+def keys_secret_name(job: str, uid: str) -> str:
+    """`<job>-keys-<uid prefix>`: the job's CURVE keypair. The UID is in the name so that a
+    job deleted and created again gets a new keypair, never its predecessor's (whose Secret
+    the garbage collector removes with it)."""
+    return f"{job}-keys-{uid[:8]}" if uid else f"{job}-keys"
+
+
+def keys_secret(namespace: str, owner: Owner, keypair: keys.Keypair) -> dict[str, Any]:
+    """The job's keypair (trainer_client.keys) as an immutable Secret owned by the job: its
+    sidecars serve and its trainers and the operator ask the world's coordinator with it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "immutable": True,
+        "metadata": {"name": keys_secret_name(owner.name, owner.uid), "namespace": namespace,
+                     "labels": job_selector(owner.name), "ownerReferences": [owner.reference()]},
+        "data": {contract.KEY_PUBLIC: base64.b64encode(keypair.public).decode(),
+                 contract.KEY_SECRET: base64.b64encode(keypair.secret).decode()},
+    }
+
+
+def keypair_of(secret: Mapping[str, Any]) -> keys.Keypair:
+    """The keypair a `keys_secret` holds; a UserError naming the Secret when it is damaged."""
+    name = (secret.get("metadata") or {}).get("name", "")
+    data = secret.get("data") or {}
+    try:
+        public, private = (base64.b64decode(data[k], validate=True) for k in (contract.KEY_PUBLIC, contract.KEY_SECRET))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise errors.UserError(f"Secret {name}: no base64 {contract.KEY_PUBLIC} and {contract.KEY_SECRET} "
+                               f"({exc}); delete it and the operator makes a new keypair") from exc
+    return keys.parse(public, private, f"Secret {name}")
+
+
+KEYS_FILE_MODE = 0o440
+"""The keypair's files in a pod: read-only, to the pod's fsGroup (pod_security_context), which
+the sidecar's user and the trainer's share; nobody else on the node."""
+
+
+def keys_volume(job: str, uid: str) -> dict[str, Any]:
+    return {"name": contract.VOLUME_KEYS,
+            "secret": {"secretName": keys_secret_name(job, uid), "defaultMode": KEYS_FILE_MODE}}
+
+
+def keys_mount() -> dict[str, Any]:
+    return {"name": contract.VOLUME_KEYS, "mountPath": contract.KEYS_DIR, "readOnly": True}
+
+
 def config_map(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
     """`<job>-data`: the loader's view of the job. Never credentials (see storage secret)."""
     return {
@@ -192,7 +241,7 @@ def pod_env(job: specs.JobSpec, world_epoch: int, replica: int) -> contract.Env:
 
 
 def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str, str | int]:
-    env: dict[str, str | int] = {**pod_env(job, world_epoch, replica)}
+    env: dict[str, str | int] = {**pod_env(job, world_epoch, replica), contract.KEYS_DIR_ENV: contract.KEYS_DIR}
     if job.gpus_per_replica > 1:  # torchrun's own variables; it spawns one process per GPU
         env.update({
             "PET_NNODES": job.replicas,
@@ -275,6 +324,7 @@ def sidecar_container(
     if job.data.storage_options_secret:
         args += ["--storage-options-dir", contract.STORAGE_DIR]
         mounts.append({"name": contract.VOLUME_STORAGE, "mountPath": contract.STORAGE_DIR, "readOnly": True})
+    mounts.append(keys_mount())
     mounts += [copy.deepcopy(m) for m in extra_mounts or []]
     args += ["--termination-log", contract.TERMINATION_LOG]
     env = {
@@ -283,6 +333,7 @@ def sidecar_container(
             coordinator=coordinator_address(job, world_epoch), job_uid=job_uid, resume_step=resume_step,
             table_version=table_version, config_checksum=config_checksum(job)),
         contract.METRICS_PORT_ENV: str(contract.METRICS_PORT),
+        contract.KEYS_DIR_ENV: contract.KEYS_DIR,
         # Its only writable directory (the root file system is read-only): multiprocessing's
         # fork server, which starts the numWorkers loader processes, puts its socket there.
         "TMPDIR": contract.SOCKET_DIR,
@@ -492,7 +543,7 @@ def pod(
             shared = shared_mounts(job, c.get("volumeMounts") or [])
             c["env"] = _merge_env(c.get("env") or [], _env(trainer_env(job, world_epoch, replica)))
             c["volumeMounts"] = (c.get("volumeMounts") or []) + [
-                {"name": contract.VOLUME_SHM, "mountPath": contract.SOCKET_DIR}
+                {"name": contract.VOLUME_SHM, "mountPath": contract.SOCKET_DIR}, keys_mount(),
             ]
     if any(v.get("name") == contract.VOLUME_TRANSFORMS for v in spec.get("volumes") or []):
         shared = shared + [{"name": contract.VOLUME_TRANSFORMS, "mountPath": contract.TRANSFORMS_DIR, "readOnly": True}]
@@ -504,7 +555,7 @@ def pod(
     else:
         containers = containers + [sidecar]
     spec["containers"] = containers
-    spec["volumes"] = (spec.get("volumes") or []) + volumes(job)
+    spec["volumes"] = (spec.get("volumes") or []) + volumes(job) + [keys_volume(job.name, owner.uid)]
     spec["hostname"] = name
     spec["subdomain"] = job.name
     # serviceAccountName and automountServiceAccountToken stay the template's: the pod's

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from splitfeed.trainer_client import errors, messages, worlds
+from splitfeed.trainer_client import errors, keys, messages, worlds
 
 from . import admission, kube, lifecycle, planning, redaction, views
 
@@ -128,7 +128,10 @@ async def _decide(ctx: Context, job: views.Job) -> tuple[lifecycle.Decision, dic
     uids = {str(p["metadata"]["name"]): str(p["metadata"].get("uid")) for p in pods
             if (p["metadata"].get("uid"))}
     # A socket and a short wait: a worker thread, like the planning below.
-    answer = await asyncio.to_thread(_ask_next_world, job, pods)
+    answer = None
+    if _changing_in_place(job):
+        keypair = await kube.asking_keys(ctx.kube, job.namespace, job.name, job.uid)
+        answer = await asyncio.to_thread(_ask_next_world, job, pods, keypair) if keypair else None
     # Planning a world of many pods is CPU work: never on Kopf's event loop.
     decision = await asyncio.to_thread(_decide_now, ctx.settings, job, pods, _now(), answer)
     return decision, uids
@@ -138,14 +141,19 @@ NEXT_WORLD_WAIT_S = 0.3
 """How long a look at a change in place waits for the next world's coordinator (it looks again soon)."""
 
 
-def _ask_next_world(job: views.Job, pods: list[dict[str, Any]]) -> messages.Status | None:
+def _changing_in_place(job: views.Job) -> bool:
+    drain = job.status.drain
+    return drain is not None and drain.in_place and job.status.world_epoch is not None
+
+
+def _ask_next_world(job: views.Job, pods: list[dict[str, Any]], keypair: keys.Keypair) -> messages.Status | None:
     """During a change in place: the next world's coordinator's `status` answer, once it serves
     (replica 0's pod, the port of the next world); None otherwise (operator/inplace.py)."""
-    drain, epoch = job.status.drain, job.status.world_epoch
-    if drain is None or not drain.in_place or epoch is None:
+    epoch = job.status.world_epoch
+    if not _changing_in_place(job) or epoch is None:
         return None
     address = planning.coordinator_of(job.name, epoch + 1, pods, in_place=True)
-    return worlds.request_status(address, timeout_s=NEXT_WORLD_WAIT_S) if address else None
+    return worlds.request_status(address, timeout_s=NEXT_WORLD_WAIT_S, keys=keypair) if address else None
 
 
 class _Refused(errors.SplitfeedError):
@@ -182,6 +190,17 @@ async def _apply(ctx: Context, job: views.Job, d: lifecycle.Decision, uids: dict
     namespace, name = job.namespace, job.name
     if d.status:
         await ctx.kube.patch_job_status(namespace, name, d.status, job.resource_version)
+    if any(obj["kind"] == "Pod" for obj in d.create):
+        # Its pods mount it (planning.keys_volume): made before the first of them, once per job.
+        owner = planning.Owner(name=name, uid=job.uid)
+        try:
+            await ctx.kube.job_keys(namespace, owner, create=True)
+        except kube.KubeError as exc:
+            secret = planning.keys_secret_name(name, job.uid)
+            raise _Refused(lifecycle.CreationFailure("Secret", secret, exc.status, exc.reason, exc.message)) from exc
+        except errors.UserError as exc:  # a damaged Secret of that name: said, and retried
+            secret = planning.keys_secret_name(name, job.uid)
+            raise _Refused(lifecycle.CreationFailure("Secret", secret, 0, "Invalid", str(exc))) from exc
     for obj in d.create:
         try:
             await ctx.kube.create(obj)
@@ -197,8 +216,9 @@ async def _apply(ctx: Context, job: views.Job, d: lifecycle.Decision, uids: dict
         await ctx.kube.label_pod(namespace, pod, labels)
     if d.notify is not None:
         # Blocks up to a second on a socket: a worker thread, so Kopf's loop runs on.
+        keypair = await kube.asking_keys(ctx.kube, job.namespace, job.name, job.uid)
         state = await asyncio.to_thread(worlds.request_drain, *d.notify, replicas=d.notify_replicas,
-                                        lost=list(d.notify_lost) or None)
+                                        lost=list(d.notify_lost) or None, keys=keypair) if keypair else None
         log.log(logging.INFO if state else logging.DEBUG, "%s/%s: drain request to %s: %s", namespace, name,
                 d.notify[0], f"acknowledged ({state})" if state else "no answer (the annotation still asks)")
     for pod in d.delete:

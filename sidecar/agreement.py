@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +23,8 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from splitfeed.trainer_client import errors, messages, progress
+from splitfeed.trainer_client import errors, keys as keymod, messages, progress
+from splitfeed.trainer_client.keys import Keypair
 from splitfeed.trainer_client.messages import (
     Agreed, Reach, CommitAt, Complete, CommittedWorld, DrainAck, DrainRequest, Error, Freeze, Frozen, Join, Joined, Progress,
     StandIn, StatusRequest, WorldLost,
@@ -396,16 +399,58 @@ class Coordinator:
         return [Out(EVERY, Freeze(round=self.round))]
 
 
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where libzmq asks a context's authenticator (RFC 27) about each CURVE handshake."""
+REJECTED_LOG_EVERY_S = 60.0
+"""A rejected peer is logged at most this often (a peer that retries would flood the log)."""
+
+
+@dataclasses.dataclass
+class Rejections:
+    """Rejected peers since the last log line: at most one line every REJECTED_LOG_EVERY_S."""
+
+    logged_at: float | None = None
+    since: int = 0
+
+    def note(self, peer: str, why: str, now: float) -> str | None:
+        """Count one rejection; the line to log now, or None within the quiet minute."""
+        self.since += 1
+        if self.logged_at is not None and now - self.logged_at < REJECTED_LOG_EVERY_S:
+            return None
+        line = (f"rejected a peer at {peer}: {why}; its messages are dropped"
+                + (f" ({self.since} rejections since the last such line)" if self.since > 1 else ""))
+        self.logged_at, self.since = now, 0
+        return line
+
+
+UNKNOWN_PEER = "an address ZeroMQ closed before it could be read"
+
+
+def peer_of(fd: int) -> str:
+    """The remote address of the connection on `fd` (a monitor's ACCEPTED event), for the log
+    line only. A peer without CURVE is usually gone already by then (the mechanism mismatch
+    ends its connection at once): UNKNOWN_PEER. A CURVE peer with a wrong key is named by ZAP."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            name = conn.getpeername()
+    except (OSError, ValueError):
+        return UNKNOWN_PEER
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name or "a local socket")
+
+
 class CoordinatorThread:
     """Replica 0's coordinator on a ROUTER socket, in a thread of its own.
 
     A thread rather than the serving loop: members wait for `joined` while
     replica 0's own sidecar is still preparing, and the coordinator must
     answer them (its own member included) before any loop runs.
+
+    A CURVE server with the job's keypair (trainer_client.keys), its ZAP handler in this same
+    thread: a peer without the job's secret never gets a message through, is counted in
+    `rejected` and logged at most once a minute, and the world goes on untouched.
     """
 
-    def __init__(self, coordinator: Coordinator, bind: str,
-                 context: zmq.Context[Any] | None = None, *,
+    def __init__(self, coordinator: Coordinator, bind: str, *, keys: Keypair,
                  stand_in: Callable[[StandIn], str] | None = None, world_size: int = 0) -> None:
         self.coordinator = coordinator
         self.stand_ins = standins.StandIns(world_size=world_size or coordinator.replicas,
@@ -413,17 +458,34 @@ class CoordinatorThread:
         """Ranks whose dead sidecar this coordinator stands in for (sidecar.standins)."""
         self._write = stand_in
         """Writes a rank's record (or marker) through the job's store; its uri. None: no store."""
-        self._ctx = context or zmq.Context.instance()
+        self._keys = keys
+        self.rejected = 0
+        """Peers whose handshake failed (no CURVE, another key): splitfeed_coordinator_rejected_total."""
+        self._rejections = Rejections()
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        """Its own context: the ZAP handler is one per context, and a sidecar whose world changes in
+        place runs the next world's coordinator beside the old one for a moment."""
+        self._zap = self._ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(ZAP_ENDPOINT)  # before any CURVE socket of this context binds
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        keymod.serve(self._sock, keys)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         try:
             self._sock.bind(bind)
         except zmq.ZMQError:
-            self._sock.close(linger=0)  # the address is taken: leave no socket behind
+            self._close_sockets()  # the address is taken: leave no socket behind
             raise
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._accepted: dict[int, str] = {}
+        """A connection's file descriptor -> its peer's address, until it is gone."""
+        self._failing = 0
+        """Handshakes failed whose connection's end (which names the peer) is still to come."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
         self._thread.start()
@@ -431,12 +493,26 @@ class CoordinatorThread:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._sock.close(linger=0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._sock.disable_monitor()
+        for sock in (self._monitor, self._sock, self._zap):
+            sock.close(linger=0)
+        self._ctx.term()
 
     def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self._sock, self._zap, self._monitor):
+            poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
+            ready = dict(poller.poll(100))
+            if self._zap in ready:
+                self._authenticate()
+            if self._monitor in ready:
+                self._watch()
+            if not ready.keys() - {self._zap, self._monitor}:
+                continue  # nothing on the ROUTER (a test may wrap `_sock`: not compared itself)
             try:
                 peer, frame = self._sock.recv_multipart(zmq.NOBLOCK)
             except (zmq.Again, ValueError):
@@ -446,6 +522,41 @@ class CoordinatorThread:
             except errors.ProtocolError as exc:
                 log.warning("coordinator: bad message from %r: %s", peer, exc)
                 self._send([Out(peer, Error(code="protocol", message=str(exc), fatal=False))])
+
+    def _authenticate(self) -> None:
+        """Answer a ZAP request: only the job's own key is admitted (trainer_client.keys)."""
+        try:
+            request = self._zap.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        reply, admitted, peer = keymod.zap_answer(request, self._keys)
+        self._zap.send_multipart(reply)
+        if not admitted:
+            self._reject(peer, "its CURVE key is not the job's")
+
+    def _watch(self) -> None:
+        """Handshakes that failed before ZAP (no CURVE at all, or the wrong server key)."""
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, value = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self._accepted[value] = peer_of(value)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                peer = self._accepted.pop(value, UNKNOWN_PEER)
+                if self._failing:  # a failed handshake is followed by its connection's end
+                    self._failing -= 1
+                    self._reject(peer, "it did not complete a CURVE handshake with the job's key")
+            else:
+                self._failing += 1
+
+    def _reject(self, peer: str, why: str) -> None:
+        self.rejected += 1
+        line = self._rejections.note(peer, why, time.monotonic())
+        if line:
+            log.warning("coordinator: %s", line)
 
     def _handle(self, peer: bytes, message: messages.Message) -> list[Out]:
         c = self.coordinator
@@ -521,7 +632,7 @@ class Member:
     known); afterwards the serving loop polls `socket` and calls `receive`.
     """
 
-    def __init__(self, address: str, replica: int, instance: str,
+    def __init__(self, address: str, replica: int, instance: str, *, keys: Keypair,
                  context: zmq.Context[Any] | None = None) -> None:
         self.address = address
         self.replica = replica
@@ -532,6 +643,7 @@ class Member:
         self.socket.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.RECONNECT_IVL, messages.RECONNECT_IVL_MS)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, messages.RECONNECT_IVL_MAX_MS)
+        keymod.connect_as(self.socket, keys)
         self.socket.connect(address)
         self.published = -1
         self.commitment: tuple[int, str, int] = (-1, "", 0)

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from splitfeed.trainer_client import contract, errors, membership, specs, stalls, worlds
+from splitfeed.trainer_client import contract, errors, keys, membership, specs, stalls, worlds
 
 from . import forkserver, metrics
 
@@ -197,6 +197,8 @@ class World:
     ports: tuple[int, int] | None = None
     """In place: the even worlds' (rendezvous, coordinator) ports; odd worlds use them + stride."""
     socket_dirs: list[Path] = dataclasses.field(default_factory=list)
+    keypair: keys.Keypair | None = None
+    """The run's CURVE keypair (run_keys), for this launcher's own requests to the coordinator."""
 
     def stop(self) -> None:
         for p in self.trainers + self.sidecars:
@@ -273,6 +275,17 @@ AGENT = [*SIDECAR_MODULE, "run", "--"]
 """`splitfeed run --`: what an in-place job's trainer container runs (trainer_client.agent)."""
 
 
+def keys_dir(work: Path) -> Path:
+    """Where a run keeps its own CURVE keypair (trainer_client.keys), inside its 0700 work dir."""
+    return work / "keys"
+
+
+def run_keys(work: Path) -> keys.Keypair:
+    """A fresh keypair for this run, as the operator makes one per StreamingJob: its sidecars,
+    trainers and this launcher hold it, and nothing else on the machine can drive the world."""
+    return keys.create(keys_dir(work))
+
+
 def _socket_dir(work: Path, epoch: int, replica: int) -> Path:
     """Replica `replica`'s socket directory in world `epoch` (its pod's emptyDir)."""
     return work / f"w{epoch}-replica-{replica}"
@@ -293,13 +306,15 @@ def start_trainers(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, 
     `ports`: an in-place run, its trainers under the agent; `replicas` (into `into`): only
     those, the new pods of an in-place scale-up."""
     world = into or new_world(job, epoch, ports)
+    world.keypair = world.keypair or keys.load(keys_dir(work))
     master_port = world.master_port
     for replica in replicas if replicas is not None else range(job.replicas):
         socket_dir = _socket_dir(work, epoch, replica)
-        socket_dir.mkdir()
+        socket_dir.mkdir(mode=0o700)  # owner-only, like the run's work dir (docs/security.md)
         world.socket_dirs.append(socket_dir)
         for local_rank in range(job.gpus_per_replica):
             env = rank_env(job, replica, local_rank, socket_dir, master_port, epoch)
+            env[contract.KEYS_DIR_ENV] = str(keys_dir(work))  # a stand-in's ask (trainer_client.stranded)
             stats = _stats_file(work, epoch, env[contract.RANK])
             # Under the agent the client fills in the world it serves (trainer_client.counters).
             env[contract.STATS_FILE_ENV] = str(_stats_file(work, "{world}", env[contract.RANK])
@@ -325,6 +340,7 @@ def start_sidecars(world: World, work: Path, logs: Path, *, resume: str, resume_
         env.update(contract.sidecar_env(coordinator=world.coordinator, job_uid=LOCAL_JOB_UID,
                                         resume_step=resume_step, resume=resume))
         env[metrics.METRICS_PORT_ENV] = metrics.local_port(os.environ, replica)
+        env[contract.KEYS_DIR_ENV] = str(keys_dir(work))
         report = work / f"w{epoch}-report-{replica}.json"
         sidecar_argv = [*SIDECAR_MODULE, "sidecar", "--config", str(config), "--termination-log", str(report)]
         if storage_options_dir is not None:
@@ -407,6 +423,7 @@ def run(job: specs.JobSpec, *, command: list[str] | None, resume: str,
                               streaming=bool(job.data.transform) or job.data.pack_sequences is not None)
     launch = Launch(argv, work, logs, resume, storage_options_dir, forks, in_place)
     try:
+        run_keys(work)
         history.append(start_world(job, first_world_epoch(job, storage_options_dir), argv, work, logs,
                                    resume=resume, resume_step=None, storage_options_dir=storage_options_dir,
                                    forks=forks, in_place=in_place))
@@ -549,7 +566,7 @@ def _request_rescale(world: World, *, timeout_s: float, not_before: int = 0, rep
     """Ask `world`'s coordinator to drain for its rescale (worlds.request_drain, under the one
     token); its answer, or None while it does not answer yet."""
     return worlds.request_drain(world.coordinator, _rescale_token(world), "rescale", timeout_s=timeout_s,
-                                not_before=not_before, replicas=replicas)
+                                not_before=not_before, replicas=replicas, keys=world.keypair)
 
 
 def _ask_ahead(world: World, plan: list[tuple[int, int]], display: Progress) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client import contract, errors, membership, messages, specs, stranded
+from splitfeed.trainer_client import contract, errors, keys, membership, messages, specs, stranded
 
 from . import (agreement, cgroups, checkpoints, commitments, ending, identity, metrics, planner, plans, positions,
                reading, serving, workers)
@@ -67,6 +67,8 @@ class SidecarSettings:
     after_loss: bool = False
     """This world follows in place one that lost member pods (no drain): trainers still in an
     earlier world are stopped (membership.World.after_loss)."""
+    keys_dir: Path | None = None
+    """The job's CURVE keypair (SPLITFEED_KEYS_DIR): without it no coordinator or member starts."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SidecarSettings:
@@ -86,6 +88,7 @@ class SidecarSettings:
             "metrics_port": metrics.metrics_port(env) or None,
             "master_addr": env.get(contract.MASTER_ADDR) or None,
             "master_port": int(env[contract.MASTER_PORT_ENV]) if env.get(contract.MASTER_PORT_ENV) else None,
+            "keys_dir": Path(env[contract.KEYS_DIR_ENV]) if env.get(contract.KEYS_DIR_ENV) else None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -455,6 +458,8 @@ class _Opening:
     resume_state: dict[str, Any] | None = None
     builder: planner.Planner | None = None
     plan: plans.Source | None = None
+    keypair: keys.Keypair | None = None
+    """The job's CURVE keypair, for the coordinator (replica 0) and the member alike."""
 
     @property
     def total_steps(self) -> int:
@@ -516,6 +521,7 @@ def _committed_ranks(store: checkpoints.Store, settings: SidecarSettings, step: 
 
 def _open_world(o: _Opening, instance: str) -> None:
     o.job = load_job(o.settings)
+    o.keypair = job_keys(o.settings)
     bind, address = coordinator_addresses(o.settings)
     replica = replica_of(o.settings)
     if replica == 0:
@@ -531,6 +537,13 @@ def _open_world(o: _Opening, instance: str) -> None:
     o.resume_state = check_resume_step(o.data, o.stores, o.start_step, o.steps_per_epoch, o.expect)
     if reading.reads_plans(o.data):
         _start_plans(o, builds=replica == 0 or not o.stores)  # the world's builder, or a sidecar on its own
+
+
+def job_keys(settings: SidecarSettings) -> keys.Keypair:
+    """The job's keypair; no sidecar talks to its world unauthenticated (a UserError naming
+    SPLITFEED_KEYS_DIR instead)."""
+    where = {contract.KEYS_DIR_ENV: str(settings.keys_dir)} if settings.keys_dir else {}
+    return keys.from_env(where, who="the sidecar (its world's coordinator or a member of it)")
 
 
 def _start_coordinator(o: _Opening, bind: str) -> str:
@@ -549,12 +562,13 @@ def _start_coordinator(o: _Opening, bind: str) -> str:
     watermark = (agreement.Watermark(ranks=o.settings.world_size, steps_per_epoch=o.steps_per_epoch)
                  if o.data.drops_rows else None)
     before = o.carried.coordinator if o.carried is not None else None
+    assert o.keypair is not None
     o.coordinator = agreement.CoordinatorThread(
         agreement.Coordinator(replicas=replicas_of(o.settings), total_steps=o.total_steps,
                               resume_step=resume_step, table_version=int(o.data.version),
                               watermark=watermark, world_epoch=o.settings.world_epoch,
                               stood_in=before.stand_ins.replicas_at(resume_step) if before else ()),
-        bind, stand_in=_standing_in(o), world_size=o.settings.world_size)
+        bind, keys=o.keypair, stand_in=_standing_in(o), world_size=o.settings.world_size)
     if o.carried is not None and o.carried.coordinator is not None:
         o.carried.coordinator.close()  # the world before: every member committed its drain step
         o.carried.coordinator = None
@@ -563,7 +577,8 @@ def _start_coordinator(o: _Opening, bind: str) -> str:
 
 def _join(o: _Opening, address: str, replica: int, instance: str) -> None:
     """Join the world's coordinator: its resume step, table version and size win."""
-    o.member = agreement.Member(address, replica, instance)
+    assert o.keypair is not None
+    o.member = agreement.Member(address, replica, instance, keys=o.keypair)
     kept = commitments.load(o.settings.socket_dir, o.settings.world_epoch)
     if kept is not None:  # this pod's sidecar restarted during a drain it had committed to
         log.info("rejoining world %d committed to drain step %d", o.settings.world_epoch, kept[0])
@@ -634,7 +649,8 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
     settings, data, job, stores = o.settings, o.data, o.job, o.stores
     observed = metrics.SidecarMetrics(metrics.Labels(
         job=job.name if job else "", namespace=job.namespace if job else "",
-        world=settings.world_epoch, replica=replica_of(settings)))
+        world=settings.world_epoch, replica=replica_of(settings)),
+        rejected=lambda: o.coordinator.rejected if o.coordinator is not None else None)
     ledgers = SkipLedgers(data, o.steps_per_epoch, o.start_step, o.resume_state)
 
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]

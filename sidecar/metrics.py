@@ -152,10 +152,31 @@ class _Current(Collector):
         return iter(self.registry.collect())
 
 
+class RejectedCollector(Collector):
+    """splitfeed_coordinator_rejected_total: peers the world's coordinator turned away (no CURVE,
+    or not the job's key; agreement.CoordinatorThread counts them). Replica 0's sidecar only."""
+
+    def __init__(self, rejected: Callable[[], int | None], labels: Labels) -> None:
+        self._rejected = rejected
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        count = self._rejected()
+        if count is None:
+            return
+        family = CounterMetricFamily(
+            "splitfeed_coordinator_rejected",
+            "Connections the world's coordinator rejected: the peer did not hold the job's CURVE key.",
+            labels=LABELS)
+        family.add_metric(self._labels.values(), count)
+        yield family
+
+
 class SidecarMetrics:
     """One sidecar's registry: the ring collector plus what the sidecar times itself."""
 
-    def __init__(self, labels: Labels, feeds: Callable[[], Iterable[Any]] = list) -> None:
+    def __init__(self, labels: Labels, feeds: Callable[[], Iterable[Any]] = list,
+                 rejected: Callable[[], int | None] = lambda: None) -> None:
         self.labels = labels
         self.feeds = feeds
         """The serving RankFeeds (set once the server exists)."""
@@ -163,6 +184,7 @@ class SidecarMetrics:
         """The port /metrics is served on, once `serve` bound one."""
         self.registry = CollectorRegistry()
         self.registry.register(RingCollector(lambda: self.feeds(), labels))
+        self.registry.register(RejectedCollector(rejected, labels))
         self._current = _Current(self.registry)
         self.read_seconds = Histogram(
             "splitfeed_read_seconds", "Time the reader took to produce one batch (table reads and ordering).",

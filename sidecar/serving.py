@@ -407,8 +407,9 @@ def served_out(directory: Path) -> set[int]:
 
 
 def sweep(directory: Path) -> None:
-    """Remove ring files and sockets a crashed sidecar left behind."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Remove ring files and sockets a crashed sidecar left behind. A directory it makes is the
+    owner's alone (a pod's emptyDir is the kubelet's, and private to the pod)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     for path in directory.iterdir():
         if path.name.startswith(("ctl-", "slot-")) or path.name == messages.SOCKET_NAME:
             try:

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import guards
+from splitfeed.trainer_client import contract
+from tests.support import guards, keys
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -16,6 +17,18 @@ def session_shared_memory() -> Iterator[None]:
     guards.session_shm()
     yield
     guards.remove_session_shm()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The job keypair every coordinator and client of this session uses (tests.support.keys)."""
+    saved = os.environ.get(contract.KEYS_DIR_ENV)
+    keys.install(tmp_path_factory.mktemp("keys"))
+    yield
+    if saved is None:
+        os.environ.pop(contract.KEYS_DIR_ENV, None)
+    else:
+        os.environ[contract.KEYS_DIR_ENV] = saved
 
 
 class _WiderFixtures:

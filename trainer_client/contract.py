@@ -46,7 +46,9 @@ VOLUME_SHM = "splitfeed-shm"
 VOLUME_CONFIG = "splitfeed-config"
 VOLUME_PODINFO = "splitfeed-podinfo"
 VOLUME_STORAGE = "splitfeed-storage"
-RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE)
+VOLUME_KEYS = "splitfeed-keys"
+"""The job's CURVE keypair Secret, mounted read-only at KEYS_DIR in the sidecar and trainer only."""
+RESERVED_VOLUMES = (VOLUME_SHM, VOLUME_CONFIG, VOLUME_PODINFO, VOLUME_STORAGE, VOLUME_KEYS)
 VOLUME_TRANSFORMS = "splitfeed-transforms"
 """A volume of this name in the trainer template (a ConfigMap of small transform modules,
 say) is mounted read-only into the sidecar at TRANSFORMS_DIR, which is put on its
@@ -63,6 +65,10 @@ PODINFO_LABELS = "labels"
 STORAGE_DIR = "/etc/splitfeed/storage"
 TRANSFORMS_DIR = "/etc/splitfeed/transforms"
 TERMINATION_LOG = "/dev/termination-log"
+KEYS_DIR = "/etc/splitfeed/keys"
+"""Where a pod's sidecar and trainers find the job's keypair (the job's Secret, read-only)."""
+KEY_PUBLIC, KEY_SECRET = "public.key", "secret.key"
+"""The keypair's two files (and the job Secret's two keys): Z85 text, 40 characters each."""
 MASTER_PORT = 29500
 """torch.distributed's rendezvous on replica 0."""
 COORDINATOR_PORT = 29501
@@ -90,6 +96,9 @@ STATS_FILE_ENV = "SPLITFEED_STATS_FILE"
 METRICS_PORT_ENV = "SPLITFEED_METRICS_PORT"
 """Where the sidecar serves Prometheus /metrics (docs/observability.md); 0: off."""
 """Only `splitfeed local` sets it: where a trainer's client writes its StatsRecord."""
+KEYS_DIR_ENV = "SPLITFEED_KEYS_DIR"
+"""A directory holding the job's CURVE keypair (trainer_client.keys): every socket to the
+world's coordinator is encrypted and admitted with it (docs/security.md)."""
 
 LOCAL_JOB_UID = "local"
 """SPLITFEED_JOB_UID in `splitfeed local`: runs of one job file resume each other."""

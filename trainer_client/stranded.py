@@ -42,8 +42,8 @@ def hold(directory: Path, timeout_s: float = 5.0) -> int | None:
     descriptor, which the caller keeps open (closing it drops the lock). None when another
     process still holds it after `timeout_s` (a predecessor still exiting): trainers then see
     that one's lock, and nothing changes for them."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(directory) / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    Path(directory).mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(Path(directory) / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

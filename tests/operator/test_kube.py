@@ -29,6 +29,7 @@ import kubernetes
 import pytest
 
 from splitfeed.operator import configs, handlers, kube, leader, planning, reconciling, rescaling
+from splitfeed.trainer_client import keys
 from tests.support.builders import manifest
 from tests.support.waiting import until
 
@@ -391,6 +392,13 @@ class FakeKube:
         self.refuse: tuple[int, str, str] | None = None
         self.before_patch: Any = None
         self.patches: list[dict[str, Any]] = []
+        self.keypair: Any = None
+
+    async def job_keys(self, namespace: str, owner: planning.Owner, *, create: bool = False) -> Any:
+        """The job's keypair Secret (kube.Kube.job_keys), made on the first pod's creation."""
+        if create and self.keypair is None:
+            self.keypair = keys.generate()
+        return self.keypair
 
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.body)

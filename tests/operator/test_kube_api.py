@@ -451,3 +451,49 @@ def test_a_standby_operator_is_live_and_does_not_act_while_another_holds_the_lea
     finally:
         processes.stop(proc)
     assert coordination.read_namespaced_lease("splitfeed-operator", NS).spec.holder_identity == holder
+
+
+def test_each_job_gets_its_own_keypair_secret_mounted_into_its_sidecar_and_trainer_only(env: Env) -> None:
+    """The job's CURVE keypair (trainer_client.keys): an immutable Secret the job owns, mounted
+    read-only where SPLITFEED_KEYS_DIR says in the sidecar and the trainer, in no other container;
+    a job deleted and created again gets a new keypair, and the old Secret goes with the old job."""
+    from splitfeed.operator import planning
+    from splitfeed.trainer_client import contract, keys
+
+    m = job_manifest("kappa", replicas=1)
+    m["spec"]["trainer"]["template"]["spec"]["containers"].append(
+        {"name": "helper", "image": "busybox", "command": ["sleep", "1000"]})
+    env.apply(m)
+    pods = wait_for_api(lambda: len(env.pods("kappa")) == 1 and env.pods("kappa"), 30, "1 pod")
+    uid = env.job("kappa")["metadata"]["uid"]
+    secret = env.api.sanitize_for_serialization(
+        env.core.read_namespaced_secret(planning.keys_secret_name("kappa", uid), NS))
+    assert secret["immutable"] is True
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+    first = planning.keypair_of(secret)
+    assert keys.parse(first.public, first.secret, "the Secret") == first
+    pod = env.api.sanitize_for_serialization(pods["kappa-w0-0"])
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == contract.VOLUME_KEYS)
+    assert volume["secret"] == {"secretName": secret["metadata"]["name"], "defaultMode": 0o440}
+    for c in pod["spec"]["containers"]:
+        mounts = [m for m in c.get("volumeMounts") or [] if m["name"] == contract.VOLUME_KEYS]
+        env_of = {e["name"]: e.get("value") for e in c.get("env") or []}
+        if c["name"] in ("trainer", "splitfeed-sidecar"):
+            assert mounts == [{"name": contract.VOLUME_KEYS, "mountPath": contract.KEYS_DIR, "readOnly": True}]
+            assert env_of[contract.KEYS_DIR_ENV] == contract.KEYS_DIR
+        else:
+            assert mounts == [] and contract.KEYS_DIR_ENV not in env_of, c["name"]
+
+    env.cp.kubectl("delete", "streamingjob", "kappa", "--wait=true", "--timeout=60s")
+    env.apply(m)
+    wait_for_api(lambda: env.job("kappa")["metadata"]["uid"] != uid, 30, "the job created again")
+    again = env.job("kappa")["metadata"]["uid"]
+    renewed = wait_for_api(lambda: env.core.read_namespaced_secret(planning.keys_secret_name("kappa", again), NS),
+                           30, "the new job's keypair")
+    assert planning.keypair_of(env.api.sanitize_for_serialization(renewed)).public != first.public
+
+    def old_gone() -> bool:
+        names = {s.metadata.name for s in env.core.list_namespaced_secret(NS).items}
+        return planning.keys_secret_name("kappa", uid) not in names
+    wait_for_api(old_gone, 60, "the old job's keypair removed by the garbage collector")
+    env.cp.kubectl("delete", "streamingjob", "kappa", "--wait=true", "--timeout=60s")

@@ -143,9 +143,16 @@ def test_volumes_and_mounts_follow_the_contract():
     c = containers(pod)
     mounts = {m["name"]: m["mountPath"] for m in c["splitfeed-sidecar"]["volumeMounts"]}
     assert mounts == {"splitfeed-shm": "/var/run/splitfeed", "splitfeed-config": "/etc/splitfeed/config",
-                      "splitfeed-podinfo": "/etc/splitfeed/podinfo", "splitfeed-storage": "/etc/splitfeed/storage"}
+                      "splitfeed-podinfo": "/etc/splitfeed/podinfo", "splitfeed-storage": "/etc/splitfeed/storage",
+                      "splitfeed-keys": "/etc/splitfeed/keys"}
     assert {m["name"]: m["mountPath"] for m in c["trainer"]["volumeMounts"]} == {
-        "splitfeed-shm": "/var/run/splitfeed"}
+        "splitfeed-shm": "/var/run/splitfeed", "splitfeed-keys": "/etc/splitfeed/keys"}
+    # The job's keypair (its Secret has the job's UID in its name), read-only, and named in both.
+    assert vols["splitfeed-keys"]["secret"] == {"secretName": planning.keys_secret_name("resnet", OWNER.uid),
+                                                "defaultMode": 0o440}
+    for name in ("splitfeed-sidecar", "trainer"):
+        assert [m.get("readOnly") for m in c[name]["volumeMounts"] if m["name"] == "splitfeed-keys"] == [True]
+        assert {e["name"]: e.get("value") for e in c[name]["env"]}["SPLITFEED_KEYS_DIR"] == "/etc/splitfeed/keys"
 
 
 def test_the_sidecar_gets_the_trainer_mounts_that_hold_a_local_table_or_checkpoint_dir():

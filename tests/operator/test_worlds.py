@@ -13,18 +13,21 @@ import pytest
 import zmq
 
 from splitfeed.operator import lifecycle, reconciling, views
-from splitfeed.trainer_client import worlds
+from splitfeed.trainer_client import keys, worlds
 from splitfeed.trainer_client import messages
+from tests.support.keys import session_keypair
 from tests.support.waiting import wait_for
 
 
 class Router:
-    """A stand-in coordinator: a ROUTER that records requests and answers drain_ack (or nothing)."""
+    """A stand-in coordinator: a ROUTER that records requests and answers drain_ack (or nothing);
+    a CURVE server with the session's job keypair, as a coordinator is."""
 
     def __init__(self, answer: str | None = "freezing", reply: bytes | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        keys.serve(self.sock, session_keypair())
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         self.answer, self.reply = answer, reply
@@ -130,6 +133,9 @@ class RecordingKube:
     async def delete_pod(self, namespace: str, name: str) -> bool:
         self.calls.append(f"delete {name}")
         return True
+
+    async def job_keys(self, namespace: str, owner: Any, *, create: bool = False) -> keys.Keypair:
+        return session_keypair()  # the job's Secret (tests/operator/test_kube_api.py reads a real one)
 
 
 def test_the_reconciler_sends_a_decisions_notify_after_its_status_and_annotations(router):

@@ -22,7 +22,7 @@ import pytest
 
 from splitfeed.sidecar import main as sidecar_main, reading
 from splitfeed.trainer_client import specs
-from tests.support import guards, manifests, ports, tables
+from tests.support import guards, keys, manifests, ports, tables
 
 ROWS = 1000
 JOB_UID = "0b5e55ed-0000-4000-8000-000000000001"
@@ -68,7 +68,8 @@ class Pod:
         self.env = {"RANK": str(replica * gpus), "WORLD_SIZE": str(replicas * gpus),
                     "LOCAL_WORLD_SIZE": str(gpus), "SPLITFEED_SOCKET_DIR": str(self.socket_dir),
                     "SPLITFEED_RESUME": resume, "NODE_RANK": str(replica),
-                    "SPLITFEED_JOB_UID": job_uid, "SPLITFEED_WORLD_EPOCH": str(world_epoch)}
+                    "SPLITFEED_JOB_UID": job_uid, "SPLITFEED_WORLD_EPOCH": str(world_epoch),
+                    "SPLITFEED_KEYS_DIR": str(keys.session_dir())}
         if coordinator:
             self.env["SPLITFEED_COORDINATOR"] = coordinator
         if resume_step is not None:
@@ -77,7 +78,7 @@ class Pod:
             config=self.config, socket_dir=self.socket_dir, rank=replica * gpus,
             world_size=replicas * gpus, local_world_size=gpus, resume=resume, replica=replica,
             coordinator=coordinator, resume_step=resume_step, job_uid=job_uid, world_epoch=world_epoch,
-            podinfo_dir=self.podinfo, termination_log=self.termination_log)
+            podinfo_dir=self.podinfo, termination_log=self.termination_log, keys_dir=keys.session_dir())
         self._thread: threading.Thread | None = None
         self._sidecar: sidecar_main.Sidecar | None = None
         self.exit_code: int | None = None

@@ -24,6 +24,7 @@ from splitfeed.trainer_client.client import StreamClient
 from splitfeed.trainer_client.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
+from tests.support.keys import session_keypair
 from tests.support.skipping import G, expected_steps, job, lancedb_ids, lockstep
 from tests.support.waiting import wait_for
 
@@ -43,7 +44,7 @@ def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported
     def coordinator() -> agreement.CoordinatorThread:
         return agreement.CoordinatorThread(agreement.Coordinator(
             replicas=1, total_steps=40, resume_step=0,
-            watermark=agreement.Watermark(ranks=2, steps_per_epoch=20)), address)
+            watermark=agreement.Watermark(ranks=2, steps_per_epoch=20)), address, keys=session_keypair())
 
     def rebound() -> agreement.CoordinatorThread | None:
         try:
@@ -58,7 +59,7 @@ def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported
         return c.coordinator.watermark.through, dict(c.coordinator.watermark.ends)
 
     first = coordinator()
-    member = agreement.Member(address, 0, "m")
+    member = agreement.Member(address, 0, "m", keys=session_keypair())
     try:
         member.join(published=-1, timeout_s=10)
         member.report_reach({0: (8, {0: 17}), 1: (6, {})})
@@ -113,10 +114,10 @@ def test_every_other_member_holds_an_agreed_before_the_coordinators_own_member_d
     address = coordinator_address()
     thread = agreement.CoordinatorThread(agreement.Coordinator(
         replicas=3, total_steps=40, resume_step=0,
-        watermark=agreement.Watermark(ranks=3, steps_per_epoch=20)), address)
+        watermark=agreement.Watermark(ranks=3, steps_per_epoch=20)), address, keys=session_keypair())
     dying = KilledOnceItsOwnMemberIsTold(thread._sock, lambda: thread.coordinator.members.get(0))
     thread._sock = dying  # type: ignore[assignment]
-    members = [agreement.Member(address, replica, f"m{replica}") for replica in range(3)]
+    members = [agreement.Member(address, replica, f"m{replica}", keys=session_keypair()) for replica in range(3)]
     told: dict[int, int] = {replica: -1 for replica in range(3)}
 
     def heard(replica: int) -> int:

@@ -32,6 +32,7 @@ from tests.streaming.harness import manifest, pods, reference_batches, socket_ro
 from tests.support.tables import check_exact
 from tests.support import exactness, ports, processes
 from tests.support.waiting import wait_for
+from tests.support.keys import session_keypair
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -140,7 +141,8 @@ def test_the_coordinator_writes_what_it_accepts_and_refuses_the_rest_with_its_re
         written.append(request)
         return f"store/step-{request.step}/rank-{request.rank}"
 
-    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), stand_in=write, world_size=2)
+    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), keys=session_keypair(),
+                                       stand_in=write, world_size=2)
     try:
         ask = messages.StandIn(rank=1, world_size=2, world_epoch=0, step=8)
         with pytest.raises(CheckpointError, match="step 7 is not world 0's drain step 8"):

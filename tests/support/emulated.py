@@ -35,7 +35,8 @@ async def cluster(kmock: Any) -> AsyncIterator[Any]:
     kmock.resources["v1/events"] = {"namespaced": True, "kind": "Event"}
     kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = {"namespaced": False, "kind": "ClusterKopfPeering"}
     kmock.resources["kopf.dev/v1/kopfpeerings"] = {"namespaced": True, "kind": "KopfPeering"}
-    for plural, kind in [("pods", "Pod"), ("services", "Service"), ("configmaps", "ConfigMap")]:
+    for plural, kind in [("pods", "Pod"), ("services", "Service"), ("configmaps", "ConfigMap"),
+                         ("secrets", "Secret")]:
         kmock.resources[f"v1/{plural}"] = {"namespaced": True, "kind": kind}
     kmock.resources["policy/v1/poddisruptionbudgets"] = {"namespaced": True, "kind": "PodDisruptionBudget"}
     kmock.resources[JOBS] = {"namespaced": True, "kind": "StreamingJob", "singular": "streamingjob",

@@ -1,0 +1,130 @@
+"""The world's coordinator answers only the job: CURVE with the job's keypair (trainer_client.keys).
+
+Real ZeroMQ sockets on TCP, no data. A peer with no key, and one with a keypair of its own,
+send well-formed requests; neither gets an answer or changes the coordinator, each is counted
+(splitfeed_coordinator_rejected_total) and logged, and the job's own key still works.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import zmq
+from prometheus_client import generate_latest
+
+from splitfeed.sidecar import agreement, main as sidecar_main, metrics
+from splitfeed.trainer_client import contract, errors, keys, messages, worlds
+from tests.support import ports
+from tests.support.keys import session_keypair
+from tests.support.waiting import wait_for
+
+NO_ANSWER_S = 1.0
+"""How long a rejected request waits: a coordinator that answers does so in milliseconds."""
+
+
+def forged_ask(address: str, request: messages.Message, server_key: bytes | None = None) -> bytes | None:
+    """A DEALER that any process able to reach the port could open: no CURVE at all, or (with
+    `server_key`, the job's public key, which is no secret) a CURVE client with a keypair of its own."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if server_key is not None:
+            sock.curve_serverkey = server_key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(address)
+        sock.send(request.encode())
+        return sock.recv() if sock.poll(int(NO_ANSWER_S * 1000)) else None
+    finally:
+        sock.close(linger=0)
+
+
+def rejected_series(thread: agreement.CoordinatorThread) -> float:
+    """splitfeed_coordinator_rejected_total as /metrics serves it."""
+    observed = metrics.SidecarMetrics(metrics.Labels(job="j", namespace="ns", world=0, replica=0),
+                                      rejected=lambda: thread.rejected)
+    for line in generate_latest(observed.registry).decode().splitlines():
+        if line.startswith("splitfeed_coordinator_rejected_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no splitfeed_coordinator_rejected_total series")
+
+
+def test_only_the_jobs_keypair_gets_a_drain_request_through(caplog: pytest.LogCaptureFixture) -> None:
+    job_keys = session_keypair()
+    coordinator = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
+    coordinator.on_join(b"m0", 0)
+    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), keys=job_keys)
+    caplog.set_level(logging.WARNING, logger="splitfeed.sidecar.agreement")
+    try:
+        forged = messages.DrainRequest(token="forged", reason="rescale", replicas=1)
+        assert forged_ask(thread.address, forged, server_key=job_keys.public) is None
+        assert "rejected a peer at 127.0.0.1: its CURVE key is not the job's" in caplog.text
+        assert forged_ask(thread.address, forged) is None
+        lost = messages.DrainRequest(token="forged-lost", reason="replace", replicas=1, lost=[1])
+        assert forged_ask(thread.address, lost, server_key=job_keys.public) is None
+        assert forged_ask(thread.address, lost) is None
+        assert worlds.request_drain(thread.address, "forged-2", "rescale", timeout_s=NO_ANSWER_S, replicas=1,
+                                    keys=keys.generate()) is None  # another job's keypair
+        assert coordinator.tokens == set() and coordinator.phase == agreement.IDLE
+        assert coordinator.next_replicas == 0 and coordinator.lost is None
+        wait_for(lambda: thread.rejected >= 5, 10, "the coordinator to count the rejected peers")
+        assert rejected_series(thread) == thread.rejected
+
+        assert worlds.request_drain(thread.address, "rescale-w0", "rescale", timeout_s=5,
+                                    keys=job_keys) == agreement.WAITING_FOR_MEMBERS
+        assert coordinator.tokens == {"rescale-w0"}
+    finally:
+        thread.close()
+
+
+def test_a_member_with_another_keypair_never_joins() -> None:
+    """A forged member: its `join` would make it count in every drain."""
+    coordinator = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
+    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), keys=session_keypair())
+    member = agreement.Member(thread.address, 1, "forged", keys=keys.generate())  # another job's keypair
+    try:
+        with pytest.raises(errors.UserError, match="no coordinator answered"):
+            member.join(published=-1, timeout_s=1)
+        assert coordinator.members == {}
+        assert thread.rejected >= 1
+    finally:
+        member.close()
+        thread.close()
+
+
+def test_rejections_are_logged_at_most_once_a_minute() -> None:
+    seen = agreement.Rejections()
+    assert seen.note("10.0.0.9:4000", "no key", now=100.0) == (
+        "rejected a peer at 10.0.0.9:4000: no key; its messages are dropped")
+    assert seen.note("10.0.0.9:4001", "no key", now=130.0) is None
+    line = seen.note("10.0.0.7:4002", "no key", now=161.0)
+    assert line is not None and "10.0.0.7:4002" in line and "2 rejections since the last such line" in line
+
+
+def test_no_coordinator_or_request_without_the_jobs_keypair(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """No insecure default: a sidecar or a request without SPLITFEED_KEYS_DIR is refused by name."""
+    settings = sidecar_main.SidecarSettings(config=tmp_path / "c.json", socket_dir=tmp_path)
+    with pytest.raises(errors.UserError, match=contract.KEYS_DIR_ENV):
+        sidecar_main.job_keys(settings)
+    monkeypatch.delenv(contract.KEYS_DIR_ENV)
+    with pytest.raises(errors.UserError, match=f"{contract.KEYS_DIR_ENV} is not set"):
+        worlds.request_drain("tcp://127.0.0.1:1", "rescale-w0", "rescale")
+    (tmp_path / "keys").mkdir()
+    with pytest.raises(errors.UserError, match="cannot read the job's keypair"):
+        keys.load(tmp_path / "keys")
+    other = keys.generate()
+    keys.write(tmp_path / "keys", keys.Keypair(public=other.public, secret=keys.generate().secret))
+    with pytest.raises(errors.UserError, match="is not the public key of"):
+        keys.load(tmp_path / "keys")
+
+
+def test_a_written_keypair_is_owner_only(tmp_path: Path) -> None:
+    written = keys.create(tmp_path / "keys")
+    assert (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
+    for name in (contract.KEY_PUBLIC, contract.KEY_SECRET):
+        assert (tmp_path / "keys" / name).stat().st_mode & 0o777 == 0o600
+    assert keys.load(tmp_path / "keys") == written
+    assert written.secret.decode() not in repr(written)
