@@ -4,6 +4,7 @@ Lightning and Accelerate take (torch imported only here, on first use)."""
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +41,6 @@ class Handed:
         return steps
 
 
-def _base() -> type:
-    from torch.utils.data import IterableDataset
-
-    return IterableDataset
-
-
 class _Iterable:
     """The dataset's behaviour; `iterable_dataset` mixes it into torch's IterableDataset."""
 
@@ -72,16 +67,18 @@ class _Iterable:
         """Nothing to do: splitfeed's epochs follow from the global step (frameworks call it)."""
 
 
-_classes: dict[str, type] = {}
+@functools.cache
+def _dataset_class() -> type:
+    """_Iterable on torch's IterableDataset, made on first use: torch is imported only then."""
+    from torch.utils.data import IterableDataset
+
+    return type("StreamDataset", (_Iterable, IterableDataset), {})
 
 
 def iterable_dataset(client: StreamClient) -> Any:
     """`client` as a torch IterableDataset: `len()` is the steps left in this world, `set_epoch`
     does nothing, and `handed` knows which step a framework's next "trained" is of."""
-    cls = _classes.get("dataset")
-    if cls is None:
-        cls = _classes["dataset"] = type("StreamDataset", (_Iterable, _base()), {})
-    return cls(client)
+    return _dataset_class()(client)
 
 
 class DataState:
