@@ -8,7 +8,7 @@ import queue
 import time
 from collections.abc import Callable, Collection
 
-from splitfeed.trainer_client import contract, errors, messages, ring
+from splitfeed.trainer_client import contract, errors, messages, ring, topology
 from splitfeed.trainer_client.messages import Bye, Checkpoint, Commit, Drain, Error, Hello, Wake
 
 from .following import Coordination
@@ -91,8 +91,10 @@ class Answers:
     def __init__(self, feeds: list[Feed], send: Callable[[bytes, messages.Message], None],
                  coordination: Coordination, *, instance: str, world_size: int, steps_per_epoch: int,
                  checkpoint: Callable[[int, int], str] | None,
-                 commit: Callable[[int, int], None] | None, earlier: Collection[bytes] = ()) -> None:
+                 commit: Callable[[int, int], None] | None, earlier: Collection[bytes] = (),
+                 groups: topology.Groups = topology.Groups()) -> None:
         self._feeds = feeds
+        self._groups = groups
         self._send = send
         self._world = coordination
         self._instance = instance
@@ -181,7 +183,13 @@ class Answers:
             instance=self._instance, rank=session.rank, world_size=self._world_size, ctl=str(control.path),
             resume_step=session.resume_step, next_step=wanted, total_steps=session.total_steps,
             steps_per_epoch=self._steps_per_epoch,
-            package=messages.package_version() if message.package else ""))
+            package=messages.package_version() if message.package else "", **self._data_parallel(session.rank)))
+
+    def _data_parallel(self, rank: int) -> dict[str, int]:
+        """What a welcome says of model-parallel groups: nothing in a plain job (Welcome.data_rank)."""
+        if self._groups.ranks_per_batch == 1:
+            return {}
+        return {"data_rank": self._groups.rank(rank, self._world_size), "data_size": self._groups.size(self._world_size)}
 
     def _checkpoint_rank(self, feed: Feed, step: int) -> None:
         """Phase one: write the rank's data position for `step` (not yet resumable)."""

@@ -95,19 +95,28 @@ def _plan(args: argparse.Namespace) -> int:
 def _layout_lines(job: specs.JobSpec) -> list[str]:
     """The world, its valid sizes, and each rank's splits and batch: topology math alone."""
     w, data = job.world_size, job.data
+    dp = data.groups.size(w)
+    ranks = "rank" if dp == w else "data-parallel rank"
     lines = [
         f"job {job.name}: {job.replicas} replicas x {job.gpus_per_replica} GPUs = world size {w}",
         f"valid replica counts: {job.allowed_replicas()}",
+    ]
+    if dp != w:
+        lines.append(f"ranksPerBatch {data.ranks_per_batch} (pipelineStages {data.pipeline_stages}): "
+                     f"{dp} data-parallel ranks, each batch taken by {data.ranks_per_batch} ranks")
+    lines += [
         f"numSplits {data.num_splits}, numWorkers {data.num_workers}: "
-        f"{data.num_splits // w} splits per rank, "
-        f"{data.num_splits // (w * data.num_workers)} per worker",
+        f"{data.num_splits // dp} splits per {ranks}, "
+        f"{data.num_splits // (dp * data.num_workers)} per worker",
         f"batch: {data.global_batch_size} rows per global step, "
-        f"{topology.rank_batch_size(data.global_batch_size, w)} per rank, "
+        f"{topology.rank_batch_size(data.global_batch_size, dp)} per {ranks}, "
         f"{topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)} per split",
     ]
     for rank in range(w):
-        splits = topology.rank_splits(rank, w, data.num_splits)
-        lines.append(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}")
+        d = data.groups.rank(rank, w)
+        splits = topology.rank_splits(d, dp, data.num_splits)
+        lines.append(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}"
+                     + (f" (data-parallel rank {d})" if dp != w else ""))
     return lines
 
 

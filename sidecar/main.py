@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client import contract, errors, keys, membership, messages, specs, stranded
+from splitfeed.trainer_client import contract, errors, keys, membership, messages, specs, stranded, topology
 
 from . import (agreement, cgroups, checkpoints, commitments, ending, identity, metrics, planner, plans, positions,
                reading, serving, workers)
@@ -656,9 +656,11 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]
         assert data is not None  # every worker opens the pinned version
         start, state = ledgers.resume_from(rank, first_step)
+        # A model-parallel group's ranks read the same splits: those of their data-parallel rank.
         batches = workers.iter_rank_batches(
-            data, o.storage_options, rank=rank, world_size=settings.world_size, start_global_step=start,
-            resume_state=state, ledger=ledgers.ledger(rank), plan=o.plan)
+            data, o.storage_options, rank=data.groups.rank(rank, settings.world_size),
+            world_size=data.groups.size(settings.world_size),
+            start_global_step=start, resume_state=state, ledger=ledgers.ledger(rank), plan=o.plan)
         return observed.timed_batches(batches if start == first_step else iter_from(batches, first_step))
 
     def on_published(rank: int, step: int) -> None:
@@ -679,7 +681,8 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
         prefetch=job.sidecar.prefetch_batches if job else 1, checkpoint=checkpoint, commit=commit,
         member=o.member if failure is None else None, instance=instance,
         skipping=data is not None and data.drops_rows, on_published=on_published, on_drain=on_drain,
-        earlier=o.carried.trainers if o.carried is not None else ())
+        earlier=o.carried.trainers if o.carried is not None else (),
+        groups=data.groups if data is not None else topology.Groups())
     if failure is not None and o.member is not None:
         o.member.close()
     observed.feeds = lambda: server.feeds

@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from splitfeed.trainer_client import contract, errors, messages, ring
+from splitfeed.trainer_client import contract, errors, messages, ring, topology
 from splitfeed.trainer_client.messages import Error, Hello
 
 from . import agreement
@@ -154,7 +154,8 @@ class Server:
                  skipping: bool = False,
                  on_published: Callable[[int, int], None] | None = None,
                  on_drain: Callable[[int, str, int], None] | None = None,
-                 earlier: Collection[bytes] = ()) -> None:
+                 earlier: Collection[bytes] = (),
+                 groups: topology.Groups = topology.Groups()) -> None:
         self.directory = Path(directory)
         self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
@@ -183,7 +184,7 @@ class Server:
         ]
         self._answers = Answers(self.feeds, self._send, self._coordination, instance=self.instance,
                                 world_size=world_size, steps_per_epoch=steps_per_epoch,
-                                checkpoint=checkpoint, commit=commit, earlier=earlier)
+                                checkpoint=checkpoint, commit=commit, earlier=earlier, groups=groups)
         for i, feed in enumerate(self.feeds):
             if i in served:  # nobody will say hello: finish once the linger for a checkpoint ends
                 log.info("rank %d: its trainer took every batch from this sidecar's predecessor; "

@@ -375,6 +375,11 @@ class StreamClient(adapting.Adapting):
             self.stats.attach(control)
             self._receiver.new_sidecar()
         self.rank, self.world_size, self.resume_step = message.rank, message.world_size, message.resume_step
+        self.dp_rank = message.data_rank if message.data_rank >= 0 else message.rank
+        """Whose splits this rank is served: ranks of one model-parallel group share it
+        (spec.data.ranksPerBatch; the rank itself without one)."""
+        self.dp_size = message.data_size if message.data_size >= 0 else message.world_size
+        """How many different batches each global step is cut into (the world size without groups)."""
         self.steps_per_epoch = self.stats.steps_per_epoch = message.steps_per_epoch
         self.total_steps = self.stats.total_steps = message.total_steps
 

@@ -197,6 +197,11 @@ class Welcome(Message):
     package: str = ""
     """The sidecar's splitfeed version, said only to a trainer whose hello said its own: a
     trainer of before, whose decode refuses a field it does not know, gets the welcome it knows."""
+    data_rank: int = -1
+    """This rank's data-parallel rank, said only where spec.data.ranksPerBatch > 1 (-1: the
+    rank itself), so the welcome of a plain job is the one a trainer of before knows."""
+    data_size: int = -1
+    """The data-parallel size, said with `data_rank` (-1: the world size)."""
 
 
 @_wire("ready")

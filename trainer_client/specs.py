@@ -119,12 +119,24 @@ class DataSpec:
         default=DEFAULT_TRANSFORM_QUEUE_DEPTH, metadata=fields.rule("int", 1, MAX_TRANSFORM_QUEUE_DEPTH))
     """Transformed read batches a split may hold ahead of the step being assembled
     (lancedb's transform_queue_depth): bounds decoded rows in memory while the ring is full."""
+    ranks_per_batch: int = dataclasses.field(default=1, metadata=fields.rule("int", 1))
+    """Ranks that take the same batch: the model-parallel degree (tensor x context x pipeline).
+    Splits follow the data-parallel rank (topology.data_parallel_rank); 1 is plain data
+    parallelism. Not an order field: the global batch of a step does not depend on it."""
+    pipeline_stages: int = dataclasses.field(default=1, metadata=fields.rule("int", 1))
+    """Of ranksPerBatch, the pipeline-parallel degree, laid out outside data parallelism as
+    torchtitan and Megatron-LM order their meshes (README, "Model parallelism"; docs/architecture.md)."""
 
     @property
     def drops_rows(self) -> bool:
         """onTransformError skip/warn on a transform: a row that fails is dropped, so an epoch
         may end early, where the world agrees (docs/preprocessing.md)."""
         return bool(self.transform) and self.on_transform_error in DROPPING
+
+    @property
+    def groups(self) -> topology.Groups:
+        """Which ranks share a batch (README, "Model parallelism"; docs/architecture.md)."""
+        return topology.Groups(self.ranks_per_batch, self.pipeline_stages)
 
     @property
     def transform_kwargs(self) -> dict[str, Any]:
@@ -218,6 +230,7 @@ class JobSpec:
             num_splits=self.data.num_splits,
             num_workers=self.data.num_workers,
             global_batch_size=self.data.global_batch_size,
+            ranks_per_batch=self.data.ranks_per_batch,
         )
 
     def allowed_replicas(self) -> list[int]:
@@ -226,6 +239,7 @@ class JobSpec:
             num_splits=self.data.num_splits,
             num_workers=self.data.num_workers,
             global_batch_size=self.data.global_batch_size,
+            ranks_per_batch=self.data.ranks_per_batch,
         )
 
     def data_config(self) -> dict[str, Any]:
@@ -409,6 +423,7 @@ def parse_job(manifest: Mapping[str, Any], *, check_replicas: bool = True) -> Jo
     job = JobSpec(name=name, namespace=str(metadata.get("namespace") or "default"),
                   **_READER.section("spec", raw_spec, JobSpec))
     _check_checkpoint_uri(job.checkpoint.uri)
+    _check_parallelism(job.data)
     if check_replicas:
         job.check_topology()
     return job
@@ -430,6 +445,13 @@ def _check_checkpoint_uri(uri: str | None) -> None:
             f"must be a local path or s3://bucket/prefix, got {scheme}://: checkpoints are written "
             "through S3 or a mounted volume (an S3-compatible endpoint such as GCS's "
             "https://storage.googleapis.com works as s3:// with storageOptions aws_endpoint)"))
+
+
+def _check_parallelism(data: DataSpec) -> None:
+    if data.ranks_per_batch % data.pipeline_stages:
+        raise SpecError("spec.data.pipelineStages", (
+            f"must divide spec.data.ranksPerBatch={data.ranks_per_batch}, got {data.pipeline_stages}: "
+            "ranksPerBatch counts every rank of a model-parallel group, its pipeline stages included"))
 
 
 def idle_fields(data: DataSpec) -> list[str]:
@@ -473,6 +495,8 @@ def _data_to_wire(data: DataSpec) -> dict[str, Any]:
             continue  # the default: configs of jobs that leave it out stay as they were
         if key == "readAheadBytes" and value == DEFAULT_READ_AHEAD:
             continue
+        if key in ("ranksPerBatch", "pipelineStages") and value == 1:
+            continue  # plain data parallelism: configs of jobs that leave them out stay as they were
         out[key] = value
     return out
 

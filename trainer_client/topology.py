@@ -45,8 +45,14 @@ def violations(
     num_splits: int,
     num_workers: int,
     global_batch_size: int,
+    ranks_per_batch: int = 1,
 ) -> list[Violation]:
-    """Every validity rule the topology breaks (empty when it is valid)."""
+    """Every validity rule the topology breaks (empty when it is valid).
+
+    The rules are about the data-parallel world (docs/architecture.md, "Data-parallel
+    groups"): with `ranks_per_batch` k > 1, each group of k ranks takes one batch, so the
+    splits and the global batch are shared among worldSize / k data-parallel ranks.
+    """
     found: list[Violation] = []
     for name, value in (
         ("replicas", replicas),
@@ -54,21 +60,13 @@ def violations(
         ("numSplits", num_splits),
         ("numWorkers", num_workers),
         ("globalBatchSize", global_batch_size),
+        ("ranksPerBatch", ranks_per_batch),
     ):
         if value < 1:
             found.append(Violation(f"{name} >= 1", f"{name} must be at least 1, got {value}"))
     if found:
         return found
     w = world_size(replicas, gpus_per_replica)
-    if num_splits % (w * num_workers):
-        found.append(
-            Violation(
-                "numSplits % (worldSize * numWorkers) == 0",
-                f"numSplits={num_splits} is not divisible by worldSize*numWorkers="
-                f"{w}*{num_workers}={w * num_workers} (worldSize = replicas*gpusPerReplica"
-                f" = {replicas}*{gpus_per_replica})",
-            )
-        )
     if global_batch_size % num_splits:
         found.append(
             Violation(
@@ -77,11 +75,26 @@ def violations(
                 f"numSplits={num_splits}; pick a multiple of {num_splits}",
             )
         )
-    if global_batch_size % w:
+    if w % ranks_per_batch:  # no whole data-parallel size: its two rules cannot be judged
+        return [Violation(
+            "worldSize % ranksPerBatch == 0",
+            f"worldSize={w} (replicas*gpusPerReplica = {replicas}*{gpus_per_replica}) is not "
+            f"divisible by ranksPerBatch={ranks_per_batch}: every model-parallel group of "
+            f"{ranks_per_batch} ranks must be whole"), *found]
+    dp, name = w // ranks_per_batch, "dataParallelSize" if ranks_per_batch > 1 else "worldSize"
+    spelled = (f" (worldSize / ranksPerBatch = {w}/{ranks_per_batch})" if ranks_per_batch > 1 else
+               f" (worldSize = replicas*gpusPerReplica = {replicas}*{gpus_per_replica})")
+    if num_splits % (dp * num_workers):
+        found.insert(0, Violation(
+            f"numSplits % ({name} * numWorkers) == 0",
+            f"numSplits={num_splits} is not divisible by {name}*numWorkers="
+            f"{dp}*{num_workers}={dp * num_workers}{spelled}",
+        ))
+    if global_batch_size % dp:
         found.append(
             Violation(
-                "globalBatchSize % worldSize == 0",
-                f"globalBatchSize={global_batch_size} is not divisible by worldSize={w}",
+                f"globalBatchSize % {name} == 0",
+                f"globalBatchSize={global_batch_size} is not divisible by {name}={dp}",
             )
         )
     return found
@@ -104,23 +117,27 @@ def divisors(n: int) -> list[int]:
 
 
 def allowed_replicas(
-    *, gpus_per_replica: int, num_splits: int, num_workers: int, global_batch_size: int
+    *, gpus_per_replica: int, num_splits: int, num_workers: int, global_batch_size: int,
+    ranks_per_batch: int = 1,
 ) -> list[int]:
     """Replica counts that satisfy every rule, ascending.
 
-    worldSize * numWorkers = r * gpusPerReplica * numWorkers must divide numSplits,
-    so r divides numSplits / (gpusPerReplica * numWorkers): only the divisors of
-    that number are candidates, found in O(sqrt(numSplits)) steps (a numSplits of
-    2**31 takes milliseconds, not minutes). globalBatchSize % numSplits does not
-    depend on r, and globalBatchSize % (r * gpusPerReplica) filters the rest.
+    The data-parallel size dp = r * gpusPerReplica / ranksPerBatch must be whole and
+    dp * numWorkers must divide numSplits, so dp divides numSplits / numWorkers: only
+    its divisors are candidates, found in O(sqrt(numSplits)) steps (a numSplits of
+    2**31 takes milliseconds, not minutes). Each candidate dp gives r = dp * k / g
+    where that is whole, and globalBatchSize % dp filters the rest.
     """
-    if min(gpus_per_replica, num_splits, num_workers, global_batch_size) < 1:
+    if min(gpus_per_replica, num_splits, num_workers, global_batch_size, ranks_per_batch) < 1:
         return []
-    per_replica = gpus_per_replica * num_workers
-    if num_splits % per_replica or global_batch_size % num_splits:
+    if num_splits % num_workers or global_batch_size % num_splits:
         return []
-    return [r for r in divisors(num_splits // per_replica)
-            if global_batch_size % (r * gpus_per_replica) == 0]
+    found = []
+    for dp in divisors(num_splits // num_workers):
+        ranks = dp * ranks_per_batch
+        if ranks % gpus_per_replica == 0 and global_batch_size % dp == 0:
+            found.append(ranks // gpus_per_replica)
+    return found
 
 
 def check(
@@ -130,6 +147,7 @@ def check(
     num_splits: int,
     num_workers: int,
     global_batch_size: int,
+    ranks_per_batch: int = 1,
 ) -> None:
     """Raise TopologyError naming each broken rule and the valid replica counts."""
     found = violations(
@@ -138,6 +156,7 @@ def check(
         num_splits=num_splits,
         num_workers=num_workers,
         global_batch_size=global_batch_size,
+        ranks_per_batch=ranks_per_batch,
     )
     if found:
         raise TopologyError(
@@ -147,8 +166,41 @@ def check(
                 num_splits=num_splits,
                 num_workers=num_workers,
                 global_batch_size=global_batch_size,
+                ranks_per_batch=ranks_per_batch,
             ),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """How a world's ranks share batches: spec.data.ranksPerBatch and pipelineStages.
+
+    The mesh order is torchtitan's and Megatron-LM's: pipeline stages outermost, then data
+    parallel, then the rest of the group (context, tensor) innermost, so a rank is
+    ((stage * dp + dp_rank) * inner + inner_rank) with inner = ranksPerBatch / pipelineStages.
+    Every rank of one model-parallel group (all its stages) gets the same data rank.
+    """
+
+    ranks_per_batch: int = 1
+    pipeline_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pipeline_stages < 1 or self.ranks_per_batch % self.pipeline_stages:
+            raise ValueError(f"ranksPerBatch={self.ranks_per_batch} is not divisible by "
+                             f"pipelineStages={self.pipeline_stages}")
+
+    def size(self, world: int) -> int:
+        """How many different batches a global step is cut into: one per model-parallel group."""
+        if world % self.ranks_per_batch:
+            raise ValueError(f"worldSize={world} is not divisible by ranksPerBatch={self.ranks_per_batch}")
+        return world // self.ranks_per_batch
+
+    def rank(self, rank: int, world: int) -> int:
+        """The data-parallel rank of global rank `rank`: whose splits it is served."""
+        dp = self.size(world)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside world of size {world}")
+        return (rank // (self.ranks_per_batch // self.pipeline_stages)) % dp
 
 
 def rank_splits(rank: int, world: int, num_splits: int) -> range:

@@ -317,9 +317,9 @@ def at_schema(path: Path) -> Mapping[str, Any]:
 
 
 class TestDivisibilityRules:
-    def test_there_are_exactly_the_three_topology_rules_on_spec(self):
+    def test_there_are_exactly_the_four_topology_rules_on_spec(self):
         on_spec = [rule["rule"] for path, rule in cel_rules() if path == ("spec",) and not is_transition(rule)]
-        assert len(on_spec) == 3
+        assert len(on_spec) == 4
 
     @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
     def test_the_examples_pass_every_rule(self, example):
@@ -352,6 +352,16 @@ class TestDivisibilityRules:
             pytest.param({"data__packSequences": {**PACK, "blocksPerEpoch": "many"}}, ['self == "auto"'],
                          id="blocks-neither-number-nor-auto"),
             pytest.param({"data__packSequences": {**PACK, "blocksPerEpoch": "auto"}}, [], id="blocks-auto"),
+            pytest.param({"data__ranksPerBatch": 2}, [], id="tp2-on-8-ranks"),
+            pytest.param({"data__ranksPerBatch": 3}, ["% self.data.ranksPerBatch == 0"], id="tp3-on-8-ranks"),
+            pytest.param({"replicas": 3, "gpusPerReplica": 2, "data__numWorkers": 1, "data__numSplits": 6,
+                          "data__globalBatchSize": 12, "data__ranksPerBatch": 2}, [], id="dp3-tp2-small"),
+            pytest.param({"replicas": 4, "gpusPerReplica": 2, "data__numWorkers": 1, "data__numSplits": 6,
+                          "data__globalBatchSize": 6, "data__ranksPerBatch": 2},
+                         ["self.data.numSplits %", "self.data.globalBatchSize % (self.replicas"], id="dp4-does-not-fit-6"),
+            pytest.param({"data__ranksPerBatch": 4, "data__pipelineStages": 2}, [], id="pp2-tp2"),
+            pytest.param({"data__ranksPerBatch": 4, "data__pipelineStages": 3}, ["self.ranksPerBatch % self.pipelineStages"],
+                         id="pp3-does-not-divide-4"),
         ],
     )
     def test_each_rule_fails_exactly_when_it_should(self, changes, breaks):
@@ -362,21 +372,29 @@ class TestDivisibilityRules:
 
     def test_the_rules_agree_with_the_topology_module_everywhere(self):
         # The CRD's arithmetic and trainer_client.topology are two spellings of
-        # the same three rules (docs/architecture.md): on every topology in this grid
+        # the same four rules (docs/architecture.md): on every topology in this grid
         # they must accept and reject the same jobs, rule for rule.
+        splits_rule = ("(self.replicas * self.gpusPerReplica) % self.data.ranksPerBatch != 0 || self.data.numSplits % "
+                       "(self.replicas * self.gpusPerReplica / self.data.ranksPerBatch * self.data.numWorkers) == 0")
+        batch_rule = ("(self.replicas * self.gpusPerReplica) % self.data.ranksPerBatch != 0 || "
+                      "self.data.globalBatchSize % (self.replicas * self.gpusPerReplica / self.data.ranksPerBatch) == 0")
         names = {
-            "numSplits % (worldSize * numWorkers) == 0": "self.data.numSplits % (self.replicas * self.gpusPerReplica * self.data.numWorkers) == 0",
+            "worldSize % ranksPerBatch == 0": "(self.replicas * self.gpusPerReplica) % self.data.ranksPerBatch == 0",
+            "numSplits % (worldSize * numWorkers) == 0": splits_rule,
+            "numSplits % (dataParallelSize * numWorkers) == 0": splits_rule,
             "globalBatchSize % numSplits == 0": "self.data.globalBatchSize % self.data.numSplits == 0",
-            "globalBatchSize % worldSize == 0": "self.data.globalBatchSize % (self.replicas * self.gpusPerReplica) == 0",
+            "globalBatchSize % worldSize == 0": batch_rule,
+            "globalBatchSize % dataParallelSize == 0": batch_rule,
         }
         on_spec = {rule["rule"] for path, rule in cel_rules() if path == ("spec",) and not is_transition(rule)}
         assert set(names.values()) == on_spec
         checked = 0
-        for replicas, gpus, workers, splits, batch in itertools.product(
-            range(1, 9), (1, 2, 3), (1, 2), (12, 24, 48), (48, 96, 100, 960)
+        for replicas, gpus, workers, splits, batch, k in itertools.product(
+            range(1, 9), (1, 2, 3), (1, 2), (12, 24, 48), (48, 96, 100, 960), (1, 2, 3)
         ):
             spec = {"replicas": replicas, "gpusPerReplica": gpus,
-                    "data": {"numSplits": splits, "numWorkers": workers, "globalBatchSize": batch}}
+                    "data": {"numSplits": splits, "numWorkers": workers, "globalBatchSize": batch,
+                             "ranksPerBatch": k}}
             cel_failed = {
                 rule for rule in on_spec if not cel.evaluate(rule, {"self": spec})
             }
@@ -384,19 +402,23 @@ class TestDivisibilityRules:
                 names[v.rule]
                 for v in topology.violations(
                     replicas=replicas, gpus_per_replica=gpus, num_splits=splits,
-                    num_workers=workers, global_batch_size=batch,
+                    num_workers=workers, global_batch_size=batch, ranks_per_batch=k,
                 )
             }
             assert cel_failed == expected, spec
             checked += 1
-        assert checked == 8 * 3 * 2 * 3 * 4
+        assert checked == 8 * 3 * 2 * 3 * 4 * 3
 
     def test_message_expressions_name_the_numbers(self):
         bad = job(replicas=5, gpusPerReplica=1, data__numWorkers=1, data__numSplits=24, data__globalBatchSize=480)
-        rule = next(r for p, r in cel_rules() if p == ("spec",) and r["rule"].startswith("self.data.numSplits"))
+        rule = next(r for p, r in cel_rules() if p == ("spec",) and "|| self.data.numSplits" in r["rule"])
         message = cel.evaluate(rule["messageExpression"], {"self": bad["spec"]})
         assert message.startswith("data.numSplits=24 is not divisible by replicas*gpusPerReplica*numWorkers=5*1*1=5")
         assert "status.allowedReplicas" in message
+        grouped = job(replicas=4, gpusPerReplica=2, data__numWorkers=1, data__numSplits=6,
+                      data__globalBatchSize=6, data__ranksPerBatch=2)
+        message = cel.evaluate(rule["messageExpression"], {"self": grouped["spec"]})
+        assert message.startswith("data.numSplits=6 is not divisible by replicas*gpusPerReplica/ranksPerBatch*numWorkers=4*2/2*1=4")
         for path, rule in cel_rules():
             if "messageExpression" in rule:
                 assert isinstance(cel.evaluate(rule["messageExpression"], {"self": at(bad, path)}), str)

@@ -12,14 +12,17 @@ ROOT = Path(__file__).parents[2]
 HERE = Path(__file__).parent
 
 
-def readme_block(module: str) -> list[str]:
+def readme_block(marker: str) -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    found = [b for b in blocks if f"integrations.{module}" in b]
-    assert len(found) == 1, f"expected one README example importing integrations.{module}"
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"expected one README example with {marker}"
     return found[0].splitlines()
 
 
-@pytest.mark.parametrize("module, trainer", [("lightning", "lightning_trainer.py"), ("hf", "hf_trainer.py")])
+@pytest.mark.parametrize("module, trainer", [
+    ("integrations.lightning", "lightning_trainer.py"), ("integrations.hf", "hf_trainer.py"),
+    ("init_device_mesh", "mesh_trainer.py"),
+])
 def test_the_readme_example_is_what_the_tested_trainer_runs(module, trainer):
     lines = readme_block(module)
     first = next(i for i, line in enumerate(lines) if line.startswith("client = "))

@@ -55,6 +55,28 @@ def test_workers_and_gpus_shrink_the_valid_counts():
     assert admission.review_job(m).world_size == 24
 
 
+def test_model_parallel_groups_change_what_a_scale_may_be():
+    # 8 GPUs a pod in tensor-parallel groups of 16: a pod is half a group, so a world is an
+    # even number of pods, and 2r/... data-parallel ranks must divide the 48 splits and 960 rows.
+    m = manifest(gpusPerReplica=8, replicas=2)
+    m["spec"]["data"]["ranksPerBatch"] = 16
+    job = admission.review_job(m)
+    assert admission.allowed_replicas(job) == [2, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    with pytest.raises(admission.Rejected) as info:
+        admission.review_scale(m, 3)
+    assert "worldSize % ranksPerBatch == 0" in info.value.rule
+    assert "worldSize=24 (replicas*gpusPerReplica = 3*8) is not divisible by ranksPerBatch=16" in str(info.value)
+    assert "[2, 4, 6, 8, 12, 16, 24, 32, 48, 96]" in str(info.value)
+    admission.review_scale(m, 96)  # 96 pods x 8 GPUs / 16 = 48 data-parallel ranks, one split each
+
+
+def test_pipeline_stages_must_divide_the_group_they_belong_to():
+    m = manifest()
+    m["spec"]["data"].update(ranksPerBatch=4, pipelineStages=3)
+    with pytest.raises(admission.Rejected, match="spec.data.pipelineStages: must divide spec.data.ranksPerBatch=4"):
+        admission.review_job(m)
+
+
 def test_a_bad_field_names_the_field():
     m = manifest()
     m["spec"]["data"]["numSplit"] = 3
