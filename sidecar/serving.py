@@ -154,8 +154,7 @@ class Server:
                  skipping: bool = False,
                  on_published: Callable[[int, int], None] | None = None,
                  on_drain: Callable[[int, str, int], None] | None = None,
-                 earlier: Collection[bytes] = (),
-                 groups: topology.Groups = topology.Groups()) -> None:
+                 earlier: Collection[bytes] = (), groups: topology.Groups = topology.Groups()) -> None:
         self.directory = Path(directory)
         self.instance = instance or uuid.uuid4().hex[:12]
         self.world_size = world_size
