@@ -159,7 +159,7 @@ def _print_table_plan(job: specs.JobSpec, storage_options_dir: Path | None) -> N
         from . import plans
 
         columns, row_bytes = reading.sample_row_bytes(table, data)
-        cost = plans.cost(layout.rows, data.num_splits, job.world_size, data.shuffle_clump_size,
+        cost = plans.cost(layout.rows, data.num_splits, data.groups.size(job.world_size), data.shuffle_clump_size,
                           columns, row_bytes)
         for line in _read_cost_lines(cost, data.shuffle_clump_size):
             print(line)

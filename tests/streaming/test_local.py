@@ -393,3 +393,15 @@ def test_a_4m_row_job_delivers_its_first_steps_as_lancedb_orders_them(tmp_path, 
         record = json.loads(line)
         got[record["step"]].append(record["ids"])
     assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in expected.items()}
+
+
+def test_plan_shows_which_ranks_share_a_batch(table_uri, tmp_path):
+    done = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, ranksPerBatch=2)), "--replicas", "6")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "ranksPerBatch 2 (pipelineStages 1): 3 data-parallel ranks, each batch taken by 2 ranks" in out
+    assert "valid replica counts: [2, 4, 6, 8, 12, 16, 24, 48]" in out
+    assert "8 splits per data-parallel rank" in out and "16 per data-parallel rank" in out
+    assert "rank 4: splits 16..23 (data-parallel rank 2)" in out and "rank 5: splits 16..23 (data-parallel rank 2)" in out
+    refused = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, ranksPerBatch=2)), "--replicas", "3")
+    assert refused.returncode != 0 and "is not divisible by ranksPerBatch=2" in refused.stderr
