@@ -13,8 +13,10 @@ When another replica's pod fails (docs/agreement.md, "A member lost in place"), 
 has either failed in a collective whose peer vanished or is stuck in one: the sidecar says
 the world is lost (`membership.LOST`), and the agent stops the script at once (SIGKILL:
 a SIGTERM would ask the next world to drain through the client's handler) or, if it has
-already failed, waits up to LOSS_WAIT_S for that word, and starts it again in the next world,
-which resumes from the newest complete checkpoint.
+already failed in a collective, waits up to LOSS_WAIT_S for that word, and starts it again in
+the next world, which resumes from the newest complete checkpoint. A script that failed of
+its own (trainer_client/failures.py tells which) ends the agent at once with its exit code,
+so the container, the pod and the job's restarts are what they would be without the agent.
 
 torchrun's elastic agent restarts workers too, but it re-forms the world by its own
 rendezvous and has them resume from a checkpoint; here the sidecars have already agreed
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import contract, errors, membership
+from . import contract, errors, failures, membership
 
 log = logging.getLogger("splitfeed.run")
 
@@ -47,13 +49,11 @@ WATCH_S = 0.05
 SPARE_AFTER_S = 5.0
 """A script's start this long ago: the next world's interpreter may import beside it."""
 LOSS_WAIT_S = 60.0
-"""How long the agent waits, after its script failed while the sidecar still serves, for the
-sidecar to say the world lost a member pod (the script's collectives failed because a peer
-vanished) before it ends with the script's exit code. The operator acts once it sees the pod
-fail, up to its REPORT_GRACE_S (15 s) later for a pod whose sidecar still runs. The cost: a
-script that fails of its own (or whose peer's trainer the kubelet restarts in place, under
-restartPolicy OnFailure, where the world goes on rewound and no pod fails) ends its container
-this much later."""
+"""How long the agent waits, after its script failed in a collective while the sidecar still
+serves, for the sidecar to say the world lost a member pod (the collective failed because a
+peer vanished) before it ends with the script's exit code. The operator acts once it sees the
+pod fail, up to its REPORT_GRACE_S (15 s) later for a pod whose sidecar still runs. A script
+that fails of its own (not in a collective: trainer_client/failures.py) is not waited for."""
 
 
 AHEAD = """
@@ -178,7 +178,7 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
         now = membership.read(socket_dir)
         if now is not None and now.state == membership.LEFT:
             return 0  # this pod is not in the world any more: its script had nothing to train
-        if code != 0 and not stopping and not lost:
+        if code != 0 and not stopping and not lost and _peer_caused(child[0], argv[0], socket_dir, local_rank):
             lost = membership.wait_lost(socket_dir, _trained_in(socket_dir, local_rank, epoch), LOSS_WAIT_S,
                                         stop=lambda: bool(stopping), poll_s=WATCH_S)
         if (code != 0 and not lost) or stopping:
@@ -194,6 +194,19 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
                  world.world_size, argv[0], " (its world before lost a pod)" if lost else "")
         env, epoch = membership.world_env(dict(os.environ), world), world.epoch
         child[:] = [spare.start(env)]
+
+
+def _peer_caused(process: subprocess.Popen[bytes], name: str, socket_dir: Path, local_rank: int) -> bool:
+    """The script failed in a collective (trainer_client/failures.py): its world may have lost a
+    pod, which the sidecar will say. Any other failure is the script's own, and ends the agent."""
+    failure = failures.read(socket_dir, local_rank, process.pid)
+    if failure is not None and failure.collective:
+        log.warning("%s failed in a collective (%s): waiting up to %.0f s for its sidecar to say whether "
+                    "the world lost a pod", name, failure.exception, LOSS_WAIT_S)
+        return True
+    log.error("%s failed on its own (%s): ending with its exit code %s", name,
+              failure.exception if failure else "no exception recorded", process.returncode)
+    return False
 
 
 def _trained_in(socket_dir: Path, local_rank: int, started_in: int) -> int:

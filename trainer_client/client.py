@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from . import adapting, contract, counters, handshake, membership, messages, taking
+from . import adapting, contract, counters, failures, handshake, membership, messages, taking
 from .checkpointing import Checkpoints
 from .errors import (CheckpointError, NotWelcomed, ProtocolError, SidecarFailed, SidecarUnavailable,
                      VersionMismatch, WorldLost)
@@ -236,6 +236,7 @@ class StreamClient(adapting.Adapting):
             self._channel.close(bye=False)
             raise
         self._preemption.install()
+        failures.install(self._dir, self.local_rank, lambda: self.world_epoch)  # for `splitfeed run`
 
     # -- public API -----------------------------------------------------------
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from splitfeed.sidecar import agreement, main
-from splitfeed.trainer_client import contract, errors, membership, messages
+from splitfeed.trainer_client import agent, contract, errors, membership, messages
 
 
 def coordinator(replicas: int = 3) -> agreement.Coordinator:
@@ -96,24 +96,36 @@ def test_a_trainer_stops_only_when_its_own_world_lost_a_pod(tmp_path, written, e
 SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
-from splitfeed.trainer_client import membership
+from splitfeed.trainer_client import failures, membership
 d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
 epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
+failures.install(d, 0, lambda: epoch)  # what StreamClient() installs
 with open(d / "runs.jsonl", "a") as f:
     f.write(json.dumps({"epoch": epoch, "pid": os.getpid()}) + "\\n")
 membership.mark_trained(d, 0, epoch)
 if epoch == 1:
     membership.write(d, membership.World(1, membership.ENDED, 0, 2, 2, "h", 29510))
     sys.exit(0)
-if os.environ.get("HOW") == "fails":
-    sys.exit(1)  # gloo: "Connection closed by peer"
+if os.environ.get("HOW") == "fails":  # what gloo raises when a peer's pod is gone
+    raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                       "[127.0.0.1]:10645. This is typically caused by a remote worker crashing.")
+if os.environ.get("HOW") == "own":
+    sys.exit(3)  # the script's own failure
+if os.environ.get("HOW") == "raises":
+    raise ValueError("a bug in the training script")
 time.sleep(600)  # stuck in an all-reduce whose peer is gone
 """
 
 
 def lose_world_0(directory: Path, after_s: float) -> threading.Thread:
-    """What the sidecar does when its coordinator says `world_lost`: LOST, then the next world."""
+    """What the sidecar does when its coordinator says `world_lost`: LOST, then the next world,
+    `after_s` after the script of world 0 began (a loss before it ran would find nothing to stop:
+    under load an interpreter's start alone can take longer than `after_s`)."""
     def run() -> None:
+        runs = directory / "runs.jsonl"
+        deadline = time.monotonic() + 60
+        while not (runs.exists() and runs.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.02)
         time.sleep(after_s)
         membership.write(directory, membership.World(0, membership.LOST, 0, 2, 2, "h", 29500))
         time.sleep(0.3)
@@ -151,6 +163,23 @@ def test_a_script_that_fails_without_a_serving_sidecar_ends_the_agent_at_once(tm
              contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": "fails"},
         capture_output=True, text=True, timeout=30)
     assert done.returncode == 1
+
+
+@pytest.mark.parametrize("how, code", [("own", 3), ("raises", 1)])
+def test_a_script_that_fails_of_its_own_ends_the_agent_with_its_code_while_the_sidecar_serves(tmp_path, how, code):
+    membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
+    (tmp_path / messages.SOCKET_NAME).touch()  # a sidecar serves, and would say a loss: nobody waits for it
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
+        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
+             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert time.monotonic() - began < agent.LOSS_WAIT_S / 2, "the agent waited for a loss nobody will say"
+    assert "failed on its own" in done.stderr
+    if how == "raises":
+        assert "ValueError: a bug in the training script" in done.stderr  # the script's traceback, as python prints it
 
 
 def test_the_world_file_says_after_loss_and_an_older_file_without_it_reads_as_false(tmp_path):
