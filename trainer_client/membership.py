@@ -175,6 +175,14 @@ def mark_waiting(directory: Path, local_rank: int) -> None:
         pass  # only a launcher's hint
 
 
+def waited_since(directory: Path, local_rank: int, since: float) -> bool:
+    """The trainer of `local_rank` said hello at or after `since` (time.time()): its imports are done."""
+    try:
+        return (Path(directory) / WAITING.format(local_rank=local_rank)).stat().st_mtime >= since
+    except OSError:
+        return False
+
+
 def waiting(directory: Path, local_ranks: int) -> bool:
     """Every trainer of this pod has reached its first hello."""
     return all((Path(directory) / WAITING.format(local_rank=r)).exists() for r in range(local_ranks))

@@ -42,8 +42,8 @@ ROWS = 24_000
 SLEEP_S = 0.05
 STEPS_BEFORE = 200
 """Steps a world trains before the next request: past the agent's spare interpreter's start
-(trainer_client.agent.SPARE_AFTER_S, 5 s) and its imports (2-3 s here, beside the world that
-trains). At 100 steps (6 s) a request fell inside those imports, and on this one machine the
+(at the script's first hello, trainer_client.agent.SPARE_AFTER_S) and its imports (2-3 s here,
+beside the world that trains). At 100 steps (6 s) a request fell inside those imports, and on this one machine the
 new replica's start then shared 2 CPUs with them (on a cluster they are on other nodes)."""
 MODES = ("recreate", "agent", "in-process")
 

@@ -203,3 +203,29 @@ def test_a_failed_trainer_waits_for_its_sidecars_word_only_while_the_sidecar_ser
     sidecar.start()
     assert membership.wait_lost(tmp_path, 4, timeout_s=30) is True
     sidecar.join()
+
+
+def test_the_next_worlds_interpreter_imports_once_the_script_said_hello(tmp_path, monkeypatch):
+    """A change asked a few steps into a world finds the spare ready: it starts at the script's
+    first hello (its imports are done), not SPARE_AFTER_S into the world (set out of reach here)."""
+    monkeypatch.setattr(agent, "SPARE_AFTER_S", 600.0)
+    membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys, time\nfrom pathlib import Path\n"
+                      "from splitfeed.trainer_client import membership\n"
+                      "time.sleep(0.5)\nmembership.mark_waiting(Path(sys.argv[1]), 0)  # what hello() does\n"
+                      "time.sleep(2)\n")
+    membership.mark_waiting(tmp_path, 0)  # the run before said hello long ago: not this run's
+    os.utime(tmp_path / membership.WAITING.format(local_rank=0), (time.time() - 60, time.time() - 60))
+    argv = [sys.executable, str(script), str(tmp_path)]
+    spare = agent.Spare(argv)
+    process = subprocess.Popen(argv)
+    try:
+        seen = []
+        monkeypatch.setattr(spare, "prepare", lambda real=spare.prepare: (seen.append(time.monotonic()), real())[1])
+        began = time.monotonic()
+        assert agent._watch(process, tmp_path, 0, 0, [], spare) is False
+        assert spare.process is not None and len(seen) == 1, "no spare started while the script trained"
+        assert seen[0] - began >= 0.4  # not at once: the stale hello of the run before did not count
+    finally:
+        spare.close()
