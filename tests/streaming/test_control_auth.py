@@ -7,6 +7,7 @@ send well-formed requests; neither gets an answer or changes the coordinator, ea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -128,3 +129,83 @@ def test_a_written_keypair_is_owner_only(tmp_path: Path) -> None:
         assert (tmp_path / "keys" / name).stat().st_mode & 0o777 == 0o600
     assert keys.load(tmp_path / "keys") == written
     assert written.secret.decode() not in repr(written)
+
+
+class Recorder:
+    """A TCP relay between one client and the coordinator that keeps what the client sent: what
+    anyone on the network path (a node's other tenants, a mirrored port) can capture."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+        import threading
+
+        host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sent = bytearray()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import socket
+        import threading
+
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self._upstream)
+
+        def pump(src: socket.socket, dst: socket.socket, keep: bytearray | None) -> None:
+            with contextlib.suppress(OSError):
+                while chunk := src.recv(65536):
+                    if keep is not None:
+                        keep.extend(chunk)
+                    dst.sendall(chunk)
+                dst.shutdown(socket.SHUT_WR)
+
+        back = threading.Thread(target=pump, args=(server, client, None), daemon=True)
+        back.start()
+        try:
+            pump(client, server, self.sent)
+        except OSError:
+            pass
+        back.join(5)
+        for sock in (client, server, self.listener):
+            sock.close()
+
+
+def test_a_captured_request_replayed_to_the_coordinator_changes_nothing() -> None:
+    """CURVE's handshake binds a connection to a cookie of the server's, fresh each time: the
+    bytes of a genuine drain request, sent again on a new connection, are refused at INITIATE."""
+    import socket
+
+    job_keys = session_keypair()
+    genuine = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
+    genuine.on_join(b"m0", 0)
+    first = agreement.CoordinatorThread(genuine, ports.tcp_address(), keys=job_keys)
+    fresh = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
+    fresh.on_join(b"m0", 0)
+    second = agreement.CoordinatorThread(fresh, ports.tcp_address(), keys=job_keys)
+    try:
+        relay = Recorder(first.address)
+        assert worlds.request_drain(relay.address, "rescale-w0", "rescale", timeout_s=5, replicas=1,
+                                    keys=job_keys) == agreement.WAITING_FOR_MEMBERS
+        assert genuine.tokens == {"rescale-w0"}
+        wait_for(lambda: b"rescale-w0" not in relay.sent and len(relay.sent) > 200, 5, "the captured bytes")
+        host, port = second.address.removeprefix("tcp://").rsplit(":", 1)
+        for replay in range(3):
+            with socket.create_connection((host, int(port)), timeout=NO_ANSWER_S) as raw:
+                raw.sendall(bytes(relay.sent))
+                received = bytearray()
+                try:
+                    while chunk := raw.recv(65536):
+                        received.extend(chunk)
+                except TimeoutError:
+                    pass
+            assert b"drain_ack" not in received  # encrypted or not, no answer of the coordinator's
+        assert fresh.tokens == set() and fresh.phase == agreement.IDLE and fresh.next_replicas == 0
+        assert worlds.request_drain(second.address, "rescale-w1", "rescale", timeout_s=5, replicas=1,
+                                    keys=job_keys) == agreement.WAITING_FOR_MEMBERS  # the job's own still works
+        assert fresh.tokens == {"rescale-w1"}
+    finally:
+        first.close()
+        second.close()
