@@ -246,15 +246,11 @@ class Coordinator:
 
     def on_join(self, peer: bytes, replica: int, drain_step: int = -1, drain_reason: str = "",
                 next_replicas: int = 0) -> list[Out]:
-        """A member (re)joins. A `join` again on the connection it joined on (its heartbeat) is
-        answered only with the round it must act on (`freeze`, `commit_at`): ZeroMQ delivers in
-        order on one connection, so it holds `joined` and every broadcast already, and at rest a
-        heartbeat costs the coordinator one message, not two or four (docs/agreement.md, "At
-        scale"). A new connection (a restarted member or coordinator, a reconnection) is a new
-        peer, told everything. One that acts on a drain step this coordinator does not know
-        (it restarted between `commit_at` and the drain's end) makes it the world's step again:
-        no member has published that step's batch (the cut guarantees it), and members that
-        already hold it must not be cut anywhere else."""
+        """A member (re)joins; a heartbeat on the connection it joined on is told only the round
+        to act on, as it holds the rest (docs/agreement.md, "At scale"). One that acts on a drain
+        step this coordinator does not know (it restarted between `commit_at` and the drain's
+        end) makes it the world's step again: no member has published that step's batch (the
+        cut guarantees it), and members that already hold it must not be cut anywhere else."""
         if replica < 0:
             raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
         joined = Joined(resume_step=self.resume_step, table_version=self.table_version, replicas=self.replicas)
