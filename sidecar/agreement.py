@@ -246,10 +246,11 @@ class Coordinator:
 
     def on_join(self, peer: bytes, replica: int, drain_step: int = -1, drain_reason: str = "",
                 next_replicas: int = 0) -> list[Out]:
-        """A member (re)joins. One that acts on a drain step this coordinator does not know
-        (it restarted between `commit_at` and the drain's end) makes it the world's step again:
-        no member has published that step's batch (the cut guarantees it), and members that
-        already hold it must not be cut anywhere else."""
+        """A member (re)joins; a heartbeat on the connection it joined on is told only the round
+        to act on, as it holds the rest (docs/agreement.md, "At scale"). One that acts on a drain
+        step this coordinator does not know (it restarted between `commit_at` and the drain's
+        end) makes it the world's step again: no member has published that step's batch (the
+        cut guarantees it), and members that already hold it must not be cut anywhere else."""
         if replica < 0:
             raise errors.ProtocolError(f"replica {replica} is not in this world (0..{self.replicas - 1})")
         joined = Joined(resume_step=self.resume_step, table_version=self.table_version, replicas=self.replicas)
@@ -258,8 +259,9 @@ class Coordinator:
         if replica >= self.replicas:
             # A pod of the world before an in-place scale-down: told the size, it ends; not a member.
             return [Out(peer, joined)]
+        steady = self.members.get(replica) == peer  # its heartbeat (above)
         self.members[replica] = peer
-        out = [Out(peer, joined)]
+        out = [] if steady else [Out(peer, joined)]
         if drain_step >= 0 and self.step is None:
             log.warning("replica %d acts on drain step %d, which this coordinator (restarted) did not "
                         "know: the world drains there", replica, drain_step)
@@ -276,6 +278,8 @@ class Coordinator:
         elif self.phase == COMMITTED:
             assert self.step is not None
             out.append(Out(peer, self._commit_at()))
+        if steady:
+            return out
         if self.complete_step is not None:
             out.append(Out(peer, Complete(step=self.complete_step)))
         if self.watermark is not None:
@@ -423,6 +427,30 @@ class Rejections:
         return line
 
 
+RECEIVED, SENT = "received", "sent"
+INVALID = "invalid"
+"""The type counted for a frame that is not a message (Traffic)."""
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Messages and payload bytes through the coordinator's socket, by direction and type: what
+    the control plane costs a world as it grows (splitfeed_coordinator_messages_total,
+    splitfeed_coordinator_message_bytes_total). Written by the coordinator thread only; read
+    with `snapshot`, whose dict copies the GIL makes whole."""
+
+    messages: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    bytes: dict[str, int] = dataclasses.field(default_factory=lambda: {RECEIVED: 0, SENT: 0})
+
+    def note(self, direction: str, kind: str, size: int, count: int = 1) -> None:
+        key = (direction, kind)
+        self.messages[key] = self.messages.get(key, 0) + count
+        self.bytes[direction] += size * count
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        return self.messages.copy(), self.bytes.copy()
+
+
 UNKNOWN_PEER = "an address ZeroMQ closed before it could be read"
 
 
@@ -462,6 +490,7 @@ class CoordinatorThread:
         self.rejected = 0
         """Peers whose handshake failed (no CURVE, another key): splitfeed_coordinator_rejected_total."""
         self._rejections = Rejections()
+        self.traffic = Traffic()
         self._ctx: zmq.Context[Any] = zmq.Context()
         """Its own context: the ZAP handler is one per context, and a sidecar whose world changes in
         place runs the next world's coordinator beside the old one for a moment."""
@@ -517,9 +546,15 @@ class CoordinatorThread:
                 peer, frame = self._sock.recv_multipart(zmq.NOBLOCK)
             except (zmq.Again, ValueError):
                 continue  # a frame count we never send
+            kind = INVALID
             try:
-                self._send(self._handle(peer, messages.decode(frame)))
+                message = messages.decode(frame)
+                kind = message.kind
+                self.traffic.note(RECEIVED, kind, len(frame))
+                self._send(self._handle(peer, message))
             except errors.ProtocolError as exc:
+                if kind == INVALID:
+                    self.traffic.note(RECEIVED, kind, len(frame))
                 log.warning("coordinator: bad message from %r: %s", peer, exc)
                 self._send([Out(peer, Error(code="protocol", message=str(exc), fatal=False))])
 
@@ -612,17 +647,32 @@ class CoordinatorThread:
     def _send(self, outs: list[Out]) -> None:
         for out in outs:
             frame = out.message.encode()
+            sent = 0
             for target in self.coordinator.recipients(out.peer):
                 try:
                     self._sock.send_multipart([target, frame], zmq.NOBLOCK)
+                    sent += 1
                 except zmq.ZMQError as exc:  # gone, or not reading: it rejoins if it comes back
                     log.debug("coordinator cannot reach %r: %s", target, exc)
+            self.traffic.note(SENT, out.message.kind, len(frame), sent)
 
 
 JOIN_RESEND_S = 2.0
 """A member says `join` again this often while it waits, and every five times as long as a
-heartbeat while it serves (at once when its connection to the coordinator is made again):
-a coordinator that restarted learns its members back, and answers are idempotent."""
+heartbeat while it serves (less often in a world of over 160 members: HEARTBEATS_PER_S; at
+once when its connection to the coordinator is made again): a coordinator that restarted
+learns its members back, and answers are idempotent."""
+HEARTBEATS_PER_S = 16.0
+"""At most this many heartbeat `join`s a second reach the coordinator from all its members
+together: in a large world each member beats less often (`at_rest_period_s`), so that the
+coordinator's load at rest stops growing with the world (docs/agreement.md, "At scale"). A
+heartbeat is the fallback: a member rejoins at once when its connection is made again."""
+
+
+def at_rest_period_s(base_s: float, replicas: int, per_s: float) -> float:
+    """How often each member of a world of `replicas` says what it says every `base_s` in a
+    small world: never so often that the whole world says it over `per_s` times a second."""
+    return max(base_s, replicas / per_s)
 
 
 class Member:
@@ -650,6 +700,8 @@ class Member:
         """(drain step, reason, next replicas) of the drain this member acts on, said in every
         `join` (Coordinator.on_join: a restarted coordinator adopts it)."""
         self._last_join = 0.0
+        self.replicas = 1
+        """The world's size, as `joined` said it: it paces the heartbeat (`at_rest_period_s`)."""
         self._held: list[messages.Message] = []
         self._reach: dict[int, int] = {}
         self._ends: dict[int, int] = {}
@@ -672,7 +724,7 @@ class Member:
                 if message is None:
                     continue
                 if isinstance(message, Joined):
-                    self._held = held
+                    self._held, self.replicas = held, message.replicas
                     return message
                 held.append(message)  # freeze / commit_at for a world already draining
             self._held = held
@@ -681,7 +733,8 @@ class Member:
             "replica 0's sidecar is not running (or not reachable through the job's headless Service)")
 
     def heartbeat(self, now: float) -> None:
-        if self._reconnected() or now - self._last_join >= JOIN_RESEND_S * 5:
+        period = at_rest_period_s(JOIN_RESEND_S * 5, self.replicas, HEARTBEATS_PER_S)
+        if self._reconnected() or now - self._last_join >= period:
             self._last_join = now
             self.send(self._join())
 

@@ -650,7 +650,8 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
     observed = metrics.SidecarMetrics(metrics.Labels(
         job=job.name if job else "", namespace=job.namespace if job else "",
         world=settings.world_epoch, replica=replica_of(settings)),
-        rejected=lambda: o.coordinator.rejected if o.coordinator is not None else None)
+        rejected=lambda: o.coordinator.rejected if o.coordinator is not None else None,
+        traffic=lambda: o.coordinator.traffic.snapshot() if o.coordinator is not None else None)
     ledgers = SkipLedgers(data, o.steps_per_epoch, o.start_step, o.resume_state)
 
     def factory(rank: int, first_step: int):  # type: ignore[no-untyped-def]

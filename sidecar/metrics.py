@@ -31,13 +31,19 @@ from prometheus_client.registry import Collector
 
 from splitfeed.trainer_client import contract, messages, progress, ring, stalls
 
+from . import agreement
+
 log = logging.getLogger(__name__)
 
 METRICS_PORT_ENV = contract.METRICS_PORT_ENV
 DEFAULT_METRICS_PORT = contract.METRICS_PORT
 """The sidecar's /metrics port in a pod (docs/pod-contract.md); 0 turns the endpoint off."""
 PROGRESS_EVERY_S = 2.0
-"""How often a member tells the coordinator its ranks' progress."""
+"""How often a member tells the coordinator its ranks' progress (less often in a world of over
+64 members: PROGRESS_PER_S)."""
+PROGRESS_PER_S = 32.0
+"""At most this many `progress` reports a second reach the coordinator from all its members
+together (agreement.at_rest_period_s): 32 s between two of a member's in a world of 1,024."""
 READ_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 CHECKPOINT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LABELS = ("job", "namespace", "world", "replica")
@@ -172,11 +178,44 @@ class RejectedCollector(Collector):
         yield family
 
 
+TrafficCounts = tuple[dict[tuple[str, str], int], dict[str, int]]
+"""agreement.Traffic.snapshot(): messages by (direction, type), payload bytes by direction."""
+
+
+class TrafficCollector(Collector):
+    """splitfeed_coordinator_messages_total{direction, type} and
+    splitfeed_coordinator_message_bytes_total{direction}: the control plane's load on replica 0's
+    sidecar (agreement.Traffic), which grows with the world's members. Replica 0's sidecar only."""
+
+    def __init__(self, traffic: Callable[[], TrafficCounts | None], labels: Labels) -> None:
+        self._traffic = traffic
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._traffic()
+        if counts is None:
+            return
+        messages_by, bytes_by = counts
+        found = CounterMetricFamily("splitfeed_coordinator_messages",
+                                    "Messages through the world's coordinator's socket.",
+                                    labels=[*LABELS, "direction", "type"])
+        for (direction, kind), count in sorted(messages_by.items()):
+            found.add_metric([*self._labels.values(), direction, kind], count)
+        size = CounterMetricFamily("splitfeed_coordinator_message_bytes",
+                                   "Payload bytes of the messages through the world's coordinator's socket.",
+                                   labels=[*LABELS, "direction"])
+        for direction, count in sorted(bytes_by.items()):
+            size.add_metric([*self._labels.values(), direction], count)
+        yield found
+        yield size
+
+
 class SidecarMetrics:
     """One sidecar's registry: the ring collector plus what the sidecar times itself."""
 
     def __init__(self, labels: Labels, feeds: Callable[[], Iterable[Any]] = list,
-                 rejected: Callable[[], int | None] = lambda: None) -> None:
+                 rejected: Callable[[], int | None] = lambda: None,
+                 traffic: Callable[[], TrafficCounts | None] = lambda: None) -> None:
         self.labels = labels
         self.feeds = feeds
         """The serving RankFeeds (set once the server exists)."""
@@ -185,6 +224,7 @@ class SidecarMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(RingCollector(lambda: self.feeds(), labels))
         self.registry.register(RejectedCollector(rejected, labels))
+        self.registry.register(TrafficCollector(traffic, labels))
         self._current = _Current(self.registry)
         self.read_seconds = Histogram(
             "splitfeed_read_seconds", "Time the reader took to produce one batch (table reads and ordering).",
@@ -300,7 +340,7 @@ class ProgressReporter:
             self._first_batch_at, self._next = time.time(), 0.0
         if now < self._next:
             return
-        self._next = now + self._every_s
+        self._next = now + agreement.at_rest_period_s(self._every_s, member.replicas, PROGRESS_PER_S)
         try:
             ranks = [read_rank(feed) for feed in self._server.feeds]
             member.send(messages.Progress(**progress_fields(ranks, member.replica, self._steps_per_epoch,

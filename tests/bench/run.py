@@ -23,7 +23,8 @@ count); reported, not a pass/fail goal.
 tables: start-up, sidecar memory and rows/s on 1M-50M-row tables beside lancedb
 in-process (tests/bench/tables.py); object_store: the same reads through an S3
 endpoint with latency (tests/bench/object_store.py); rescale: what a rescale costs,
-recreated and in place (tests/bench/rescale.py).
+recreated and in place (tests/bench/rescale.py); coordinator: a drain agreed by 64 to 1,024
+members and the coordinator's cost at rest (tests/bench/coordinator.py).
 """
 
 from __future__ import annotations
@@ -314,8 +315,14 @@ def main() -> int:
 
     rescales = rescale.bench(3)
     rescales["verdicts"] = rescale.verdicts(rescales)
+    print("coordinator at scale (a drain agreed by 64, 256 and 1,024 members; the world at rest):", flush=True)
+    from tests.bench import coordinator
+
+    coordinated = coordinator.bench(list(coordinator.MEMBERS), 3)
+    coordinated["summary"] = coordinator.summary(coordinated)
+    coordinated["verdicts"] = coordinator.verdicts(coordinated)
     results = {"transport": transport, "end_to_end": end_to_end, "adapters": adapted, "preprocessing": prep,
-               "tables": big, "object_store": store, "rescale": rescales,
+               "tables": big, "object_store": store, "rescale": rescales, "coordinator": coordinated,
                "machine": {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2)}}
     out = ROOT / "bench" / "results.json"
     out.parent.mkdir(exist_ok=True)
@@ -339,7 +346,7 @@ def main() -> int:
     e2e = [f"end to end rows/s = {e['ratio']:.2f} x in-process >= {E2E_GOAL}: "
            f"{'met' if e['ratio'] >= E2E_GOAL else 'MISSED'}"]
     for line in (transport_verdicts(transport) + e2e + adapted["verdicts"] + big["verdicts"] + store["verdicts"]
-                 + rescales["verdicts"]):
+                 + rescales["verdicts"] + coordinated["verdicts"]):
         print(f"goal: {line}")
     print(f"checkpoint write (record + commit) at 50 ms a request: {store['checkpoint_write_s_at_50ms']} s")
     print(f"\nwritten to {out.relative_to(ROOT)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

@@ -42,14 +42,22 @@ def forged_ask(address: str, request: messages.Message, server_key: bytes | None
         sock.close(linger=0)
 
 
+LABELS = {"job": "j", "namespace": "ns", "world": "0", "replica": "0"}
+
+
+def coordinator_sample(thread: agreement.CoordinatorThread, name: str, **labels: str) -> float | None:
+    """One splitfeed_coordinator_* sample as /metrics serves it."""
+    observed = metrics.SidecarMetrics(metrics.Labels(job="j", namespace="ns", world=0, replica=0),
+                                      rejected=lambda: thread.rejected, traffic=thread.traffic.snapshot)
+    assert name in generate_latest(observed.registry).decode()
+    return observed.registry.get_sample_value(name, {**LABELS, **labels})
+
+
 def rejected_series(thread: agreement.CoordinatorThread) -> float:
     """splitfeed_coordinator_rejected_total as /metrics serves it."""
-    observed = metrics.SidecarMetrics(metrics.Labels(job="j", namespace="ns", world=0, replica=0),
-                                      rejected=lambda: thread.rejected)
-    for line in generate_latest(observed.registry).decode().splitlines():
-        if line.startswith("splitfeed_coordinator_rejected_total{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no splitfeed_coordinator_rejected_total series")
+    found = coordinator_sample(thread, "splitfeed_coordinator_rejected_total")
+    assert found is not None, "no splitfeed_coordinator_rejected_total series"
+    return found
 
 
 def test_only_the_jobs_keypair_gets_a_drain_request_through(caplog: pytest.LogCaptureFixture) -> None:
@@ -76,6 +84,16 @@ def test_only_the_jobs_keypair_gets_a_drain_request_through(caplog: pytest.LogCa
         assert worlds.request_drain(thread.address, "rescale-w0", "rescale", timeout_s=5,
                                     keys=job_keys) == agreement.WAITING_FOR_MEMBERS
         assert coordinator.tokens == {"rescale-w0"}
+        # Only the job's request reached the coordinator's socket (splitfeed_coordinator_messages_total);
+        # its answer is counted once sent, which may be just after the requester read it.
+        total = "splitfeed_coordinator_messages_total"
+        wait_for(lambda: coordinator_sample(thread, total, direction="sent", type="drain_ack") == 1, 5,
+                 "the coordinator to count its answer")
+        assert coordinator_sample(thread, total, direction="received", type="drain_request") == 1
+        assert thread.traffic.snapshot()[0] == {("received", "drain_request"): 1, ("sent", "drain_ack"): 1}
+        request = messages.DrainRequest(token="rescale-w0", reason="rescale").encode()
+        assert coordinator_sample(thread, "splitfeed_coordinator_message_bytes_total",
+                                  direction="received") == len(request)
     finally:
         thread.close()
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitfeed.sidecar.agreement import (COMMITTED, EVERY, FREEZING, IDLE, WAITING_FOR_MEMBERS, Coordinator, Out, Watermark,
+from splitfeed.sidecar.agreement import (COMMITTED, EVERY, FREEZING, HEARTBEATS_PER_S, IDLE, JOIN_RESEND_S,
+                                         WAITING_FOR_MEMBERS, Coordinator, Out, Watermark, at_rest_period_s,
                                          cut_step, flat_reports)
 from splitfeed.trainer_client import errors
 from splitfeed.trainer_client.messages import CommitAt, Complete, DrainAck, Freeze, Joined
@@ -73,6 +74,29 @@ def test_a_member_restarted_while_freezing_is_asked_again_and_one_restarted_afte
     out = c.on_join(b"m2-new", 2)
     assert kinds(out) == [(b"m2-new", Joined), (b"m2-new", CommitAt)]
     assert isinstance(out[1].message, CommitAt) and out[1].message.step == 7
+
+
+def test_a_heartbeat_on_the_connection_a_member_joined_on_is_answered_only_with_the_round_to_act_on():
+    """At rest a heartbeat costs the coordinator one message: the member holds `joined` and every
+    broadcast already (one connection delivers in order). A new connection is told everything."""
+    c = joined_world(replicas=2)
+    c.on_committed(0, 6)
+    c.on_committed(1, 6)  # a checkpoint every member committed: `complete` went to each
+    assert c.on_join(b"m1", 1) == [] and c.on_join(b"m0", 0) == []
+    assert kinds(c.on_join(b"m1-again", 1)) == [(b"m1-again", Joined), (b"m1-again", Complete)]
+    c.on_request(b"op", "t", "rescale")
+    assert kinds(c.on_join(b"m1-again", 1)) == [(b"m1-again", Freeze)]  # it has not answered yet
+    c.on_frozen(1, c.round, 5)
+    assert c.on_join(b"m1-again", 1) == []
+    c.on_frozen(0, c.round, 4)
+    out = c.on_join(b"m0", 0)
+    assert kinds(out) == [(b"m0", CommitAt)] and out[0].message.step == 7
+
+
+def test_members_of_a_large_world_beat_less_often_so_the_coordinator_hears_a_bounded_rate():
+    small, large = (at_rest_period_s(JOIN_RESEND_S * 5, n, HEARTBEATS_PER_S) for n in (64, 1024))
+    assert small == 10.0  # the usual heartbeat
+    assert large == 64.0 and 1024 / large <= HEARTBEATS_PER_S
 
 
 def test_an_answer_to_an_old_round_changes_nothing():
@@ -160,4 +184,4 @@ def test_a_restarted_coordinator_adopts_the_drain_step_its_members_act_on():
     assert c.on_request(b"op", "rescale-w0", "rescale")[-1].message == DrainAck(token="rescale-w0",
                                                                                  state=COMMITTED)
     again = c.on_join(b"m1", 1, drain_step=12, drain_reason="rescale")  # its heartbeat: no new round
-    assert c.round == 1 and again[1].message.step == 12
+    assert c.round == 1 and kinds(again) == [(b"m1", CommitAt)] and again[0].message.step == 12
