@@ -33,6 +33,7 @@ from splitfeed.trainer_client import contract, errors, keys
 from . import planning
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 """(connect, read) seconds for every API call."""
 RETRIES = urllib3.Retry(total=1, connect=1, read=0, status=0, redirect=0)
@@ -86,8 +87,8 @@ def _error(exc: BaseException) -> KubeError:
 
 
 class Kube:
-    """Calls for StreamingJobs, the pods, Services, ConfigMaps, budgets and keypair Secrets of
-    their worlds, admission checks, and the operator's leader Lease."""
+    """Calls for StreamingJobs, the pods, Services, ConfigMaps, budgets, keypair Secrets and
+    NetworkPolicies of their worlds, admission checks, and the operator's leader Lease."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> None:
@@ -99,6 +100,7 @@ class Kube:
         self.policy = kubernetes.client.PolicyV1Api(api_client)
         self.authorization = kubernetes.client.AuthorizationV1Api(api_client)
         self.coordination = kubernetes.client.CoordinationV1Api(api_client)
+        self.networking = kubernetes.client.NetworkingV1Api(api_client)
         self._warned: set[str] = set()
         self._keys: dict[tuple[str, str], keys.Keypair] = {}
 
@@ -166,11 +168,13 @@ class Kube:
                 if ((p.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_JOB) == job]
 
     async def create(self, obj: Mapping[str, Any]) -> bool | None:
-        """Create a Pod, Service, ConfigMap, Secret or PodDisruptionBudget.
+        """Create a Pod, Service, ConfigMap, Secret, PodDisruptionBudget or NetworkPolicy.
 
         True: created. False: an object of that name exists and the same job
-        (controller UID) controls it; a ConfigMap's data and a budget's spec are
-        then brought up to date (they must match the pods about to start). None:
+        (controller UID) controls it; a ConfigMap's data, a budget's spec and a
+        NetworkPolicy's spec are then brought up to date (they must match the pods
+        about to start; a policy's spec is replaced whole, so rules someone added
+        to it by hand, or an older operator's, do not survive). None:
         the cluster serves no such kind (policy/v1 budgets before Kubernetes 1.21),
         which is skipped. Raises NotOwned when another controller owns the name.
         """
@@ -179,7 +183,8 @@ class Kube:
         creators = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
                     "ConfigMap": self.core.create_namespaced_config_map,
                     "Secret": self.core.create_namespaced_secret,
-                    "PodDisruptionBudget": self.policy.create_namespaced_pod_disruption_budget}
+                    "PodDisruptionBudget": self.policy.create_namespaced_pod_disruption_budget,
+                    "NetworkPolicy": self.networking.create_namespaced_network_policy}
         try:
             created = await self._call(creators[kind], ns, dict(obj), ok=(409,))
         except KubeError as exc:
@@ -194,7 +199,8 @@ class Kube:
         readers = {"Pod": self.core.read_namespaced_pod, "Service": self.core.read_namespaced_service,
                    "ConfigMap": self.core.read_namespaced_config_map,
                    "Secret": self.core.read_namespaced_secret,
-                   "PodDisruptionBudget": self.policy.read_namespaced_pod_disruption_budget}
+                   "PodDisruptionBudget": self.policy.read_namespaced_pod_disruption_budget,
+                   "NetworkPolicy": self.networking.read_namespaced_network_policy}
         existing = await self._call(readers[kind], name, ns, ok=(404,))
         if existing is None:  # deleted in between: the next reconcile creates it
             return False
@@ -210,6 +216,11 @@ class Kube:
         elif kind == "PodDisruptionBudget" and existing.get("spec") != obj["spec"]:
             await self._call(self.policy.patch_namespaced_pod_disruption_budget, name, ns,
                              {"spec": obj["spec"]}, _content_type=MERGE_PATCH)
+        elif kind == "NetworkPolicy" and existing.get("spec") != obj["spec"]:
+            # A merge patch would keep selector keys and fields ours lacks: replace the spec whole.
+            log.info("%s/%s: NetworkPolicy %s differs from the operator's: replacing its spec", ns, name, name)
+            await self._call(self.networking.patch_namespaced_network_policy, name, ns,
+                             [{"op": "replace", "path": "/spec", "value": obj["spec"]}], _content_type=JSON_PATCH)
         return False
 
     async def job_keys(self, namespace: str, owner: planning.Owner, *, create: bool = False) -> keys.Keypair | None:
