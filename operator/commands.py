@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from splitfeed.trainer_client import cli, contract
 
-from . import configs, planning
+from . import configs, planning, policies
 
 if TYPE_CHECKING:
     from . import kube, leader
@@ -67,9 +67,24 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
                    metavar="S", help="cap of the back-off (default 360)")
     f.add_argument("--stall-timeout", type=float, default=planning.Settings.stall_timeout_s, metavar="S",
                    help="a world whose pods have not all run for this long is marked Stalled (default 900)")
+    _network_policy_arguments(p)
     _webhook_arguments(p)
     p.set_defaults(func=run)
     return p
+
+
+def _network_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """Each job's NetworkPolicy (operator/policies.py; off unless --network-policy is given)."""
+    n = p.add_argument_group("network policy (off unless --network-policy is given; docs/security.md)")
+    n.add_argument("--network-policy", action="store_true",
+                   help="give each job a NetworkPolicy admitting its own pods, the operator (coordinator "
+                        "ports) and the metrics peers (metrics ports), and nothing else (the chart turns it on)")
+    n.add_argument("--network-policy-operator-from", metavar="JSON",
+                   help="JSON list of NetworkPolicyPeers matching the operator's pods (needed with "
+                        "--network-policy; [] admits none)")
+    n.add_argument("--network-policy-metrics-from", metavar="JSON",
+                   help="JSON list of NetworkPolicyPeers that may scrape the sidecars' /metrics "
+                        "(default []: nobody)")
 
 
 def _webhook_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,13 +122,17 @@ def config_from_args(args: argparse.Namespace) -> configs.OperatorConfig:
         if not namespace:
             raise SystemExit("--leader-elect needs --leader-election-namespace or $SPLITFEED_OPERATOR_NAMESPACE")
         leader = configs.LeaderElection(namespace=namespace, name=args.leader_election_lease)
+    network_policy = None
+    if args.network_policy:
+        network_policy = policies.parse(args.network_policy_operator_from, args.network_policy_metrics_from)
     return configs.OperatorConfig(
         namespaces=() if args.all_namespaces else tuple(args.namespace),
         planning=planning.Settings.from_env(os.environ, sidecar_mode=args.sidecar_mode,
                                             sidecar_image=args.sidecar_image,
                                             restart_backoff_s=args.restart_backoff,
                                             restart_backoff_max_s=args.restart_backoff_max,
-                                            stall_timeout_s=args.stall_timeout),
+                                            stall_timeout_s=args.stall_timeout,
+                                            network_policy=network_policy),
         webhook=webhook,
         liveness=args.liveness,
         peering=None if args.standalone else args.peering,

@@ -33,6 +33,7 @@ from splitfeed.trainer_client import contract, errors, keys
 from . import planning
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 """(connect, read) seconds for every API call."""
 RETRIES = urllib3.Retry(total=1, connect=1, read=0, status=0, redirect=0)
@@ -86,8 +87,8 @@ def _error(exc: BaseException) -> KubeError:
 
 
 class Kube:
-    """Calls for StreamingJobs, the pods, Services, ConfigMaps, budgets and keypair Secrets of
-    their worlds, admission checks, and the operator's leader Lease."""
+    """Calls for StreamingJobs, the pods, Services, ConfigMaps, budgets, keypair Secrets and
+    NetworkPolicies of their worlds, admission checks, and the operator's leader Lease."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> None:
@@ -99,6 +100,7 @@ class Kube:
         self.policy = kubernetes.client.PolicyV1Api(api_client)
         self.authorization = kubernetes.client.AuthorizationV1Api(api_client)
         self.coordination = kubernetes.client.CoordinationV1Api(api_client)
+        self.networking = kubernetes.client.NetworkingV1Api(api_client)
         self._warned: set[str] = set()
         self._keys: dict[tuple[str, str], keys.Keypair] = {}
 
@@ -166,22 +168,26 @@ class Kube:
                 if ((p.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_JOB) == job]
 
     async def create(self, obj: Mapping[str, Any]) -> bool | None:
-        """Create a Pod, Service, ConfigMap, Secret or PodDisruptionBudget.
+        """Create a Pod, Service, ConfigMap, Secret, PodDisruptionBudget or NetworkPolicy.
 
-        True: created. False: an object of that name exists and the same job
-        (controller UID) controls it; a ConfigMap's data and a budget's spec are
-        then brought up to date (they must match the pods about to start). None:
-        the cluster serves no such kind (policy/v1 budgets before Kubernetes 1.21),
-        which is skipped. Raises NotOwned when another controller owns the name.
+        True: created. False: an object of that name exists and the same job (controller
+        UID) controls it; a ConfigMap's data and a budget's or policy's spec (a policy's
+        replaced whole) are then brought up to date for the pods about to start. None: the
+        cluster serves no such kind (policy/v1 budgets before Kubernetes 1.21), skipped.
+        Raises NotOwned when another controller owns the name.
         """
-        kind, meta = obj["kind"], obj["metadata"]
-        ns, name = meta["namespace"], meta["name"]
-        creators = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
-                    "ConfigMap": self.core.create_namespaced_config_map,
-                    "Secret": self.core.create_namespaced_secret,
-                    "PodDisruptionBudget": self.policy.create_namespaced_pod_disruption_budget}
+        kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+        create, read = {  # (create, read) of each kind
+            "Pod": (self.core.create_namespaced_pod, self.core.read_namespaced_pod),
+            "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service),
+            "ConfigMap": (self.core.create_namespaced_config_map, self.core.read_namespaced_config_map),
+            "Secret": (self.core.create_namespaced_secret, self.core.read_namespaced_secret),
+            "PodDisruptionBudget": (self.policy.create_namespaced_pod_disruption_budget,
+                                    self.policy.read_namespaced_pod_disruption_budget),
+            "NetworkPolicy": (self.networking.create_namespaced_network_policy,
+                              self.networking.read_namespaced_network_policy)}[kind]
         try:
-            created = await self._call(creators[kind], ns, dict(obj), ok=(409,))
+            created = await self._call(create, ns, dict(obj), ok=(409,))
         except KubeError as exc:
             if kind == "PodDisruptionBudget" and exc.status == 404:
                 if kind not in self._warned:
@@ -191,25 +197,24 @@ class Kube:
             raise
         if created is not None:
             return True
-        readers = {"Pod": self.core.read_namespaced_pod, "Service": self.core.read_namespaced_service,
-                   "ConfigMap": self.core.read_namespaced_config_map,
-                   "Secret": self.core.read_namespaced_secret,
-                   "PodDisruptionBudget": self.policy.read_namespaced_pod_disruption_budget}
-        existing = await self._call(readers[kind], name, ns, ok=(404,))
+        existing = await self._call(read, name, ns, ok=(404,))
         if existing is None:  # deleted in between: the next reconcile creates it
             return False
-        ours = planning.controller_uid(obj)
-        theirs = planning.controller_uid(existing)
+        ours, theirs = planning.controller_uid(obj), planning.controller_uid(existing)
         if theirs != ours:
             raise NotOwned(409, f"its controller is {theirs or 'none'}, not StreamingJob {ours}", "NotOwned")
         if kind == "ConfigMap":
             # The data config must match the pods about to start (their checksum env).
             await self._call(self.core.patch_namespaced_config_map, name, ns,
-                             {"data": obj["data"], "metadata": {"annotations": meta.get("annotations")}},
+                             {"data": obj["data"], "metadata": {"annotations": obj["metadata"].get("annotations")}},
                              _content_type=MERGE_PATCH)
         elif kind == "PodDisruptionBudget" and existing.get("spec") != obj["spec"]:
             await self._call(self.policy.patch_namespaced_pod_disruption_budget, name, ns,
                              {"spec": obj["spec"]}, _content_type=MERGE_PATCH)
+        elif kind == "NetworkPolicy" and existing.get("spec") != obj["spec"]:
+            log.info("%s/%s: NetworkPolicy %s is not the operator's: its spec replaced", ns, name, name)
+            await self._call(self.networking.patch_namespaced_network_policy, name, ns,
+                             [{"op": "replace", "path": "/spec", "value": obj["spec"]}], _content_type=JSON_PATCH)
         return False
 
     async def job_keys(self, namespace: str, owner: planning.Owner, *, create: bool = False) -> keys.Keypair | None:

@@ -1,4 +1,5 @@
-"""The objects of a world, built from a StreamingJob: pods, headless Service, ConfigMap.
+"""The objects of a world, built from a StreamingJob: pods, headless Service, ConfigMap, budget,
+keypair Secret and (operator/policies.py) NetworkPolicy.
 
 Pure: a JobSpec, a world epoch and the operator's settings in, plain dicts out.
 Called by the life cycle (`lifecycle`, which decides *when* a world starts) and by the tests,
@@ -16,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from splitfeed.trainer_client import contract, errors, keys, membership, specs
+
+from . import policies
 
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
@@ -70,6 +73,9 @@ class Settings:
     """The back-off never exceeds this (a Job's cap: 6 minutes)."""
     stall_timeout_s: float = 900.0
     """A world whose pods have not all been running for this long is marked Stalled."""
+    network_policy: policies.NetworkPolicy | None = None
+    """Who besides a job's own pods may reach them (operator/policies.py); None: the operator
+    makes no NetworkPolicy (the command line's default; the Helm chart turns it on)."""
 
     def backoff_s(self, attempt: int) -> float:
         """The wait before attempt `attempt` (1: the first retry) of a restart or a creation."""
@@ -466,6 +472,11 @@ def pod_security_context(template_context: Mapping[str, Any]) -> dict[str, Any]:
     return context
 
 
+def network_policy(job: specs.JobSpec, owner: Owner, settings: policies.NetworkPolicy) -> dict[str, Any]:
+    """NetworkPolicy `<job>`: one for the job, covering every world's pods (operator/policies.py)."""
+    return policies.network_policy(job, _meta(job, job.name, owner, job_selector(job.name)), settings)
+
+
 def disruption_budget(job: specs.JobSpec, world_epoch: int, owner: Owner) -> dict[str, Any]:
     """PodDisruptionBudget `<job>`: at most one voluntary eviction at a time in the running world.
 
@@ -576,7 +587,9 @@ def world(
     job: specs.JobSpec, world_epoch: int, owner: Owner, settings: Settings, resume_step: int | None = None,
     table_version: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Every object world `world_epoch` needs, in creation order (ConfigMap, Service, budget first)."""
-    return [config_map(job, owner), service(job, owner), disruption_budget(job, world_epoch, owner)] + [
+    """Every object world `world_epoch` needs, in creation order: ConfigMap, Service, budget and
+    the job's NetworkPolicy before the pods, so that no pod ever runs unfenced."""
+    fence = [network_policy(job, owner, settings.network_policy)] if settings.network_policy is not None else []
+    return [config_map(job, owner), service(job, owner), disruption_budget(job, world_epoch, owner), *fence] + [
         pod(job, world_epoch, r, owner, settings, resume_step, table_version) for r in range(job.replicas)
     ]

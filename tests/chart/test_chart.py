@@ -158,7 +158,13 @@ class TestDeployment:
             "--liveness=http://0.0.0.0:8080/healthz", "--all-namespaces", "--sidecar-mode", "native",
             "--standalone", "--leader-elect", "--leader-election-lease", "splitfeed-operator",
             "--restart-backoff", "10", "--restart-backoff-max", "360", "--stall-timeout", "900",
-            "--metrics-port", "8090",
+            "--metrics-port", "8090", "--network-policy",
+            "--network-policy-operator-from", json.dumps([{
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator",
+                                                "app.kubernetes.io/instance": RELEASE,
+                                                "app.kubernetes.io/name": "splitfeed"}}}], separators=(",", ":")),
+            "--network-policy-metrics-from", '[{"namespaceSelector":{}}]',
         ]
         assert c["image"] == "splitfeed:0.1.0"
 
@@ -328,6 +334,57 @@ class TestRBAC:
         assert of_kind(objs, "ServiceAccount") == []
         for binding in of_kind(objs, "RoleBinding") + of_kind(objs, "ClusterRoleBinding"):
             assert binding["subjects"][0]["name"] == "existing-sa"
+
+
+class TestNetworkPolicy:
+    """networkPolicy.* reaches the operator as the flags operator/policies.py reads (docs/security.md)."""
+
+    @staticmethod
+    def settings(values: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+        from splitfeed.operator import commands
+        from splitfeed.trainer_client import cli
+
+        monkeypatch.setenv("SPLITFEED_OPERATOR_NAMESPACE", NAMESPACE)  # the pod's fieldRef, for --leader-elect
+        c = container(objects(values))
+        return commands.config_from_args(cli.build_parser().parse_args([*c["command"][1:], *c["args"]])).planning
+
+    def test_on_by_default_naming_the_operators_own_pods_in_the_release_namespace(self, monkeypatch):
+        policy = self.settings({}, monkeypatch).network_policy
+        assert policy is not None
+        (peer,) = policy.operator_from
+        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+        for values in ({}, SCENARIOS["everything"]):  # podLabels adds labels, never takes the selector's away
+            pod_labels = one(objects(values), "Deployment")["spec"]["template"]["metadata"]["labels"]
+            assert peer["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        assert set(peer["podSelector"]["matchLabels"]) >= {"app.kubernetes.io/instance", "app.kubernetes.io/component"}
+
+    def test_the_metrics_peers_default_to_every_pod_in_the_cluster(self, monkeypatch):
+        assert self.settings({}, monkeypatch).network_policy.metrics_from == ({"namespaceSelector": {}},)
+
+    def test_the_metrics_peers_named_in_values_reach_the_operator_as_given(self, monkeypatch):
+        wanted = SCENARIOS["everything"]["networkPolicy"]["metrics"]["from"]
+        assert list(self.settings(SCENARIOS["everything"], monkeypatch).network_policy.metrics_from) == wanted
+        nobody = {"networkPolicy": {"metrics": {"from": []}}}
+        assert self.settings(nobody, monkeypatch).network_policy.metrics_from == ()
+
+    def test_off_passes_no_flag_and_grants_nothing_on_networkpolicies(self, monkeypatch):
+        values = SCENARIOS["network-policy-off"]
+        assert self.settings(values, monkeypatch).network_policy is None
+        assert not [a for a in container(objects(values))["args"] if a.startswith("--network-policy")]
+        for scenario in (values, {**values, **SCENARIOS["namespace-list"]}):
+            assert not [g for role in rbac(objects(scenario)) for g in grants(role["rules"])
+                        if g[1] == "networkpolicies"]
+
+    @pytest.mark.parametrize("values", [pytest.param({}, id="cluster"),
+                                        pytest.param(SCENARIOS["namespace-list"], id="namespaces")])
+    def test_on_grants_get_create_and_patch_on_networkpolicies_where_jobs_run(self, values):
+        found = {(role["kind"], role["metadata"].get("namespace")): {g for g in grants(role["rules"])
+                                                                     if g[1] == "networkpolicies"}
+                 for role in rbac(objects(values))}
+        verbs = {("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")}
+        expected = ({("ClusterRole", None): verbs} if not values else
+                    {("Role", "team-a"): verbs, ("Role", "team-b"): verbs, ("ClusterRole", None): set()})
+        assert {k: v for k, v in found.items() if not (k[0] == "Role" and k[1] == NAMESPACE)} == expected
 
 
 # --- the webhook ----------------------------------------------------------------
@@ -502,6 +559,13 @@ class TestValues:
             pytest.param({"leaderElection": {"enabled": "yes"}}, "/leaderElection/enabled", id="leader"),
             pytest.param({"failure": {"restartBackoffSeconds": -1}}, "/failure/restartBackoffSeconds",
                          id="negative-backoff"),
+            pytest.param({"networkPolicy": {"enabled": "yes"}}, "/networkPolicy/enabled", id="netpol-enabled"),
+            pytest.param({"networkPolicy": {"metrics": {"from": [{}]}}}, "/networkPolicy/metrics/from/0",
+                         id="netpol-empty-peer"),
+            pytest.param({"networkPolicy": {"metrics": {"from": [{"namespace": "monitoring"}]}}}, "namespace",
+                         id="netpol-unknown-peer-key"),
+            pytest.param({"networkPolicy": {"metrics": {"from": [{"podSelector": {"app": "prometheus"}}]}}},
+                         "/networkPolicy/metrics/from/0/podSelector", id="netpol-bare-labels"),
         ],
     )
     def test_the_schema_rejects_bad_values(self, values, words):

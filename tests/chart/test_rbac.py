@@ -11,7 +11,8 @@ What the operator needs comes from three places, all read here:
   owner's finalizers subresource.
 The chart must grant the union (cluster-scoped kinds in the ClusterRole, the
 Lease in the leader Role, subjectaccessreviews only with
-webhook.checkPodPermission, kopf.dev only with peering) and nothing else.
+webhook.checkPodPermission, kopf.dev only with peering, networkpolicies only with
+networkPolicy.enabled, on by default) and nothing else.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.support.waiting import until
 ROOT = Path(__file__).resolve().parents[2]
 Grant = tuple[str, str, str]
 API_GROUPS = {"core": "", "policy": "policy", "authorization": "authorization.k8s.io",
-              "coordination": "coordination.k8s.io", "custom": contract.GROUP}
+              "coordination": "coordination.k8s.io", "networking": "networking.k8s.io", "custom": contract.GROUP}
 VERBS = {"read": "get", "get": "get", "list": "list", "create": "create", "patch": "patch", "delete": "delete",
          "replace": "update"}
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings", "subjectaccessreviews"}
@@ -50,7 +51,9 @@ def client_calls(path: Path) -> set[Grant]:
             m = re.fullmatch(r"(read|get|list|create|patch|delete|replace)_(?:namespaced_)?(\w+?)(_status)?", node.attr)
             assert m, f"{path.name}: cannot tell the verb of {node.value.attr}.{node.attr}"
             kind = m[2]
-            resource = contract.PLURAL if kind == "custom_object" else kind.replace("_", "") + "s"
+            singular = kind.replace("_", "")
+            plural = singular[:-1] + "ies" if singular.endswith("y") else singular + "s"  # networkpolicy
+            resource = contract.PLURAL if kind == "custom_object" else plural
             found.add((API_GROUPS[node.value.attr], resource + ("/status" if m[3] else ""), VERBS[m[1]]))
     return found
 
@@ -136,14 +139,15 @@ def needed(recorded: set[Grant]) -> set[Grant]:
     return found
 
 
-def split(found: set[Grant], *, peering: bool, sar: bool, cluster_mode: bool = True,
+def split(found: set[Grant], *, peering: bool, sar: bool, cluster_mode: bool = True, netpol: bool = True,
           ) -> tuple[set[Grant], set[Grant], set[Grant]]:
     """(namespaced, cluster-scoped, leader Lease) grants for the chart's values.
 
     Kopf peers through ClusterKopfPeerings when it serves every namespace (as
     recorded) and through KopfPeerings in its namespaces otherwise, with the same verbs.
     """
-    wanted = {g for g in found if (peering or g[0] != "kopf.dev") and (sar or g[1] != "subjectaccessreviews")}
+    wanted = {g for g in found if (peering or g[0] != "kopf.dev") and (sar or g[1] != "subjectaccessreviews")
+              and (netpol or g[1] != "networkpolicies")}
     if not cluster_mode:
         wanted = {("kopf.dev", "kopfpeerings", g[2]) if g[1] == "clusterkopfpeerings" else g for g in wanted}
     lease = {g for g in wanted if g[1] == "leases"}
@@ -182,8 +186,24 @@ def test_namespace_mode_grants_the_namespaced_part_in_each_namespace(recorded, p
     assert grants(cluster_role["rules"]) == cluster_scoped
 
 
+@pytest.mark.parametrize("cluster_mode", [True, False])
+@pytest.mark.timeout(90)
+def test_without_network_policies_the_chart_grants_nothing_on_them(recorded, cluster_mode):
+    namespaced, cluster_scoped, lease = split(needed(recorded), peering=False, sar=False, cluster_mode=cluster_mode,
+                                              netpol=False)
+    values = {"networkPolicy": {"enabled": False}, **({} if cluster_mode else SCENARIOS["namespace-list"])}
+    objs = objects(values)
+    if cluster_mode:
+        assert roles(objs) == {("ClusterRole", None): namespaced | cluster_scoped, ("Role", "leader"): lease}
+    else:
+        by_ns = {o["metadata"]["namespace"]: grants(o["rules"]) for o in objs
+                 if o["kind"] == "Role" and not o["metadata"]["name"].endswith("-leader")}
+        assert by_ns == {"team-a": namespaced, "team-b": namespaced}
+
+
 def test_the_static_reading_of_kube_py_sees_every_call():
     calls = client_calls(ROOT / "operator" / "kube.py")
     assert ("", "pods", "create") in calls and (contract.GROUP, "streamingjobs/status", "patch") in calls
     assert ("coordination.k8s.io", "leases", "update") in calls
     assert ("authorization.k8s.io", "subjectaccessreviews", "create") in calls
+    assert {("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")} <= calls

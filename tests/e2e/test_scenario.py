@@ -89,6 +89,11 @@ def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_step
     assert row[:4] == [name, "3", "3", "Succeeded"], row
     assert row[4:6] == [str(epochs), "0"], f"progress of a finished {epochs}-epoch job: {row}"
 
+    # The job's NetworkPolicy (networkPolicy.enabled by default) selects its pods; no CNI here enforces it.
+    policy = cluster.get(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{name}")
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"splitfeed.io/job": name}}
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == cluster.job(name)["metadata"]["uid"]
+
     # Deleting the job removes every object and process it made.
     pids = [pid for k, pid in cluster.kubelet.pids().items() if k[1].startswith(f"{name}-")]
     shm = [r.shm for r in cluster.kubelet.runs.values() if r.name.startswith(f"{name}-")]
@@ -96,10 +101,11 @@ def test_a_job_scaled_4_to_2_to_3_mid_epoch_trains_on_exactly_the_reference_step
     cluster.kubectl("-n", NS, "delete", "sj", name, "--wait=true", "--timeout=60s")
 
     def gone() -> bool:
-        left = [k for k in ("pods", "services", "configmaps") if cluster.get(
-            f"/api/v1/namespaces/{NS}/{k}?labelSelector=splitfeed.io/job%3D{name}")["items"]]
+        left = [k for k in ("api/v1/{}/pods", "api/v1/{}/services", "api/v1/{}/configmaps",
+                            "apis/networking.k8s.io/v1/{}/networkpolicies") if cluster.get(
+            "/" + k.format(f"namespaces/{NS}") + f"?labelSelector=splitfeed.io/job%3D{name}")["items"]]
         return not left and not any(k[1].startswith(f"{name}-") for k in cluster.kubelet.pids())
-    wait_for(gone, 60, "pods, Service, ConfigMap and processes of the job to be gone")
+    wait_for(gone, 60, "pods, Service, ConfigMap, NetworkPolicy and processes of the job to be gone")
     assert not [pid for pid in pids if alive(pid)]
     assert not [d for d in shm if d.exists()]
     log(f"{name}: every object, process and shared-memory directory is gone")
@@ -116,10 +122,13 @@ def test_the_operator_pod_runs_as_the_charts_service_account(cluster: Cluster) -
     user = review["status"]["user"]["username"]
     assert user == f"system:serviceaccount:{SYSTEM_NS}:{pod['spec']['serviceAccountName']}"
 
-    def can(verb: str) -> str:
-        return cluster.kubectl("auth", "can-i", verb, "secrets", "-n", NS, f"--as={user}", check=False).stdout.strip()
+    def can(verb: str, resource: str) -> str:
+        return cluster.kubectl("auth", "can-i", verb, resource, "-n", NS, f"--as={user}", check=False).stdout.strip()
 
     # Each job's control keypair (docs/security.md): created, and read back by name; nothing more.
-    verbs = ("get", "create", "list", "watch", "update", "delete")
-    assert {v: can(v) for v in verbs} == {"get": "yes", "create": "yes", "list": "no", "watch": "no",
-                                          "update": "no", "delete": "no"}
+    verbs = ("get", "create", "list", "watch", "update", "patch", "delete")
+    assert {v: can(v, "secrets") for v in verbs} == {"get": "yes", "create": "yes", "list": "no", "watch": "no",
+                                                     "update": "no", "patch": "no", "delete": "no"}
+    # Each job's NetworkPolicy (networkPolicy.enabled, the default): made, read back, its spec put back.
+    assert {v: can(v, "networkpolicies.networking.k8s.io") for v in verbs} == {
+        "get": "yes", "create": "yes", "list": "no", "watch": "no", "update": "no", "patch": "yes", "delete": "no"}

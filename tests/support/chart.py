@@ -31,6 +31,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "webhook": {"enabled": True, "certManager": {"enabled": True, "issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}}}
     },
     "crds-disabled": {"crds": {"enabled": False}},
+    "network-policy-off": {"networkPolicy": {"enabled": False}},
     "custom-sidecar": {
         "sidecar": {"image": "registry.example.com/splitfeed:0.2.0", "mode": "container", "shmSize": "8Gi", "prefetchBatches": 8}
     },
@@ -50,6 +51,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
         "webhook": {"enabled": True, "port": 10443, "failurePolicy": "Ignore", "caBundle": CA_BUNDLE, "certSecretName": "tls"},
+        "networkPolicy": {"metrics": {"from": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+             "podSelector": {"matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "In",
+                                                   "values": ["prometheus"]}]}},
+            {"ipBlock": {"cidr": "10.20.0.0/16", "except": ["10.20.1.0/24"]}}]}},
     },
 }
 

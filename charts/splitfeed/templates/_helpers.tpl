@@ -83,3 +83,12 @@ watch.namespaces, else the one of splitfeed.watchNamespace. */}}
 {{- required "webhook.certSecretName (a kubernetes.io/tls Secret) is required when webhook.enabled is true and webhook.certManager.enabled is false" .Values.webhook.certSecretName }}
 {{- end }}
 {{- end }}
+
+{{/* Who the operator is to each job's NetworkPolicy (docs/security.md): its pods, by the
+Deployment's selector labels, in the release namespace (by the label the apiserver sets
+on every namespace), as a JSON list of NetworkPolicyPeers. */}}
+{{- define "splitfeed.operatorPeers" -}}
+{{- $pods := dict "matchLabels" (include "splitfeed.selectorLabels" . | fromYaml) }}
+{{- $namespace := dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace) }}
+{{- list (dict "namespaceSelector" $namespace "podSelector" $pods) | toJson }}
+{{- end }}
