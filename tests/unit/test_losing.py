@@ -117,6 +117,15 @@ time.sleep(600)  # stuck in an all-reduce whose peer is gone
 """
 
 
+def run_agent(directory: Path, how: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`splitfeed run -- python -c SCRIPT` in world 0 of 2, with `directory` as its pod's socket directory."""
+    return subprocess.run(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
+        env={**os.environ, contract.SOCKET_DIR_ENV: str(directory), contract.WORLD_EPOCH_ENV: "0",
+             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how},
+        capture_output=True, text=True, timeout=timeout_s)
+
+
 def lose_world_0(directory: Path, after_s: float) -> threading.Thread:
     """What the sidecar does when its coordinator says `world_lost`: LOST, then the next world,
     `after_s` after the script of world 0 began (a loss before it ran would find nothing to stop:
@@ -141,11 +150,7 @@ def test_the_agent_starts_the_script_again_in_the_next_world_when_its_world_lost
     (tmp_path / messages.SOCKET_NAME).touch()  # a sidecar serves: it can still say what comes next
     sidecar = lose_world_0(tmp_path, 1.5)
     began = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
-        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how},
-        capture_output=True, text=True, timeout=60)
+    done = run_agent(tmp_path, how, timeout_s=60)
     sidecar.join()
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert done.returncode == 0, done.stderr
@@ -157,11 +162,7 @@ def test_the_agent_starts_the_script_again_in_the_next_world_when_its_world_lost
 
 def test_a_script_that_fails_without_a_serving_sidecar_ends_the_agent_at_once(tmp_path):
     membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
-    done = subprocess.run(
-        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
-        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": "fails"},
-        capture_output=True, text=True, timeout=30)
+    done = run_agent(tmp_path, "fails", timeout_s=30)
     assert done.returncode == 1
 
 
@@ -170,11 +171,7 @@ def test_a_script_that_fails_of_its_own_ends_the_agent_with_its_code_while_the_s
     membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
     (tmp_path / messages.SOCKET_NAME).touch()  # a sidecar serves, and would say a loss: nobody waits for it
     began = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
-        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how},
-        capture_output=True, text=True, timeout=120)
+    done = run_agent(tmp_path, how, timeout_s=120)
     assert done.returncode == code, done.stderr
     assert time.monotonic() - began < agent.LOSS_WAIT_S / 2, "the agent waited for a loss nobody will say"
     assert "failed on its own" in done.stderr
