@@ -173,6 +173,7 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
     # prepares (or, in a new pod of a scale-up, while the old world drains), and its client
     # takes the world the sidecar serves when it connects (StreamClient._adopt_world).
     env, epoch = dict(os.environ), int(os.environ.get(contract.WORLD_EPOCH_ENV, "0") or 0)
+    started = time.time()
     child[:] = [subprocess.Popen(fresh(argv), env=env)]
     local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") or 0)
     while True:
@@ -181,7 +182,7 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
         now = membership.read(socket_dir)
         if now is not None and now.state == membership.LEFT:
             return 0  # this pod is not in the world any more: its script had nothing to train
-        if code != 0 and not stopping and not lost and _peer_caused(child[0], argv[0], socket_dir, local_rank):
+        if code != 0 and not stopping and not lost and _peer_caused(argv[0], code, socket_dir, started):
             lost = membership.wait_lost(socket_dir, _trained_in(socket_dir, local_rank, epoch), LOSS_WAIT_S,
                                         stop=lambda: bool(stopping), poll_s=WATCH_S)
         if (code != 0 and not lost) or stopping:
@@ -196,19 +197,22 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
         log.info("world %d: rank %d of %d; starting %s again%s", world.epoch, world.rank,
                  world.world_size, argv[0], " (its world before lost a pod)" if lost else "")
         env, epoch = membership.world_env(dict(os.environ), world), world.epoch
+        started = time.time()
         child[:] = [spare.start(env)]
 
 
-def _peer_caused(process: subprocess.Popen[bytes], name: str, socket_dir: Path, local_rank: int) -> bool:
-    """The script failed in a collective (trainer_client/failures.py): its world may have lost a
-    pod, which the sidecar will say. Any other failure is the script's own, and ends the agent."""
-    failure = failures.read(socket_dir, local_rank, process.pid)
-    if failure is not None and failure.collective:
+def _peer_caused(name: str, code: int | None, socket_dir: Path, since: float) -> bool:
+    """The script (or a worker of its launcher) failed in a collective since `since`
+    (trainer_client/failures.py): its world may have lost a pod, which the sidecar will say.
+    Any other failure is the script's own, and ends the agent."""
+    found = failures.recorded_since(socket_dir, since)
+    collective = [f for f in found if f.collective]
+    if collective:
         log.warning("%s failed in a collective (%s): waiting up to %.0f s for its sidecar to say whether "
-                    "the world lost a pod", name, failure.exception, LOSS_WAIT_S)
+                    "the world lost a pod", name, collective[0].exception, LOSS_WAIT_S)
         return True
     log.error("%s failed on its own (%s): ending with its exit code %s", name,
-              failure.exception if failure else "no exception recorded", process.returncode)
+              found[0].exception if found else "no exception recorded", code)
     return False
 
 

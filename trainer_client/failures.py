@@ -82,14 +82,17 @@ def record(directory: Path, local_rank: int, epoch: int, exc: BaseException) -> 
         pass  # a missing record makes the agent end with the exit code: what it would do anyway
 
 
-def read(directory: Path, local_rank: int, pid: int) -> Failure | None:
-    """The failure process `pid` recorded; None if it recorded none (it exited, or was killed)."""
-    try:
-        found = json.loads((Path(directory) / FILE.format(local_rank=local_rank)).read_text())
-        failure = Failure(**found)
-    except (OSError, ValueError, TypeError):
-        return None
-    return failure if failure.pid == pid else None
+def recorded_since(directory: Path, since: float) -> list[Failure]:
+    """Every failure a trainer process in `directory` recorded at or after `since` (time.time()):
+    the agent's child may be a launcher (torchrun) whose worker processes each have a client."""
+    found = []
+    for path in sorted(Path(directory).glob(FILE.format(local_rank="*"))):
+        try:
+            if path.stat().st_mtime >= since:
+                found.append(Failure(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return found
 
 
 def install(directory: Path, local_rank: int, epoch: Callable[[], int]) -> None:

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
+import time
 
 from splitfeed.trainer_client import failures
 from tests.support import ports
@@ -29,21 +28,16 @@ dist.all_reduce(t)  # its peer vanished: gloo raises
 
 
 def test_a_collective_whose_peer_vanished_is_recorded_as_such(tmp_path):
+    began = time.time()
     port = str(ports.free_port())
     peer = subprocess.Popen([sys.executable, "-c", RANK, "1", port, str(tmp_path)])
     rank0 = subprocess.run([sys.executable, "-c", RANK, "0", port, str(tmp_path)],
                            capture_output=True, text=True, timeout=120)
     peer.wait(timeout=60)
     assert rank0.returncode == 1, rank0.stderr
-    found = failures.read(tmp_path, 0, pid=_pid_of(tmp_path, 0))
-    assert found is not None and found.collective and found.epoch == 7, found
+    [found] = failures.recorded_since(tmp_path, began)  # rank 1 exited without an exception
+    assert found.collective and found.epoch == 7 and found.pid != peer.pid, found
     assert found.exception.startswith("builtins.RuntimeError:") and "Traceback" in rank0.stderr
-    assert failures.read(tmp_path, 1, pid=peer.pid) is None  # it exited without an exception
-
-
-def _pid_of(directory: Path, local_rank: int) -> int:
-    import json
-    return int(json.loads((directory / failures.FILE.format(local_rank=local_rank)).read_text())["pid"])
 
 
 OWN = """
@@ -64,17 +58,19 @@ sys.exit(3)
 
 
 def test_a_failure_of_its_own_is_recorded_as_not_a_collective_and_an_exit_records_nothing(tmp_path):
+    began = time.time()
     raised = subprocess.Popen([sys.executable, "-c", OWN, str(tmp_path), "raises"], stderr=subprocess.PIPE)
     _, err = raised.communicate(timeout=60)
-    found = failures.read(tmp_path, 0, pid=raised.pid)
-    assert found is not None and not found.collective and found.epoch == 2
+    [found] = failures.recorded_since(tmp_path, began)
+    assert found.pid == raised.pid and not found.collective and found.epoch == 2
     assert found.exception == "builtins.ValueError: the model's config is wrong"
     assert b"KeyError" in err  # the script's own hook (python's) still printed the whole chain
     assert (tmp_path / failures.FILE.format(local_rank=0)).stat().st_mode & 0o777 == 0o600
+    later = time.time()
     for how in ("exits", "interrupted"):
         other = subprocess.run([sys.executable, "-c", OWN, str(tmp_path), how], capture_output=True, timeout=60)
         assert other.returncode != 0
-    assert failures.read(tmp_path, 0, pid=os.getpid()) is None  # a record is only its own process's
+    assert failures.recorded_since(tmp_path, later) == []  # an exit and a ^C record nothing
 
 
 def test_a_collective_failure_is_found_through_the_exceptions_it_caused():

@@ -99,6 +99,9 @@ from pathlib import Path
 from splitfeed.trainer_client import failures, membership
 d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
 epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
+if os.environ.get("HOW") == "launcher":  # torchrun's part: a worker process has the client
+    import subprocess
+    sys.exit(subprocess.run([sys.executable, "-c", os.environ["SCRIPT"]], env={**os.environ, "HOW": "fails"}).returncode)
 failures.install(d, 0, lambda: epoch)  # what StreamClient() installs
 with open(d / "runs.jsonl", "a") as f:
     f.write(json.dumps({"epoch": epoch, "pid": os.getpid()}) + "\\n")
@@ -122,7 +125,7 @@ def run_agent(directory: Path, how: str, timeout_s: float) -> subprocess.Complet
     return subprocess.run(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
         env={**os.environ, contract.SOCKET_DIR_ENV: str(directory), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how},
+             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how, "SCRIPT": SCRIPT},
         capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -144,7 +147,7 @@ def lose_world_0(directory: Path, after_s: float) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("how", ["stuck", "fails"])
+@pytest.mark.parametrize("how", ["stuck", "fails", "launcher"])
 def test_the_agent_starts_the_script_again_in_the_next_world_when_its_world_lost_a_pod(tmp_path, how):
     membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
     (tmp_path / messages.SOCKET_NAME).touch()  # a sidecar serves: it can still say what comes next
