@@ -21,7 +21,7 @@ def readme_block(marker: str) -> list[str]:
 
 @pytest.mark.parametrize("module, trainer", [
     ("integrations.lightning", "lightning_trainer.py"), ("integrations.hf", "hf_trainer.py"),
-    ("init_device_mesh", "mesh_trainer.py"),
+    ("init_device_mesh", "mesh_trainer.py"), ("from accelerate import Accelerator", "accelerate_trainer.py"),
 ])
 def test_the_readme_example_is_what_the_tested_trainer_runs(module, trainer):
     lines = readme_block(module)
