@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from tests.bench import run
+
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "bench"
 Q = 32
@@ -125,9 +127,7 @@ def sidecar_run(work: Path, endpoint: Endpoint, clump: int, seconds: float, *, s
     creds.mkdir(exist_ok=True)
     for key in ("aws_access_key_id", "aws_secret_access_key"):
         (creds / key).write_text(endpoint.options[key])
-    sockets = Path(tempfile.mkdtemp(prefix="sf-bench-s3-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    env = {**os.environ, "SPLITFEED_SOCKET_DIR": str(sockets), "RANK": "0", "WORLD_SIZE": "1",
-           "SPLITFEED_RESUME": "none", "SPLITFEED_JOB_UID": f"bench-{time.time_ns()}"}
+    sockets, env = run.sidecar_env(work, SPLITFEED_JOB_UID=f"bench-{time.time_ns()}")
     proc = subprocess.Popen([sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar", "--config",
                              str(config), "--storage-options-dir", str(creds)], env=env, cwd=ROOT,
                             stderr=subprocess.DEVNULL)

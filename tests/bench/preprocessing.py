@@ -45,6 +45,7 @@ import numpy as np
 import psutil
 
 from splitfeed.trainer_client.client import StreamClient
+from tests.bench import run
 
 ROOT = Path(__file__).resolve().parents[2]
 REPEATS = 3
@@ -141,9 +142,7 @@ def _sidecar(data: dict[str, Any], workdir: Path) -> Any:
                            "metadata": {"name": "bench"}, "spec": {"data": data}})
     config = workdir / "config.json"
     config.write_text(json.dumps(job.data_config()))
-    sockets = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    env = {**os.environ, "SPLITFEED_SOCKET_DIR": str(sockets), "RANK": "0", "WORLD_SIZE": "1",
-           "SPLITFEED_RESUME": "none"}
+    sockets, env = run.sidecar_env(workdir)
     proc = subprocess.Popen([sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
                              "--config", str(config)], env=env, cwd=ROOT)
     try:

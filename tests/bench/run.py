@@ -235,6 +235,19 @@ def bare_loop(client: StreamClient) -> Iterator[int]:
         yield len(batch["id"])
 
 
+def sidecar_env(workdir: Path, **extra: str) -> tuple[Path, dict[str, str]]:
+    """A fresh socket directory (in /dev/shm where there is one) and the environment of a lone
+    sidecar serving rank 0 of 1 from it, with a keypair of its own under `workdir`, as a pod's."""
+    from splitfeed.trainer_client import contract, keys
+
+    sockets = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    if not (workdir / "keys").exists():
+        keys.create(workdir / "keys")
+    return sockets, {**os.environ, contract.SOCKET_DIR_ENV: str(sockets), contract.RANK: "0",
+                     contract.WORLD_SIZE: "1", contract.RESUME_ENV: "none",
+                     contract.KEYS_DIR_ENV: str(workdir / "keys"), **extra}
+
+
 def sidecar_rows_per_s(uri: str, workdir: Path, loop: Callable[[StreamClient], Iterator[int]] = bare_loop) -> float:
     """Rows/s that `loop` takes from one sidecar over the bench table, its first batch excluded."""
     from splitfeed.trainer_client import specs
@@ -246,9 +259,7 @@ def sidecar_rows_per_s(uri: str, workdir: Path, loop: Callable[[StreamClient], I
                           "readBatchSize": 1024}}})
     config = workdir / "config.json"
     config.write_text(json.dumps(job.data_config()))
-    sockets = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    env = {**os.environ, "SPLITFEED_SOCKET_DIR": str(sockets), "RANK": "0", "WORLD_SIZE": "1",
-           "SPLITFEED_RESUME": "none"}
+    sockets, env = sidecar_env(workdir)
     proc = subprocess.Popen([sys.executable, "-m", "splitfeed.trainer_client.cli", "sidecar",
                              "--config", str(config)], env=env, cwd=ROOT)
     try:
