@@ -248,15 +248,17 @@ def sidecar_env(workdir: Path, **extra: str) -> tuple[Path, dict[str, str]]:
                      contract.KEYS_DIR_ENV: str(workdir / "keys"), **extra}
 
 
-def sidecar_rows_per_s(uri: str, workdir: Path, loop: Callable[[StreamClient], Iterator[int]] = bare_loop) -> float:
-    """Rows/s that `loop` takes from one sidecar over the bench table, its first batch excluded."""
+def sidecar_rows_per_s(uri: str, workdir: Path, loop: Callable[[StreamClient], Iterator[int]] = bare_loop,
+                       epochs: int = 1) -> float:
+    """Rows/s that `loop` takes from one sidecar over `epochs` epochs of the bench table, its
+    first batch excluded."""
     from splitfeed.trainer_client import specs
 
     job = specs.parse_job({
         "apiVersion": specs.API_VERSION, "kind": specs.KIND, "metadata": {"name": "bench"},
         "spec": {"data": {"uri": uri, "table": "bench", "numSplits": E2E_SPLITS,
                           "globalBatchSize": E2E_BATCH, "columns": ["id", "label", "vector"],
-                          "readBatchSize": 1024}}})
+                          "readBatchSize": 1024, "epochs": epochs}}})
     config = workdir / "config.json"
     config.write_text(json.dumps(job.data_config()))
     sockets, env = sidecar_env(workdir)
