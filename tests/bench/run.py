@@ -29,6 +29,7 @@ members and the coordinator's cost at rest (tests/bench/coordinator.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -111,12 +112,12 @@ def transport_gbps(size: int, count: int) -> float:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _series(size: int, count: int) -> dict[str, list[float]]:
+def _series(size: int, count: int, runs: int = TRANSPORT_RUNS) -> dict[str, list[float]]:
     """TRANSPORT_RUNS transport runs and as many floor runs, alternated so that both see the
     same load (it changes within seconds here), each between two memcpy measurements."""
     series: dict[str, list[float]] = {"runs": [], "floors": [], "run_memcpy": [], "floor_memcpy": [], "loads": []}
     before = memcpy_gbps(size, count)
-    for _ in range(TRANSPORT_RUNS):
+    for _ in range(runs):
         series["loads"].append(os.getloadavg()[0])
         for runs, baselines, measure in (("runs", "run_memcpy", transport_gbps),
                                          ("floors", "floor_memcpy", floor_gbps)):
@@ -147,10 +148,10 @@ def transport_row(size: int, series: dict[str, list[float]]) -> dict:
             "floor_ratio": round(max(floor_ratios), 3), "floor_worst_ratio": round(min(floor_ratios), 3)}
 
 
-def bench_transport() -> list[dict]:
+def bench_transport(sizes: tuple[tuple[int, int], ...] = TRANSPORT_SIZES, runs: int = TRANSPORT_RUNS) -> list[dict]:
     results = []
-    for mib, count in TRANSPORT_SIZES:
-        series = _series(mib * MiB, count)
+    for mib, count in sizes:
+        series = _series(mib * MiB, count, runs)
         row = transport_row(mib * MiB, series)
         results.append(row)
         loads = series["loads"]
@@ -300,45 +301,84 @@ def bench_end_to_end() -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def main() -> int:
-    print("transport (sidecar -> trainer, batches in memory):", flush=True)
-    transport = bench_transport()
-    print("end to end (LanceDB -> trainer):", flush=True)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How much of each bench a run does: FULL for `make bench`, QUICK (`--quick`) for the smoke
+    run CI does (tests/bench/test_quick.py), whose figures say nothing but that it all runs."""
+
+    transport: tuple[tuple[int, int], ...]
+    transport_runs: int
+    adapter_runs: int
+    prep_repeats: int
+    table_rows: list[int]
+    payload_rows: int
+    table_steps: int
+    epoch_starts: bool
+    store_seconds: float
+    store_latencies: list[float]
+    rescale_repeats: int
+    rescale_modes: tuple[str, ...]
+    members: list[int]
+    coordinator_repeats: int
+
+
+FULL = Plan(TRANSPORT_SIZES, TRANSPORT_RUNS, 5, 3, [1_000_000, 20_000_000, 50_000_000], 16_384, 300, True,
+            8.0, [0.0, 0.01, 0.05], 3, ("recreate", "agent", "in-process"), [64, 256, 1024], 3)
+QUICK = Plan(((1, 60),), 1, 1, 1, [100_000], 0, 40, False, 2.0, [0.0], 1, ("in-process",), [64], 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.run")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every bench at a small size")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    began = time.monotonic()
+
+    def section(title: str) -> None:  # a long run shows where it is
+        print(f"[{time.monotonic() - began:.0f} s, load {os.getloadavg()[0]:.1f}] {title}", flush=True)
+
+    section("transport (sidecar -> trainer, batches in memory):")
+    transport = bench_transport(plan.transport, plan.transport_runs)
+    section("end to end (LanceDB -> trainer):")
     end_to_end = bench_end_to_end()
-    print("framework adapters (rows/s against the bare StreamClient loop, same sidecar and table):", flush=True)
+    section("framework adapters (rows/s against the bare StreamClient loop, same sidecar and table):")
     from tests.bench import adapters, preprocessing
 
-    adapted = adapters.bench(5)
+    adapted = adapters.bench(plan.adapter_runs)
     adapted["verdicts"] = adapters.verdicts(adapted)
-    print("preprocessing (image decode; sequence packing):", flush=True)
+    section("preprocessing (image decode; sequence packing):")
 
-    prep = {"image": preprocessing.bench_image(), "packing": preprocessing.bench_packing()}
-    print("real tables (launch to first batch, sidecar memory, rows/s as tables grow):", flush=True)
+    prep = {"image": preprocessing.bench_image(plan.prep_repeats),
+            "packing": preprocessing.bench_packing(plan.prep_repeats)}
+    section("real tables (launch to first batch, sidecar memory, rows/s as tables grow):")
     from tests.bench import object_store, tables
 
-    big = tables.bench([1_000_000, 20_000_000, 50_000_000], 16_384, 150.0, 300)
-    big["epoch_starts"] = tables.bench_epoch_starts()
+    big = tables.bench(plan.table_rows, plan.payload_rows, 150.0, plan.table_steps)
+    if plan.epoch_starts:
+        big["epoch_starts"] = tables.bench_epoch_starts()
     big["verdicts"] = tables.verdicts(big)
-    print("object storage (an S3 endpoint with 0, 10 and 50 ms a request):", flush=True)
-    store = object_store.bench(8.0, [0.0, 0.01, 0.05], quick=False)
+    section("object storage (an S3 endpoint with 0, 10 and 50 ms a request):")
+    store = object_store.bench(plan.store_seconds, plan.store_latencies, quick=args.quick)
     store["verdicts"] = object_store.verdicts(store)
-    print("rescale (request to the new world's first batch: recreate, in place by agent, in process):",
-          flush=True)
+    section("rescale (request to the new world's first batch: recreate, in place by agent, in process):")
     from tests.bench import rescale
 
-    rescales = rescale.bench(3)
+    rescales = rescale.bench(plan.rescale_repeats, plan.rescale_modes)
     rescales["verdicts"] = rescale.verdicts(rescales)
-    print("coordinator at scale (a drain agreed by 64, 256 and 1,024 members; the world at rest):", flush=True)
+    section("coordinator at scale (a drain agreed by 64, 256 and 1,024 members; the world at rest):")
     from tests.bench import coordinator
 
-    coordinated = coordinator.bench(list(coordinator.MEMBERS), 3)
+    coordinated = coordinator.bench(plan.members, plan.coordinator_repeats)
     coordinated["summary"] = coordinator.summary(coordinated)
     coordinated["verdicts"] = coordinator.verdicts(coordinated)
     results = {"transport": transport, "end_to_end": end_to_end, "adapters": adapted, "preprocessing": prep,
                "tables": big, "object_store": store, "rescale": rescales, "coordinator": coordinated,
                "machine": {"cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2)}}
-    out = ROOT / "bench" / "results.json"
-    out.parent.mkdir(exist_ok=True)
+    out = args.out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\n{'benchmark':<22}{'best':>14}{'worst':>14}{'floor best':>14}{'best/floor':>12}{'goal':>7}"
           f"{'memcpy':>14}{'vs memcpy':>11}")
@@ -362,7 +402,7 @@ def main() -> int:
                  + rescales["verdicts"] + coordinated["verdicts"]):
         print(f"goal: {line}")
     print(f"checkpoint write (record + commit) at 50 ms a request: {store['checkpoint_write_s_at_50ms']} s")
-    print(f"\nwritten to {out.relative_to(ROOT)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"\nwritten to {out}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0  # a missed goal is printed above; only something broken (an exception) fails the run
 
 
