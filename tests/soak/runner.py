@@ -21,12 +21,14 @@ from pathlib import Path
 
 import yaml
 
+from splitfeed.trainer_client import agent
 from tests.soak import probe, schedule as sched
 from tests.soak.launcher import Launcher, command
 from tests.soak.progress import Progress
 from tests.support import manifests, processes, tables
 
 SETTLE_S = 60.0
+ORPHAN_GRACE_S = 10.0
 FORGER = Path(__file__).parents[1] / "streaming" / "forger.py"
 FORGE_S = 2.0
 SLEEP_S, CHECKPOINT_EVERY = 0.2, 5
@@ -44,6 +46,14 @@ class Outcome:
     recovery_s: float
     exits: list[int]
     """Exit codes of the runs that ended during the event."""
+
+
+def settle_bound(event: sched.Event, mode: str) -> float:
+    """SETTLE_S; in place, a trainer killed under its agent adds the agent's designed wait for
+    word of a lost pod (trainer_client.agent.LOSS_WAIT_S), which no operator gives locally."""
+    if mode == sched.IN_PLACE and event.kind == sched.KILL_TRAINER:
+        return SETTLE_S + agent.LOSS_WAIT_S
+    return SETTLE_S
 
 
 def epochs_for(events: int) -> int:
@@ -76,10 +86,13 @@ class Soak:
         self.forged: list[dict[str, object]] = []
         self._exits: list[int] = []
         self._sampled = 0.0
+        self._orphans: dict[int, float] = {}
 
     # -- the job --------------------------------------------------------------------------------
     def launch(self, resume: str) -> None:
         self.stop_file.unlink(missing_ok=True)  # an early stop is one run's
+        # What the run before left running is this subreaper's now; it gets ORPHAN_GRACE_S to end.
+        self._orphans = {pid: time.monotonic() + ORPHAN_GRACE_S for pid in processes.children()}
         argv = command(self.job_file, self.replicas, self.plan.mode, resume, self.logs, self.stop_file,
                        self.sleep_file, self.sleep_s, CHECKPOINT_EVERY)
         self.launcher = Launcher(argv, self.env)
@@ -93,6 +106,7 @@ class Soak:
         the next run unless the job ended. Every second, note the ports the job listens on."""
         self.progress.read()
         now = time.monotonic()
+        self._check_orphans(now)
         if now - self._sampled > 1.0:
             self._sampled = now
             self.ports |= probe.ports_of(probe.descendants(self.running().proc.pid))
@@ -112,6 +126,15 @@ class Soak:
         if kind in sched.KILLS and "exited with code -9" not in text:
             raise Violation(f"{kind}: the run failed, but not for the process killed:\n{text[-3000:]}")
         self.launch("latest")
+
+    def _check_orphans(self, now: float) -> None:
+        """A Violation for a process of an ended run that outlived ORPHAN_GRACE_S after it."""
+        alive = processes.children()
+        left = [pid for pid, by in self._orphans.items() if pid in alive and now > by]
+        if left:
+            raise Violation("left running by a run that ended: " + "; ".join(
+                f"{pid} ({processes.command_line(pid)[:120]})" for pid in left))
+        self._orphans = {pid: by for pid, by in self._orphans.items() if pid in alive}
 
     def wait(self, kind: str, done: object, timeout_s: float, what: str) -> float:
         """Poll until `done()` gives a time; that time. A Violation (a hang) after `timeout_s`."""
@@ -150,7 +173,7 @@ class Soak:
             after, size = world, None
         else:
             after, size = None, None
-        settled = self.wait(event.kind, lambda: self.progress.settled(t0, after, size), SETTLE_S,
+        settled = self.wait(event.kind, lambda: self.progress.settled(t0, after, size), settle_bound(event, self.plan.mode),
                             f"{event} to settle")
         self.outcomes.append(Outcome(event.kind, max(0.0, settled - t0), self._exits))
         self.wait(event.kind, lambda: time.time() if self.progress.steps_since(settled) > event.gap_steps

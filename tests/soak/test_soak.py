@@ -36,3 +36,13 @@ def test_seed_2_an_in_place_scale_up_asked_in_the_last_steps_ends_with_the_job()
                 timeout=280)
     assert "seed 2: --rescale inPlace, 1 replicas, 1 events\n   0. scale -> 2" in done.stdout, done.stdout
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_seed_425_a_killed_agents_trainer_does_not_outlive_the_run():
+    """Found by the soak: an in-place pod's agent SIGKILLed after a scale-down to one replica;
+    `splitfeed local` signalled a process group only while its leader lived, so the agent's
+    trainer script trained on, orphaned, listening on the world's MASTER_PORT."""
+    done = soak("--seed", "425", "--events", "2", "--mode", "inPlace", timeout=280)
+    assert "   0. scale -> 1 (+2 steps)\n   1. kill-agent rank 0 (+1 steps)" in done.stdout, done.stdout
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
