@@ -133,20 +133,22 @@ class Process:
 
     def stop(self) -> None:
         """End the process now: SIGINT, because SIGTERM asks a world to drain (docs/agreement.md)."""
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
+        self._signal_group(signal.SIGINT)
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._signal_group(signal.SIGKILL)
         self.popen.wait()
         self._log.close()
+
+    def _signal_group(self, sig: int) -> None:
+        """Signal the process's group (its session, as a pod's container), also once the process
+        itself has ended: what it started lives on in the group (a SIGKILLed agent's script), as
+        it would not in a container, whose processes all end with it. While any member lives
+        the kernel gives the group's id to no other process."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is empty
 
 
 def stop_all(processes: Sequence[Process]) -> None:
