@@ -54,3 +54,9 @@ def test_percentiles_are_nearest_rank():
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile([3.0], 99) == 3.0
     assert recovery_table([("scale", 2.0), ("scale", 4.0), ("forge", 1.0)]) == {
         "forge": {"n": 1, "p50_s": 1.0, "p99_s": 1.0}, "scale": {"n": 2, "p50_s": 2.0, "p99_s": 4.0}}
+
+
+def test_a_seeds_first_events_are_the_same_whatever_the_number_asked():
+    """A failure at event k of a long soak replays with --events k + 1."""
+    long, short = sched.generate(5, 25, COUNTS), sched.generate(5, 4, COUNTS)
+    assert (long.mode, long.start, long.events[:4]) == (short.mode, short.start, short.events)
