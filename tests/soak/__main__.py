@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -93,6 +94,10 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _interrupted(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak")
     parser.add_argument("--seed", type=int, required=True)
@@ -106,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every seed's result here")
     args = parser.parse_args(argv)
     probe.become_subreaper()
+    signal.signal(signal.SIGTERM, _interrupted)  # stopped from outside: the runs stop first (finally)
     # The soak writes to the table (lancedb) and then starts processes; they exec at once.
     warnings.filterwarnings("ignore", message=forkserver.FORK_WARNING, category=RuntimeWarning)
     results: list[dict[str, Any]] = []
