@@ -46,3 +46,13 @@ def test_seed_425_a_killed_agents_trainer_does_not_outlive_the_run():
     done = soak("--seed", "425", "--events", "2", "--mode", "inPlace", timeout=280)
     assert "   0. scale -> 1 (+2 steps)\n   1. kill-agent rank 0 (+1 steps)" in done.stdout, done.stdout
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_seed_64_an_in_place_rescale_after_a_scale_down_reaches_the_coordinator():
+    """Found by the soak: the world an in-place scale-down left had no keypair of the run, so
+    the next rescale's drain request fell back to SPLITFEED_KEYS_DIR, unset in a user's shell:
+    `splitfeed local` failed with exit 1 (the test suite sets it, which hid this)."""
+    done = soak("--seed", "64", "--events", "2", "--mode", "inPlace", timeout=280)
+    assert "   0. scale -> 1 (+3 steps)\n   1. scale -> 2 (+2 steps)" in done.stdout, done.stdout
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
