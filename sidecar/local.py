@@ -723,6 +723,7 @@ def _kept_world(world: World, job: specs.JobSpec, kept: int, work: Path) -> Worl
     """The next world in place, before its new replicas start: the processes of `world`'s
     first `kept` replicas, as they run, with the stats files they write in it."""
     nxt = new_world(job, world.epoch + 1, world.ports)
+    nxt.keypair = world.keypair  # the next change asks with it (start_trainers sets it for new pods only)
     per = job.gpus_per_replica
     nxt.sidecars, nxt.trainers = world.sidecars[:kept], world.trainers[:kept * per]
     nxt.socket_dirs, nxt.reports = world.socket_dirs[:kept], world.reports[:kept]
