@@ -133,20 +133,36 @@ class Process:
 
     def stop(self) -> None:
         """End the process now: SIGINT, because SIGTERM asks a world to drain (docs/agreement.md)."""
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
+        self._signal_group(signal.SIGINT)
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._signal_group(signal.SIGKILL)
         self.popen.wait()
         self._log.close()
+
+    def _signal_group(self, sig: int) -> None:
+        """Signal the process's group (its session, as a pod's container), also once the process
+        itself has ended: what it started lives on in the group (a SIGKILLed agent's script), as
+        it would not in a container, whose processes all end with it. While any member lives
+        the kernel gives the group's id to no other process."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is empty
+
+
+def stop_all(processes: Sequence[Process]) -> None:
+    """Stop every process (Process.stop), wait STOP_GRACE_S for them, then SIGKILL what is left:
+    a sidecar that waits to join a world does not end on SIGINT."""
+    for p in processes:
+        p.stop()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in processes:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        p.kill()
 
 
 def rank_env(job: specs.JobSpec, replica: int, local_rank: int, socket_dir: Path,
@@ -201,15 +217,7 @@ class World:
     """The run's CURVE keypair (run_keys), for this launcher's own requests to the coordinator."""
 
     def stop(self) -> None:
-        for p in self.trainers + self.sidecars:
-            p.stop()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in self.trainers + self.sidecars:
-            try:
-                p.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            p.kill()
+        stop_all(self.trainers + self.sidecars)
 
     def failure(self) -> str | None:
         for p in self.trainers + self.sidecars:
@@ -476,6 +484,8 @@ def _follow(history: list[World], rescales: list[Rescale], launch: Launch, plan:
         if target is not None:
             change = _rescale_in_place if launch.in_place else _rescale
             world, rescale = change(world, target, launch, display)
+            if rescale is None:
+                return None, None  # the job ended before the change could start
             history.append(world)
             rescales.append(rescale)
             continue
@@ -628,7 +638,7 @@ def _agreed_step(world: World) -> int:
     return int(agreed.pop())  # type: ignore[arg-type]
 
 
-def _rescale(world: World, replicas: int, launch: Launch, display: Progress) -> tuple[World, Rescale]:
+def _rescale(world: World, replicas: int, launch: Launch, display: Progress) -> tuple[World, Rescale | None]:
     """Drain `world` at one agreed step, as the operator does, and start the next one there."""
     job = _rescaled_job(world, replicas)
     display.note(_drain_note(world, replicas, in_place=False))
@@ -667,8 +677,13 @@ READY_WAIT_S = 120.0
 import and reach their first hello) before it asks for the drain regardless."""
 
 
+class _EndedFirst(Exception):
+    """The world ended (the job's last step, or its trainers returned) before its in-place
+    change was asked of it: a scale-up's new pods were still starting."""
+
+
 def _rescale_in_place(world: World, replicas: int, launch: Launch,
-                      display: Progress) -> tuple[World, Rescale]:
+                      display: Progress) -> tuple[World, Rescale | None]:
     """Change `world` in place, as the operator's `spec.rescale: inPlace` does: the processes
     of replicas 0..min(N, M) - 1 stay; new replicas start now, while the world still trains,
     and wait for the agreed step; replicas >= M end after the drain."""
@@ -687,10 +702,12 @@ def _rescale_in_place(world: World, replicas: int, launch: Launch,
                        storage_options_dir=launch.storage_options_dir, forks=launch.forks, replicas=added)
     try:
         now = _await_in_place(world, nxt, kept, asked, display)
-    except BaseException:
+    except BaseException as exc:
         per = job.gpus_per_replica
-        for p in nxt.sidecars[kept:] + nxt.trainers[kept * per:]:
-            p.stop()
+        stop_all(nxt.sidecars[kept:] + nxt.trainers[kept * per:])
+        if isinstance(exc, _EndedFirst):
+            display.note(f"world {world.epoch} ended before its new replicas started; no rescale")
+            return world, None
         raise
     step = now.resume_step
     nxt.resume_step = step
@@ -706,6 +723,7 @@ def _kept_world(world: World, job: specs.JobSpec, kept: int, work: Path) -> Worl
     """The next world in place, before its new replicas start: the processes of `world`'s
     first `kept` replicas, as they run, with the stats files they write in it."""
     nxt = new_world(job, world.epoch + 1, world.ports)
+    nxt.keypair = world.keypair  # the next change asks with it (start_trainers sets it for new pods only)
     per = job.gpus_per_replica
     nxt.sidecars, nxt.trainers = world.sidecars[:kept], world.trainers[:kept * per]
     nxt.socket_dirs, nxt.reports = world.socket_dirs[:kept], world.reports[:kept]
@@ -727,6 +745,8 @@ def _await_in_place(world: World, nxt: World, kept: int, asked: float,
         failure = world.failure() or nxt.failure()
         if failure:
             raise errors.UserError(f"world {world.epoch} failed while changing in place: {failure}")
+        if not acked and world.finished():
+            raise _EndedFirst  # not asked yet: its last step came while the new pods started
         if not acked and time.monotonic() < ready_by and not all(
                 membership.waiting(d, per) for d in nxt.socket_dirs[kept:]):
             time.sleep(0.05)  # the old world trains on while the new pods start

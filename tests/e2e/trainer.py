@@ -1,7 +1,8 @@
 """The trainer container of the end-to-end tests: a real synchronous data-parallel trainer.
 
-    python trainer.py LOG_DIR [--sleep-s S] [--checkpoint-every K] [--timeout-s T] [--log-column C]...
-                      [--in-place] [--stop-after N [--stop-rank R [--peers-wait]]] [--no-close]
+    python trainer.py LOG_DIR [--sleep-s S] [--sleep-file F] [--checkpoint-every K] [--timeout-s T]
+                      [--log-column C]... [--in-place] [--stop-after N [--stop-rank R [--peers-wait]]]
+                      [--stop-file F] [--no-close]
 
 The pods' `trainer` container runs this (the test kubelet runs it as a local
 process). It is what a user writes: torch.distributed with gloo on CPU
@@ -27,7 +28,9 @@ starts at the newest complete checkpoint: the model saved for it is loaded as at
 Most training scripts also stop at a `max_steps` (issue 21): `--stop-after N` returns after
 global step N - 1 (only rank R with `--stop-rank R`: the others go on into an all-reduce that
 rank R never joins, where gloo raises at once; `--peers-wait` makes them wait instead, as
-NCCL's all-reduce does), and `--no-close` leaves `client.close()` out, as many scripts do.
+NCCL's all-reduce does; `--stop-file F`: N is read from the file F each step once it exists,
+an early stop decided while the job runs, as tests/soak does), and `--no-close` leaves
+`client.close()` out, as many scripts do.
 
 There is no barrier or collective of its own around checkpoints: every rank must
 see `checkpoint_requested` on the same step because the sidecars agreed on it
@@ -56,7 +59,7 @@ with "t" (time.time()), each flushed before the next batch is asked for:
 
 `requested` is `client.checkpoint_requested` right after the step, `model` a
 digest of the parameters (equal on every rank: DDP). `--sleep-s` paces the
-steps so that a test can scale mid-epoch.
+steps so that a test can scale mid-epoch (`--sleep-file`: the pace read every step).
 """
 
 from __future__ import annotations
@@ -111,6 +114,10 @@ def main() -> int:
     parser.add_argument("--stop-rank", type=int, default=None, help="only this rank returns (--stop-after)")
     parser.add_argument("--peers-wait", action="store_true",
                         help="with --stop-rank: the other ranks wait for ever after step N - 1 (NCCL)")
+    parser.add_argument("--stop-file", type=Path, default=None,
+                        help="return after global step N - 1 once this file holds N (read every step)")
+    parser.add_argument("--sleep-file", type=Path, default=None,
+                        help="the pause after each step, read from this file every step once it exists")
     parser.add_argument("--no-close", action="store_true", help="return without client.close()")
     args = parser.parse_args()
     models = args.log_dir / "models"
@@ -190,7 +197,7 @@ def train_world(client: StreamClient, module: torch.nn.Module, args: argparse.Na
         del batch, loss  # the graph holds the batch's tensors: free its ring slot
         requested = client.checkpoint_requested
         record(event="batch", step=step, ids=ids, requested=requested, loss=round(loss_value, 6), **logged)
-        time.sleep(args.sleep_s)
+        time.sleep(pause(args))
         want_to_save = args.checkpoint_every > 0 and (step + 1) % args.checkpoint_every == 0
         if requested or want_to_save:
             done = checkpoint(client, record, step + 1, args.timeout_s)
@@ -205,7 +212,8 @@ def train_world(client: StreamClient, module: torch.nn.Module, args: argparse.Na
             if client.drained:
                 reason = "drained"
                 break
-        if args.stop_after is not None and step + 1 >= args.stop_after:
+        stop_after = stop_step(args)
+        if stop_after is not None and step + 1 >= stop_after:
             if args.stop_rank in (None, rank):
                 reason = "stopped"  # a max_steps loop
                 break
@@ -216,6 +224,24 @@ def train_world(client: StreamClient, module: torch.nn.Module, args: argparse.Na
     record(event="exit", reason=reason)
     log.close()
     return 0
+
+
+def pause(args: argparse.Namespace) -> float:
+    """--sleep-s, or what the --sleep-file says now (a soak speeds up its job's last steps)."""
+    try:
+        return float(args.sleep_file.read_text()) if args.sleep_file is not None else args.sleep_s
+    except (OSError, ValueError):
+        return float(args.sleep_s)
+
+
+def stop_step(args: argparse.Namespace) -> int | None:
+    """--stop-after, or the step the --stop-file holds now (None while it is absent or half written)."""
+    if args.stop_file is None:
+        return args.stop_after
+    try:
+        return int(args.stop_file.read_text())
+    except (OSError, ValueError):
+        return args.stop_after
 
 
 def checkpoint(client: StreamClient, record: Any, step: int, timeout_s: float) -> int | None:

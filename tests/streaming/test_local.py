@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from tests.streaming.harness import manifest, reference_batches
+from tests.support import guards
 from tests.support.tables import check_exact
 from tests.support.waiting import running, wait_for
 
@@ -405,3 +407,40 @@ def test_plan_shows_which_ranks_share_a_batch(table_uri, tmp_path):
     assert "rank 4: splits 16..23 (data-parallel rank 2)" in out and "rank 5: splits 16..23 (data-parallel rank 2)" in out
     refused = splitfeed("plan", "-f", job_file(tmp_path, manifest(table_uri, ranksPerBatch=2)), "--replicas", "3")
     assert refused.returncode != 0 and "is not divisible by ranksPerBatch=2" in refused.stderr
+
+
+def test_ctrl_c_during_an_in_place_scale_up_stops_the_new_pods_too(table_uri, tmp_path):
+    """Found by tests/soak: the new pod's sidecar waits to join the world and does not end on
+    SIGINT; `splitfeed local` sent it one and exited, and the sidecar ran on, orphaned."""
+    job = manifest(table_uri, str(tmp_path / "ckpt"))
+    work_glob = str(guards.shm_root() / f"splitfeed-{job['metadata']['name']}-*")
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitfeed.trainer_client.cli", "local", "-f", job_file(tmp_path, job),
+         "--replicas", "1", "--resume", "none", "--rescale", "inPlace", "--quiet",
+         "--", sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint(signal.SIG_DFL))
+    try:
+        wait_for(lambda: running(proc) and (logs / "w0-r0.jsonl").exists()
+                 and '"batch"' in (logs / "w0-r0.jsonl").read_text(), 120, "a batch trained")
+        (work,) = [Path(p) for p in glob.glob(work_glob)]
+        (work / "replicas").write_text("2\n")
+        wait_for(lambda: running(proc) and (work / "w1-replica-1" / "sidecar.lock").exists(), 60,
+                 "the new pod's sidecar")
+        children = descendants(proc.pid)
+        assert len(children) >= 5, children  # the fork server, two sidecars, two trainer agents
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    alive = lambda: [p for p in children if Path(f"/proc/{p}").exists()  # noqa: E731
+                     and "zombie" not in Path(f"/proc/{p}/status").read_text()]
+    try:
+        wait_for(lambda: not alive(), 20, "every process of the run to end")
+    finally:
+        for pid in alive():
+            os.kill(int(pid), signal.SIGKILL)
