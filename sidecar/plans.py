@@ -547,18 +547,23 @@ def failed(location: Location, epoch: int) -> str | None:
         return None
 
 
-POLL_SHARE, POLL_MAX_S = 0.1, 1.0
+POLL_SHARE = 0.1
 POLL_FIRST_S = {True: 0.005, False: 0.05}
 """The first look again, on a local filesystem (a stat) and on an object store (a request
 per reader: 512 ranks looking every 5 ms would be 100k requests a second)."""
+POLL_MAX_S = {True: 0.1, False: 1.0}
+"""The longest wait between looks. Locally a look is a stat: at 1 s, a reader of a 20M-row
+plan (a 5-10 s build) learnt of it 0.25-0.5 s late on average, on the way to a cold start's
+first batch; ten stats a second cost nothing. On an object store, 1 s: a request a look."""
 
 
 def next_poll_s(waited_s: float, local: bool = True) -> float:
     """When a reader waiting for a plan looks again: after a tenth of what it has waited so
-    far (at least POLL_FIRST_S, at most 1 s), so it learns of the plan at most ~10% late, in
-    a few dozen looks for a minute's build. Doubling from 50 ms made a reader of a plan that
-    came 60 ms after it asked wait 150 ms: the stall at every epoch start of a fast job."""
-    return min(POLL_MAX_S, max(POLL_FIRST_S[local], waited_s * POLL_SHARE))
+    far (at least POLL_FIRST_S, at most POLL_MAX_S), so it learns of the plan at most ~10%
+    late, in a few dozen looks for a minute's build on a store. Doubling from 50 ms made a
+    reader of a plan that came 60 ms after it asked wait 150 ms: the stall at every epoch
+    start of a fast job."""
+    return min(POLL_MAX_S[local], max(POLL_FIRST_S[local], waited_s * POLL_SHARE))
 
 
 class Pace:
