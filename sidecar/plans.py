@@ -234,6 +234,34 @@ def _add_crcs(crcs: list[int], ids: np.ndarray, written: int, size: int) -> None
         at = end
 
 
+def _export(permutation: Any, out: Any, data: specs.DataSpec, epoch: int, size: int) -> list[int]:
+    """Stream lancedb's permutation table into `out`, checking that it is `num_splits`
+    splits of `size` rows in split order; each split's CRC. (A thread that folded the CRCs
+    and wrote while the next batch was decoded saved 0.05 s of 0.4 s at 20M rows.)"""
+    crcs = [0] * data.num_splits
+    written = 0
+    batches = permutation.search().select(["row_id", "split_id"]).limit(None).to_batches(
+        batch_size=EXPORT_BATCH_ROWS)
+    for batch in batches:
+        ids = batch.column("row_id").to_numpy().astype("<u8", copy=False)
+        splits = batch.column("split_id").to_numpy()
+        expected = (np.arange(written, written + len(ids)) // max(1, size)).astype(np.uint64)
+        if size == 0 or not np.array_equal(splits, expected) or written // size >= data.num_splits:
+            raise PlanError(
+                f"lancedb's permutation of epoch {epoch} is not {data.num_splits} splits of "
+                f"{size} rows in split order; splitfeed cannot serve it (lancedb "
+                f"{lancedb_version()})")
+        _add_crcs(crcs, ids, written, size)
+        out.write(ids.data.cast("B"))
+        written += len(ids)
+    if written != size * data.num_splits:
+        raise PlanError(
+            f"lancedb's permutation of epoch {epoch} holds {written:,} rows, not the "
+            f"{size * data.num_splits:,} of {data.num_splits} splits of {size:,} rows counted "
+            "on the table")
+    return crcs
+
+
 def build(table: Any, data: specs.DataSpec, epoch: int, path: str, *, rows: int) -> Footer:
     """Build epoch `epoch`'s plan of `rows` rows (the filtered count) into local file `path`."""
     free, limited = cgroups.free_memory()
@@ -256,38 +284,19 @@ def build(table: Any, data: specs.DataSpec, epoch: int, path: str, *, rows: int)
         if unsized:
             os.environ.pop(MEMORY_ENV, None)
             os.environ.pop(OURS_ENV, None)
+    built = time.monotonic()
     size = topology.split_size(rows, data.num_splits)
-    crcs = [0] * data.num_splits
-    written = 0
     with open(path, "wb") as out:
-        batches = permutation.search().select(["row_id", "split_id"]).limit(None).to_batches(
-            batch_size=EXPORT_BATCH_ROWS)
-        for batch in batches:
-            ids = batch.column("row_id").to_numpy().astype("<u8", copy=False)
-            splits = batch.column("split_id").to_numpy()
-            first = written // size if size else 0
-            expected = (np.arange(written, written + len(ids)) // max(1, size)).astype(np.uint64)
-            if size == 0 or not np.array_equal(splits, expected) or first >= data.num_splits:
-                raise PlanError(
-                    f"lancedb's permutation of epoch {epoch} is not {data.num_splits} splits of "
-                    f"{size} rows in split order; splitfeed cannot serve it (lancedb "
-                    f"{lancedb_version()})")
-            _add_crcs(crcs, ids, written, size)
-            out.write(ids.data.cast("B"))
-            written += len(ids)
-        if written != size * data.num_splits:
-            raise PlanError(
-                f"lancedb's permutation of epoch {epoch} holds {written:,} rows, not the "
-                f"{size * data.num_splits:,} of {data.num_splits} splits of {size:,} rows counted "
-                "on the table")
+        crcs = _export(permutation, out, data, epoch, size)
         footer = Footer(key.fields(), epoch, data.num_splits, size, crcs, lancedb_version())
         blob = json.dumps(dataclasses.asdict(footer)).encode()
         out.write(blob)
         out.write(_TAIL.pack(len(blob), MAGIC))
         out.flush()
         os.fsync(out.fileno())
-    log.info("built the plan of epoch %d: %d splits of %d rows in %.1f s", epoch,
-             data.num_splits, size, time.monotonic() - started)
+    log.info("built the plan of epoch %d: %d splits of %d rows in %.1f s (lancedb's permutation "
+             "%.1f s, its export %.1f s)", epoch, data.num_splits, size, time.monotonic() - started,
+             built - started, time.monotonic() - built)
     return footer
 
 
