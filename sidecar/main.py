@@ -22,8 +22,8 @@ from typing import Any
 
 from splitfeed.trainer_client import contract, errors, keys, membership, messages, specs, stranded, topology
 
-from . import (agreement, cgroups, checkpoints, commitments, ending, identity, metrics, planner, plans, positions,
-               reading, serving, workers)
+from . import (agreement, cgroups, checkpoints, commitments, ending, forking, identity, metrics, planner, plans,
+               positions, reading, serving, workers)
 from .storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
@@ -955,6 +955,7 @@ def run(settings: SidecarSettings) -> int:
     second SIGTERM, or SIGINT, stops at once. A sidecar that got SIGTERM ends after
     the drain, even where the world goes on in place without it.
     """
+    forking.start()  # first: before any lancedb call or thread (sidecar/forking.py)
     settings = _set_up_process(settings)
     _hold_lock(settings)
     done = _drained_before_restart(settings)
@@ -976,6 +977,8 @@ def run(settings: SidecarSettings) -> int:
             write_report(settings.termination_log,
                          _worldless_report(f"the sidecar cannot start: {type(exc).__name__}: {exc}"))
             return 2
+        if carried is None and not planner.builds_in_child(sidecar.builder):
+            forking.stop()  # this sidecar builds no plan in a child: its helper has nothing to do
         signals.serving(sidecar)
         try:
             code, report = serve_world(sidecar)

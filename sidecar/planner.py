@@ -17,11 +17,11 @@ import multiprocessing.connection
 import threading
 import traceback
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from splitfeed.trainer_client import errors, specs
 
-from . import cgroups, plans, reading, workers
+from . import cgroups, forking, plans, reading, workers
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,9 @@ _OK, _DATA_ERROR, _USER_ERROR, _FAILURE = "ok", "data", "user", "failure"
 
 IN_PROCESS_ROWS = 4_000_000
 """Up to this many rows a plan is built in the sidecar itself: lancedb holds 64 MB of
-permutation for a moment, while a child costs seconds to start (a fork server importing
-lancedb and torch), more than the build. Past it, the child's memory is the point."""
+permutation for a moment, while a child opens the table again (and, where the sidecar has
+no helper to fork it from, waits seconds for a fork server to import lancedb). Past it, the
+child's memory is the point."""
 
 
 def _build_main(conn: multiprocessing.connection.Connection, data: specs.DataSpec,
@@ -57,30 +58,57 @@ def _build_main(conn: multiprocessing.connection.Connection, data: specs.DataSpe
 
 def build_in_child(data: specs.DataSpec, storage_options: Mapping[str, str],
                    location: plans.Location, epoch: int, rows: int) -> None:
-    """Build and publish one plan in a child forked from the loader workers' fork server
-    (lancedb already imported there); its errors are raised here as they were there."""
-    context = workers.fork_context(data)
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_build_main, name=f"splitfeed-plan-{epoch}", daemon=True,
-                              args=(sender, data, dict(storage_options), location, epoch, rows))
-    process.start()
-    sender.close()
+    """Build and publish one plan in a child process (lancedb already imported there): forked
+    from the sidecar's helper (sidecar/forking.py) where it has one, else from the loader
+    workers' fork server; its errors are raised here as they were there."""
+    args = (data, dict(storage_options), location, epoch, rows)
     try:
-        kind, text = receiver.recv()
-    except EOFError:
-        process.join(5)
+        kind, text = _in_child(args, epoch)
+    except forking.ChildDied as exc:
         raise errors.SidecarFailed(
-            f"the plan builder of epoch {epoch} exited (code {process.exitcode}) without a result: "
+            f"the plan builder of epoch {epoch} exited (code {exc.code}) without a result: "
             "if it was OOM-killed, raise spec.sidecar.resources.limits.memory") from None
-    finally:
-        receiver.close()
-        process.join(5)
     if kind == _DATA_ERROR:
         raise plans.PlanError(text)
     if kind == _USER_ERROR:
         raise errors.UserError(text)
     if kind != _OK:
         raise errors.SidecarFailed(f"the plan builder of epoch {epoch} failed:\n{text}")
+
+
+def _in_child(args: tuple[Any, ...], epoch: int) -> tuple[str, str]:
+    """(kind, text) of a build in a child of the helper, or of the fork server without one."""
+    helper = forking.helper()
+    if helper is not None:
+        try:
+            return cast(tuple[str, str], helper.run(_build_main, *args))
+        except (OSError, EOFError) as exc:  # the helper is gone: the fork server still works
+            log.warning("the sidecar's build helper is gone (%s): building from the fork server", exc)
+            forking.stop()
+    return _from_fork_server(args, epoch)
+
+
+def _from_fork_server(args: tuple[Any, ...], epoch: int) -> tuple[str, str]:
+    """(kind, text) of a build in a child of multiprocessing's fork server."""
+    context = workers.fork_context(args[0])
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_build_main, name=f"splitfeed-plan-{epoch}", daemon=True,
+                              args=(sender, *args))
+    process.start()
+    sender.close()
+    try:
+        return cast(tuple[str, str], receiver.recv())
+    except EOFError:
+        process.join(5)
+        raise forking.ChildDied(process.exitcode or 0) from None
+    finally:
+        receiver.close()
+        process.join(5)
+
+
+def builds_in_child(builder: Planner | None) -> bool:
+    """Whether `builder` (None: this sidecar builds no plan) builds its plans in a child."""
+    return builder is not None and builder.rows > IN_PROCESS_ROWS
 
 
 EPOCHS_AHEAD = 3
@@ -102,7 +130,7 @@ class Planner:
         """The plans are this sidecar's alone (no store): removed when it closes."""
         self.location = location
         self._options = dict(storage_options)
-        self._rows = rows
+        self.rows = rows
         self._key = plans.PlanKey.of(data)
         self._cond = threading.Condition()
         self._reached = -1
@@ -125,18 +153,18 @@ class Planner:
             return
         if plans.verify(self.location, self._key, epoch) is None:
             plans.clear_failed(self.location, epoch)
-            log.info("building the plan of epoch %d (%d rows) at %s", epoch, self._rows,
+            log.info("building the plan of epoch %d (%d rows) at %s", epoch, self.rows,
                      self.location.uri)
             try:
                 if not self._checked:
                     plans.check_builder(self.location)
                     self._checked = True
-                if self._rows <= IN_PROCESS_ROWS:
+                if self.rows <= IN_PROCESS_ROWS:
                     if self._table is None:
                         self._table = reading.open_table(self.data, self._options)
-                    plans.build_and_publish(self._table, self.data, self.location, epoch, rows=self._rows)
+                    plans.build_and_publish(self._table, self.data, self.location, epoch, rows=self.rows)
                 else:
-                    build_in_child(self.data, self._options, self.location, epoch, self._rows)
+                    build_in_child(self.data, self._options, self.location, epoch, self.rows)
             except Exception as exc:
                 plans.mark_failed(self.location, epoch, str(exc))
                 raise
