@@ -26,13 +26,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from splitfeed.trainer_client import errors
+
 from .forkserver import FORK_WARNING
 
 Target = Callable[..., None]
 """A child's function: called with a Connection to send its one result over, then `args`."""
 
 
-class ChildDied(RuntimeError):
+class ChildDied(errors.SplitfeedError, RuntimeError):
     """The child exited without sending its result (killed, or out of memory)."""
 
     def __init__(self, code: int) -> None:

@@ -677,7 +677,7 @@ READY_WAIT_S = 120.0
 import and reach their first hello) before it asks for the drain regardless."""
 
 
-class _EndedFirst(Exception):
+class _EndedFirst(errors.SplitfeedError):
     """The world ended (the job's last step, or its trainers returned) before its in-place
     change was asked of it: a scale-up's new pods were still starting."""
 

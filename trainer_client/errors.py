@@ -22,11 +22,13 @@
     ├── trainer_client.fields.SpecError    (also ValueError) a manifest field is invalid; names it
     ├── trainer_client.topology.TopologyError  (also ValueError) splits, ranks and batches do not fit
     ├── sidecar.positions.IncompatibleState    (also ValueError) a checkpoint state this job cannot continue
+    ├── sidecar.forking.ChildDied      (also RuntimeError) a plan's build child exited without its result
     ├── operator.admission.Rejected        (also ValueError) a job or scale request breaks a rule
     ├── operator.kube.KubeError            (also RuntimeError) an API call failed
     │   ├── operator.kube.Conflict         a precondition no longer holds: re-read and decide again
     │   └── operator.kube.NotOwned         the object's controller is not this job
-    └── operator.reconciling._Refused      a pod creation the API refused (caught in that module)
+    ├── operator.reconciling._Refused      a pod creation the API refused (caught in that module)
+    └── sidecar.local._EndedFirst          a world ended before its in-place change was asked (caught there)
 
 Why one root here: the layers let the sidecar and the operator import
 trainer_client but never the other way round, so the root must live in the
