@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -21,6 +22,22 @@ def run(trainer: Path, table_uri: str, tmp_path: Path, *args: str, trainer_args:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stderr
+
+
+def rescale_2_to_3_at_6(trainer: Path, table_uri: str, tmp_path: Path, *trainer_args: str) -> tuple[str, Any]:
+    """A live 2 -> 3 rescale asked at step 6: exact against lancedb, world 0 drained at 6 and
+    world 1 ran to the end, 0 steps redone. Its stderr and the exactness summary."""
+    from tests.support import exactness
+    from tests.support.tables import check_exact
+
+    (tmp_path / "logs").mkdir()
+    err = run(trainer, table_uri, tmp_path, "--replicas", "2", "--resume", "none", "--scale-at", "6:3",
+              trainer_args=("--sleep-s", "0.2", *trainer_args))
+    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
+    assert [(w.size, w.resume_step, w.ended) for w in summary.worlds] == [
+        (2, 0, exactness.DRAINED), (3, 6, exactness.END)], summary
+    assert "; 0 steps redone" in err, err
+    return err, summary
 
 
 def stop_at_5_then_resume_on_3(trainer: Path, table_uri: str, tmp_path: Path) -> None:

@@ -4,24 +4,15 @@ loop prepares the model and optimizer, never the data (accelerate_trainer.py say
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from tests.integrations import jobs
-from tests.support import exactness
-from tests.support.tables import check_exact
 
-run = functools.partial(jobs.run, Path(__file__).with_name("accelerate_trainer.py"))
+TRAINER = Path(__file__).with_name("accelerate_trainer.py")
 
 
 def test_a_live_rescale_under_accelerate_trains_every_step_once_and_resumes_its_state(table_uri, tmp_path):
-    (tmp_path / "logs").mkdir()
-    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", "--scale-at", "6:3",
-              trainer_args=("--sleep-s", "0.2"))
-    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
-    assert [(w.size, w.resume_step, w.ended) for w in summary.worlds] == [
-        (2, 0, exactness.DRAINED), (3, 6, exactness.END)], summary
-    assert "; 0 steps redone" in err, err
+    jobs.rescale_2_to_3_at_6(TRAINER, table_uri, tmp_path)
     assert (tmp_path / "logs" / "models" / "6" / "model.safetensors").exists()
 
 

@@ -6,26 +6,15 @@ dispatched it (rank 1's splits never trained), and skipped `resume_step` batches
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
 
 from tests.integrations import jobs
-from tests.support import exactness
-from tests.support.tables import check_exact
-
-run = functools.partial(jobs.run, Path(__file__).with_name("hf_trainer.py"))
 
 
 def test_a_live_rescale_under_the_hf_trainer_trains_every_step_once(table_uri, tmp_path):
-    (tmp_path / "logs").mkdir()
-    err = run(table_uri, tmp_path, "--replicas", "2", "--resume", "none", "--scale-at", "6:3",
-              trainer_args=("--sleep-s", "0.2"))
-    summary = check_exact(tmp_path / "logs", tmp_path / "ckpt" / "test" / "job", table_uri)
-    assert [(w.size, w.resume_step, w.ended) for w in summary.worlds] == [
-        (2, 0, exactness.DRAINED), (3, 6, exactness.END)], summary
-    assert "; 0 steps redone" in err, err
+    jobs.rescale_2_to_3_at_6(Path(__file__).with_name("hf_trainer.py"), table_uri, tmp_path)
     ends = jobs.exits(tmp_path / "logs")
     assert {e["globalStep"] for name, e in ends.items() if name.startswith("w1")} == {20}
 
