@@ -121,7 +121,7 @@ class DataSpec:
     (lancedb's transform_queue_depth): bounds decoded rows in memory while the ring is full."""
     ranks_per_batch: int = dataclasses.field(default=1, metadata=fields.rule("int", 1))
     """Ranks that take the same batch: the model-parallel degree (tensor x context x pipeline).
-    Splits follow the data-parallel rank (topology.data_parallel_rank); 1 is plain data
+    Splits follow the data-parallel rank (topology.Groups.rank); 1 is plain data
     parallelism. Not an order field: the global batch of a step does not depend on it."""
     pipeline_stages: int = dataclasses.field(default=1, metadata=fields.rule("int", 1))
     """Of ranksPerBatch, the pipeline-parallel degree, laid out outside data parallelism as
@@ -448,10 +448,13 @@ def _check_checkpoint_uri(uri: str | None) -> None:
 
 
 def _check_parallelism(data: DataSpec) -> None:
-    if data.ranks_per_batch % data.pipeline_stages:
+    """topology.Groups' own rule, said with the field's name and the fix."""
+    try:
+        data.groups
+    except ValueError:
         raise SpecError("spec.data.pipelineStages", (
             f"must divide spec.data.ranksPerBatch={data.ranks_per_batch}, got {data.pipeline_stages}: "
-            "ranksPerBatch counts every rank of a model-parallel group, its pipeline stages included"))
+            "ranksPerBatch counts every rank of a model-parallel group, its pipeline stages included")) from None
 
 
 def idle_fields(data: DataSpec) -> list[str]:
