@@ -177,7 +177,7 @@ def _follow(argv: Sequence[str], socket_dir: Path, child: list[subprocess.Popen[
     child[:] = [subprocess.Popen(fresh(argv), env=env)]
     local_rank = int(os.environ.get(contract.LOCAL_RANK, "0") or 0)
     while True:
-        lost = _watch(child[0], socket_dir, local_rank, epoch, stopping, spare)
+        lost = _watch(child[0], socket_dir, local_rank, epoch, stopping, spare, started)
         code = child[0].returncode
         now = membership.read(socket_dir)
         if now is not None and now.state == membership.LEFT:
@@ -223,9 +223,10 @@ def _trained_in(socket_dir: Path, local_rank: int, started_in: int) -> int:
 
 
 def _watch(process: subprocess.Popen[bytes], socket_dir: Path, local_rank: int, epoch: int,
-           stopping: list[int], spare: Spare) -> bool:
-    """Wait for the script to end; True when it was stopped because its world lost a pod."""
-    started, since = time.monotonic(), time.time()
+           stopping: list[int], spare: Spare, since: float) -> bool:
+    """Wait for the script to end; True when it was stopped because its world lost a pod.
+    `since`: when this run began (time.time(), as _follow keeps it): a hello after it is its own."""
+    started = time.monotonic()
     while process.poll() is None:
         if not stopping and membership.lost(socket_dir, _trained_in(socket_dir, local_rank, epoch)):
             log.warning("the world lost a member pod: stopping %s (pid %d), whose peers are gone",

@@ -219,12 +219,13 @@ def test_the_next_worlds_interpreter_imports_once_the_script_said_hello(tmp_path
     os.utime(tmp_path / membership.WAITING.format(local_rank=0), (time.time() - 60, time.time() - 60))
     argv = [sys.executable, str(script), str(tmp_path)]
     spare = agent.Spare(argv)
+    since = time.time()
     process = subprocess.Popen(argv)
     try:
         seen = []
         monkeypatch.setattr(spare, "prepare", lambda real=spare.prepare: (seen.append(time.monotonic()), real())[1])
         began = time.monotonic()
-        assert agent._watch(process, tmp_path, 0, 0, [], spare) is False
+        assert agent._watch(process, tmp_path, 0, 0, [], spare, since) is False
         assert spare.process is not None and len(seen) == 1, "no spare started while the script trained"
         assert seen[0] - began >= 0.4  # not at once: the stale hello of the run before did not count
     finally:
