@@ -11,6 +11,8 @@ import ctypes
 import os
 from pathlib import Path
 
+from tests.support import processes
+
 PR_SET_CHILD_SUBREAPER = 36
 LISTEN = "0A"
 
@@ -55,31 +57,14 @@ def parent(pid: int) -> int | None:
         return None
 
 
-def command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def descendants(pid: int) -> set[int]:
     """Every live process below `pid` (sessions of their own included: /proc/*/task/*/children)."""
     found: set[int] = set()
     todo = [pid]
     while todo:
-        current = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                kids = [int(p) for p in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
-            except OSError:
-                continue
-            fresh = [k for k in kids if k not in found]
-            found.update(fresh)
-            todo += fresh
+        fresh = processes.children(todo.pop()) - found
+        found |= fresh
+        todo += fresh
     return found
 
 

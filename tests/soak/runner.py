@@ -215,7 +215,7 @@ class Soak:
         container = event.kind == sched.KILL_AGENT or (event.kind == sched.SIGTERM and self.plan.mode == sched.IN_PLACE)
         if container:
             agent = probe.parent(pid)
-            if agent is None or " run --" not in probe.command_line(agent):
+            if agent is None or " run --" not in processes.command_line(agent):
                 raise AssertionError(f"rank {event.target}'s trainer {pid} has no agent: {agent}")
             pid = agent
         os.kill(pid, signal.SIGTERM if event.kind == sched.SIGTERM else signal.SIGKILL)
