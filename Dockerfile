@@ -22,6 +22,7 @@ COPY pyproject.toml ./
 COPY trainer_client/ trainer_client/
 COPY sidecar/ sidecar/
 COPY operator/ operator/
+COPY local/ local/
 # The sidecar's and the operator's extras: `pip install .` alone is the trainer client.
 # The extras' torch range is met by the CPU build above, so nothing larger is fetched.
 RUN pip install ".[sidecar,operator]" \

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitfeed.trainer_client import stalls
+from splitfeed.trainer_client.contract import stalls
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = textwrap.dedent("""

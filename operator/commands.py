@@ -14,12 +14,14 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from splitfeed.trainer_client import cli, contract
+from splitfeed.trainer_client import cli
+from splitfeed.trainer_client.contract import wellknown
 
-from . import configs, planning, policies
+from .cluster import configs
+from .objects import planning, policies
 
 if TYPE_CHECKING:
-    from . import kube, leader
+    from .cluster import kube, leader
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ def operator(add_parser: Any, name: str) -> argparse.ArgumentParser:
 
 
 def _network_policy_arguments(p: argparse.ArgumentParser) -> None:
-    """Each job's NetworkPolicy (operator/policies.py; off unless --network-policy is given)."""
+    """Each job's NetworkPolicy (operator/objects/policies.py; off unless --network-policy is given)."""
     n = p.add_argument_group("network policy (off unless --network-policy is given; docs/security.md)")
     n.add_argument("--network-policy", action="store_true",
                    help="give each job a NetworkPolicy admitting its own pods, the operator (coordinator "
@@ -91,8 +93,8 @@ def _webhook_arguments(p: argparse.ArgumentParser) -> None:
     """The admission webhook's options (off unless --webhook-port is given)."""
     w = p.add_argument_group("admission webhook (off unless --webhook-port is given)")
     w.add_argument("--webhook-port", type=int, help="serve validating webhooks on this port")
-    w.add_argument("--webhook-addr", default=contract.ALL_INTERFACES,
-                   help=f"listening address (default {contract.ALL_INTERFACES})")
+    w.add_argument("--webhook-addr", default=wellknown.ALL_INTERFACES,
+                   help=f"listening address (default {wellknown.ALL_INTERFACES})")
     w.add_argument("--webhook-host", help="host name the apiserver uses in the webhook URL")
     w.add_argument("--webhook-cert", help="serving certificate (PEM)")
     w.add_argument("--webhook-key", help="serving private key (PEM)")
@@ -150,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
     check_credentials(config.kubeconfig)
     import kopf
 
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from .cluster import handlers
     if config.webhook is not None:
-        from . import webhooks
+        from .cluster import webhooks
 
         webhooks.register(kopf.get_default_registry())
     return asyncio.run(_main(config))
@@ -166,9 +168,9 @@ def check_credentials(kubeconfig: str | None) -> None:
     """
     from kubernetes.config.config_exception import ConfigException
 
-    from splitfeed.trainer_client import errors
+    from splitfeed.trainer_client.contract import errors
 
-    from . import kube
+    from .cluster import kube
 
     try:
         kube.Kube.connect(kubeconfig).close()
@@ -199,7 +201,7 @@ async def _main(config: configs.OperatorConfig) -> int:
     if config.leader is None:
         await operator()
         return 0
-    from . import kube, leader
+    from .cluster import kube, leader
 
     client = kube.Kube.connect(config.kubeconfig, (config.timeouts.connect_s, config.timeouts.request_s))
     elector = leader.Elector(client, config.leader)
@@ -231,7 +233,7 @@ async def _stand_by(config: configs.OperatorConfig, client: "kube.Kube", elector
     if config.liveness is None or config.leader is None:
         await elector.acquire()
         return
-    from . import standby
+    from .cluster import standby
 
     # An attempt is at most a read and a write, each bounded by the client's request timeout.
     max_quiet_s = config.leader.renew_s + 3 * sum(client.timeout)

@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from splitfeed.trainer_client import cli, contract, errors, specs, topology
+from splitfeed.trainer_client import cli
+from splitfeed.trainer_client.contract import wellknown, errors, specs, topology
 
 if TYPE_CHECKING:
-    from . import plans
+    from .data import plans
 
 AddParser = Callable[..., argparse.ArgumentParser]
 
@@ -141,12 +142,13 @@ def _preprocessing_lines(data: specs.DataSpec) -> list[str]:
 
 def _print_table_plan(job: specs.JobSpec, storage_options_dir: Path | None) -> None:
     """What only the table says (rows, steps, read cost, packed blocks), printed as each is learnt."""
-    from . import main, reading
+    from . import main
+    from .data import reading
 
     data = job.data
     options = plan_storage_options(data.uri, main.read_storage_options(storage_options_dir))
     if data.transform:
-        from . import preprocessing
+        from .data import preprocessing
 
         preprocessing.load_transform(data)  # a UserError (exit 2, one line) if it does not import
         print(f"transform {data.transform}: imports here")
@@ -156,7 +158,7 @@ def _print_table_plan(job: specs.JobSpec, storage_options_dir: Path | None) -> N
           f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
           f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
     if reading.reads_plans(data):
-        from . import plans
+        from .data import plans
 
         columns, row_bytes = reading.sample_row_bytes(table, data)
         cost = plans.cost(layout.rows, data.num_splits, data.groups.size(job.world_size), data.shuffle_clump_size,
@@ -213,8 +215,8 @@ def sidecar(add_parser: AddParser, name: str) -> None:
     p.add_argument("--podinfo-dir", type=Path, help="downward-API volume with annotations")
     p.add_argument("--storage-options-dir", type=Path, help=STORAGE_OPTIONS_HELP)
     p.add_argument("--termination-log", type=Path, help="where to write the exit report")
-    p.add_argument("--resume", choices=contract.RESUMES,
-                   help=f"default: ${contract.RESUME_ENV} or {contract.RESUME_LATEST}")
+    p.add_argument("--resume", choices=wellknown.RESUMES,
+                   help=f"default: ${wellknown.RESUME_ENV} or {wellknown.RESUME_LATEST}")
     p.set_defaults(func=_sidecar)
 
 
@@ -236,7 +238,7 @@ def local(add_parser: AddParser, name: str) -> None:
     p = add_parser(name, help="run a StreamingJob's ranks as local processes")
     p.add_argument("-f", "--file", required=True, help=MANIFEST_HELP)
     p.add_argument("--replicas", type=int, help="override spec.replicas")
-    p.add_argument("--resume", choices=contract.RESUMES, default=contract.RESUME_LATEST)
+    p.add_argument("--resume", choices=wellknown.RESUMES, default=wellknown.RESUME_LATEST)
     p.add_argument("--storage-options-dir", type=Path, help=STORAGE_OPTIONS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--scale-at", action="append", default=[], metavar="STEP:REPLICAS",
@@ -250,7 +252,7 @@ def local(add_parser: AddParser, name: str) -> None:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from . import local as launching
+    from splitfeed.local import running as launching
 
     command = list(args.command)
     if command and command[0] == "--":

@@ -20,15 +20,18 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client import contract, errors, keys, membership, messages, specs, stranded, topology
+from splitfeed.trainer_client.contract import wellknown, errors, membership, messages, specs, topology
+from splitfeed.trainer_client.transport import keys, stranded
 
-from . import (agreement, cgroups, checkpoints, commitments, ending, forking, identity, metrics, planner, plans,
-               positions, reading, serving, workers)
-from .storage_options import read_storage_options as read_storage_options
+from .world import agreement, checkpoints, commitments, identity
+from .data import cgroups, plans, positions, reading
+from .serving import ending, metrics, service
+from .forks import forking, planner, workers
+from .data.storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
 
-DRAIN_ANNOTATION = contract.ANNOTATION_DRAIN
+DRAIN_ANNOTATION = wellknown.ANNOTATION_DRAIN
 FAILURE_GRACE_S = 10.0
 JOIN_TIMEOUT_S = 300.0
 """How long a sidecar waits for its world's coordinator (replica 0's sidecar) to answer."""
@@ -42,7 +45,7 @@ class SidecarSettings:
     """Global rank of this pod's first local rank."""
     world_size: int = 1
     local_world_size: int = 1
-    resume: str = contract.RESUME_LATEST
+    resume: str = wellknown.RESUME_LATEST
     resume_step: int | None = None
     """The world's resume step, chosen by the operator (SPLITFEED_RESUME_STEP); None: the coordinator chooses."""
     replica: int | None = None
@@ -61,8 +64,8 @@ class SidecarSettings:
     termination_log: Path | None = None
     metrics_port: int | None = None
     """Where /metrics is served (SPLITFEED_METRICS_PORT; 0: any free port); None: not at all."""
-    master_addr: str = contract.LOOPBACK
-    master_port: int = contract.MASTER_PORT
+    master_addr: str = wellknown.LOOPBACK
+    master_port: int = wellknown.MASTER_PORT
     """The trainers' rendezvous (MASTER_ADDR, MASTER_PORT): told to them again in a world changed in place."""
     after_loss: bool = False
     """This world follows in place one that lost member pods (no drain): trainers still in an
@@ -76,19 +79,19 @@ class SidecarSettings:
         who = identity.from_env(env, need_uid=False)
         values: dict[str, Any] = {
             "job_uid": who.uid, "world_epoch": who.world_epoch, "table_version": who.table_version,
-            "socket_dir": Path(env.get(contract.SOCKET_DIR_ENV, contract.SOCKET_DIR)),
-            "rank": int(env.get(contract.RANK, "0")),
-            "world_size": int(env.get(contract.WORLD_SIZE, "1")),
-            "local_world_size": int(env.get(contract.LOCAL_WORLD_SIZE, "1")),
-            "resume": env.get(contract.RESUME_ENV, contract.RESUME_LATEST),
-            "resume_step": int(env[contract.RESUME_STEP_ENV]) if env.get(contract.RESUME_STEP_ENV) else None,
-            "replica": int(env[contract.NODE_RANK]) if env.get(contract.NODE_RANK) else None,
-            "coordinator": env.get(contract.COORDINATOR_ENV) or None,
-            "checksum": env.get(contract.CONFIG_CHECKSUM_ENV) or None,
+            "socket_dir": Path(env.get(wellknown.SOCKET_DIR_ENV, wellknown.SOCKET_DIR)),
+            "rank": int(env.get(wellknown.RANK, "0")),
+            "world_size": int(env.get(wellknown.WORLD_SIZE, "1")),
+            "local_world_size": int(env.get(wellknown.LOCAL_WORLD_SIZE, "1")),
+            "resume": env.get(wellknown.RESUME_ENV, wellknown.RESUME_LATEST),
+            "resume_step": int(env[wellknown.RESUME_STEP_ENV]) if env.get(wellknown.RESUME_STEP_ENV) else None,
+            "replica": int(env[wellknown.NODE_RANK]) if env.get(wellknown.NODE_RANK) else None,
+            "coordinator": env.get(wellknown.COORDINATOR_ENV) or None,
+            "checksum": env.get(wellknown.CONFIG_CHECKSUM_ENV) or None,
             "metrics_port": metrics.metrics_port(env) or None,
-            "master_addr": env.get(contract.MASTER_ADDR) or None,
-            "master_port": int(env[contract.MASTER_PORT_ENV]) if env.get(contract.MASTER_PORT_ENV) else None,
-            "keys_dir": Path(env[contract.KEYS_DIR_ENV]) if env.get(contract.KEYS_DIR_ENV) else None,
+            "master_addr": env.get(wellknown.MASTER_ADDR) or None,
+            "master_port": int(env[wellknown.MASTER_PORT_ENV]) if env.get(wellknown.MASTER_PORT_ENV) else None,
+            "keys_dir": Path(env[wellknown.KEYS_DIR_ENV]) if env.get(wellknown.KEYS_DIR_ENV) else None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -120,7 +123,7 @@ def read_annotations(podinfo_dir: Path | None) -> dict[str, str]:
     if podinfo_dir is None:
         return {}
     try:
-        text = (podinfo_dir / contract.PODINFO_ANNOTATIONS).read_text()
+        text = (podinfo_dir / wellknown.PODINFO_ANNOTATIONS).read_text()
     except OSError:
         return {}
     found = {}
@@ -144,7 +147,7 @@ class RequestWatcher:
     the coordinator ignores a token it has seen.
     """
 
-    def __init__(self, server: serving.Server, podinfo_dir: Path | None, world_epoch: int = 0) -> None:
+    def __init__(self, server: service.Server, podinfo_dir: Path | None, world_epoch: int = 0) -> None:
         self._server = server
         self._dir = podinfo_dir
         self._epoch = world_epoch
@@ -158,7 +161,7 @@ class RequestWatcher:
         self._next_check = now + 0.5
         found = read_annotations(self._dir)
         token = found.get(DRAIN_ANNOTATION)
-        replicas = _count(found.get(contract.ANNOTATION_DRAIN_REPLICAS))
+        replicas = _count(found.get(wellknown.ANNOTATION_DRAIN_REPLICAS))
         if token and (token, replicas) != self._seen and _token_world(token) in (None, self._epoch):
             self._seen = (token, replicas)
             self._server.request_drain(token, token.split("-")[0] or "drain", replicas)
@@ -197,7 +200,7 @@ def coordinator_addresses(settings: SidecarSettings) -> tuple[str, str]:
             raise errors.UserError(
                 "SPLITFEED_COORDINATOR is not set: a world of several replicas needs replica 0's "
                 "coordinator address (the operator and `splitfeed local` set it)")
-        return f"tcp://{contract.LOOPBACK}:*", ""
+        return f"tcp://{wellknown.LOOPBACK}:*", ""
     host, sep, port = settings.coordinator.rpartition(":")
     if not settings.coordinator.startswith("tcp://") or not sep or not port.isdigit():
         raise errors.UserError(f"SPLITFEED_COORDINATOR={settings.coordinator!r} is not tcp://HOST:PORT")
@@ -231,7 +234,7 @@ def choose_resume_step(job: specs.JobSpec, data: specs.DataSpec, settings: Sidec
     if settings.resume_step is not None:
         log.info("resuming at global step %d, as the operator recorded", settings.resume_step)
         return settings.resume_step
-    if settings.resume == contract.RESUME_NONE or not stores:
+    if settings.resume == wellknown.RESUME_NONE or not stores:
         return 0
     found = checkpoints.newest(stores, reading.merge_states, expect=expect,
                                accept=lambda s: positions.position_from_state(data, s))
@@ -384,7 +387,7 @@ def iter_from(batches: Iterator[tuple[int, Any]], first_step: int) -> Iterator[t
 class Sidecar:
     """A prepared sidecar: its server, and why it cannot serve (if it cannot)."""
 
-    server: serving.Server
+    server: service.Server
     settings: SidecarSettings
     steps_per_epoch: int
     failure: str | None
@@ -419,7 +422,7 @@ class Carried:
     data: specs.DataSpec | None
     rows: int
     steps_per_epoch: int
-    report: contract.Report
+    report: wellknown.Report
     trainers: frozenset[bytes] = frozenset()
     """The trainers' socket identities: one that says hello to continue the world before is
     told that world ended (answering.Answers.hello)."""
@@ -542,7 +545,7 @@ def _open_world(o: _Opening, instance: str) -> None:
 def job_keys(settings: SidecarSettings) -> keys.Keypair:
     """The job's keypair; no sidecar talks to its world unauthenticated (a UserError naming
     SPLITFEED_KEYS_DIR instead)."""
-    where = {contract.KEYS_DIR_ENV: str(settings.keys_dir)} if settings.keys_dir else {}
+    where = {wellknown.KEYS_DIR_ENV: str(settings.keys_dir)} if settings.keys_dir else {}
     return keys.from_env(where, who="the sidecar (its world's coordinator or a member of it)")
 
 
@@ -675,7 +678,7 @@ def _sidecar(o: _Opening, instance: str, failure: str | None, permanent: bool) -
             write_world(settings, membership.CHANGING, o.start_step)
 
     checkpoint, commit = _checkpointing(settings, stores if data is not None else [], ledgers, observed)
-    server = serving.Server(
+    server = service.Server(
         directory=settings.socket_dir, ranks=[settings.rank + i for i in range(settings.local_world_size)],
         world_size=settings.world_size, factory=factory, steps_per_epoch=o.steps_per_epoch,
         total_steps=o.total_steps, start_step=o.start_step, resume_step=o.start_step,
@@ -730,7 +733,7 @@ def serve(sidecar: Sidecar) -> int:
     return code
 
 
-def serve_world(sidecar: Sidecar) -> tuple[int, contract.Report]:
+def serve_world(sidecar: Sidecar) -> tuple[int, wellknown.Report]:
     """Serve one world until it is done, drained or stopped, and close its server; (exit
     code, the report of this world). The plans, coordinator and metrics stay up: `finish`
     ends them, or the next world in place takes them over."""
@@ -764,7 +767,7 @@ def serve_world(sidecar: Sidecar) -> tuple[int, contract.Report]:
         global_step = min((f.control.acked + 1 for f in server.feeds), default=0)
         drained = bool(server.feeds) and all(f.session.drained for f in server.feeds)
         epoch, step = divmod(global_step, max(1, sidecar.steps_per_epoch))
-        report: contract.Report = {
+        report: wellknown.Report = {
             "globalStep": global_step, "epoch": epoch, "step": step,
             "stepsPerEpoch": sidecar.steps_per_epoch,
             "lastCheckpoint": server.last_checkpoint,
@@ -784,7 +787,7 @@ def serve_world(sidecar: Sidecar) -> tuple[int, contract.Report]:
     return (2 if failure else 0), report
 
 
-def finish(sidecar: Sidecar, report: contract.Report) -> None:
+def finish(sidecar: Sidecar, report: wellknown.Report) -> None:
     """The sidecar ends: its plans, coordinator and world file say so; the report is written."""
     log.info("peak RSS %.0f MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if sidecar.builder is not None:
@@ -815,7 +818,7 @@ IN_PLACE_WAIT_S = 60.0
 commit the drain step before the next world starts in place (then it ends instead)."""
 
 
-def next_world(sidecar: Sidecar, report: contract.Report, stopping: bool) -> SidecarSettings | None:
+def next_world(sidecar: Sidecar, report: wellknown.Report, stopping: bool) -> SidecarSettings | None:
     """The settings of the world this sidecar serves next when its world changes in place
     (docs/agreement.md, "Changing the world in place"); None when it ends here.
 
@@ -862,7 +865,7 @@ STORE_LOOK_S = 0.5
 complete: a coordinator restarted during the drain was not told of commits made before."""
 
 
-def wait_for_members(sidecar: Sidecar, report: contract.Report, signals: Signals) -> None:
+def wait_for_members(sidecar: Sidecar, report: wellknown.Report, signals: Signals) -> None:
     """Replica 0, after a drain that ends it: wait (at most STAND_IN_WAIT_S, or until a SIGTERM
     comes meanwhile: the pod is being deleted) until every member committed the drain step, so
     that a trainer whose own sidecar died can still commit that step through this coordinator
@@ -896,7 +899,7 @@ def lost_world_next(settings: SidecarSettings, lost: messages.WorldLost,
     log.info("world %d lost replicas %s; world %d follows in place with %d replicas from the newest "
              "complete checkpoint", settings.world_epoch, lost.lost, settings.world_epoch + 1, lost.replicas)
     return dataclasses.replace(
-        _following(settings), resume_step=None, resume=contract.RESUME_LATEST, after_loss=True,
+        _following(settings), resume_step=None, resume=wellknown.RESUME_LATEST, after_loss=True,
         world_size=lost.replicas * settings.local_world_size, table_version=table_version)
 
 
@@ -912,7 +915,7 @@ def _following(settings: SidecarSettings) -> SidecarSettings:
                                master_port=membership.next_port(settings.master_port, epoch))
 
 
-def carry(sidecar: Sidecar, report: contract.Report) -> Carried:
+def carry(sidecar: Sidecar, report: wellknown.Report) -> Carried:
     """What the next world in place takes over from this one."""
     return Carried(builder=sidecar.builder, plan=sidecar.plan, metrics=sidecar.metrics,
                    coordinator=sidecar.coordinator, data=sidecar.data, rows=sidecar.rows,
@@ -920,7 +923,7 @@ def carry(sidecar: Sidecar, report: contract.Report) -> Carried:
                    trainers=frozenset(f.session.peer for f in sidecar.server.feeds if f.session.peer is not None))
 
 
-def write_report(path: Path | None, report: contract.Report) -> None:
+def write_report(path: Path | None, report: wellknown.Report) -> None:
     """The termination report the operator reads (docs/pod-contract.md)."""
     if path is None:
         return
@@ -944,7 +947,7 @@ def adopt_world(settings: SidecarSettings, world: membership.World | None) -> Si
              world.epoch, settings.world_epoch, world.epoch)
     return dataclasses.replace(
         settings, world_epoch=world.epoch, world_size=world.world_size, coordinator=address,
-        master_port=world.master_port, resume_step=None, resume=contract.RESUME_LATEST)
+        master_port=world.master_port, resume_step=None, resume=wellknown.RESUME_LATEST)
 
 
 def run(settings: SidecarSettings) -> int:
@@ -955,7 +958,7 @@ def run(settings: SidecarSettings) -> int:
     second SIGTERM, or SIGINT, stops at once. A sidecar that got SIGTERM ends after
     the drain, even where the world goes on in place without it.
     """
-    forking.start()  # first: before any lancedb call or thread (sidecar/forking.py)
+    forking.start()  # first: before any lancedb call or thread (sidecar/forks/forking.py)
     settings = _set_up_process(settings)
     _hold_lock(settings)
     done = _drained_before_restart(settings)
@@ -984,7 +987,7 @@ def run(settings: SidecarSettings) -> int:
             code, report = serve_world(sidecar)
             following = next_world(sidecar, report, stopping=signals.termed()) if code == 0 else None
         except BaseException:
-            serving.flush(sidecar.server.context)
+            service.flush(sidecar.server.context)
             raise
         if following is None:
             wait_for_members(sidecar, report, signals)
@@ -993,7 +996,7 @@ def run(settings: SidecarSettings) -> int:
             try:
                 finish(sidecar, report)
             finally:
-                serving.flush(sidecar.server.context)  # the last replies go out: the process exits next
+                service.flush(sidecar.server.context)  # the last replies go out: the process exits next
             return code
         carried, settings = carry(sidecar, report), following  # the world file says CHANGING (on_drain)
 
@@ -1018,7 +1021,7 @@ def _hold_lock(settings: SidecarSettings) -> None:
 def _set_up_process(settings: SidecarSettings) -> SidecarSettings:
     """Once per process, before its first world: the interpreter and lancedb's pool tuned,
     and the settings of the world this pod is in now (its world file's, not a predecessor's)."""
-    serving.tune_interpreter()
+    service.tune_interpreter()
     # lancedb's permutation builder, sized once before any thread reads the environment
     # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
     plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
@@ -1077,7 +1080,7 @@ class Signals:
             self.current.server.stopping.set()
 
 
-def _drained_before_restart(settings: SidecarSettings) -> contract.Report | None:
+def _drained_before_restart(settings: SidecarSettings) -> wellknown.Report | None:
     """A member's sidecar the kubelet restarted after every rank of it committed the drain step
     it was committed to (sidecar.commitments): its trainers saved, committed and ended, and the
     world's coordinator may have ended too. Nothing is left to serve or to agree: the report
@@ -1099,7 +1102,7 @@ def _drained_before_restart(settings: SidecarSettings) -> contract.Report | None
             "drainReason": reason}
 
 
-def _worldless_report(error: str | None) -> contract.Report:
+def _worldless_report(error: str | None) -> wellknown.Report:
     """The report of a sidecar that served no world here: nothing served, nothing drained."""
     return {"globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
             "error": error, "permanent": False}
@@ -1123,4 +1126,4 @@ def serve_to_exit(sidecar: Sidecar) -> int:
     try:
         return serve(sidecar)
     finally:
-        serving.flush(sidecar.server.context)
+        service.flush(sidecar.server.context)

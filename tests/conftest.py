@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from splitfeed.trainer_client import contract
+from splitfeed.trainer_client.contract import wellknown
 from tests.support import guards, keys
 
 
@@ -22,13 +22,13 @@ def session_shared_memory() -> Iterator[None]:
 @pytest.fixture(scope="session", autouse=True)
 def session_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The job keypair every coordinator and client of this session uses (tests.support.keys)."""
-    saved = os.environ.get(contract.KEYS_DIR_ENV)
+    saved = os.environ.get(wellknown.KEYS_DIR_ENV)
     keys.install(tmp_path_factory.mktemp("keys"))
     yield
     if saved is None:
-        os.environ.pop(contract.KEYS_DIR_ENV, None)
+        os.environ.pop(wellknown.KEYS_DIR_ENV, None)
     else:
-        os.environ[contract.KEYS_DIR_ENV] = saved
+        os.environ[wellknown.KEYS_DIR_ENV] = saved
 
 
 class _WiderFixtures:

@@ -6,7 +6,8 @@ package a training script imports.
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from .contract import membership  # the README's way to the world: `membership.init_process_group`
+from .contract.errors import (
     CheckpointError,
     ProtocolError,
     SidecarFailed,
@@ -24,17 +25,18 @@ __all__ = [
     "SidecarUnavailable",
     "SplitfeedError",
     "UserError",
+    "membership",
 ]
 
 if TYPE_CHECKING:
-    from .client import Batch, StreamClient
+    from .script.client import Batch, StreamClient
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: the operator imports this package for specs and topology, and must
     # not pay for pyzmq (or torch) to do so.
     if name in ("Batch", "StreamClient"):
-        from . import client
+        from .script import client
 
         return getattr(client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

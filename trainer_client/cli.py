@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from . import errors, messages
+from .contract import errors, messages
 
 
 def require_extra(extra: str, *modules: str) -> None:

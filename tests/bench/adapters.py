@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.script.client import StreamClient
 from tests.bench import run
 
 GOAL = 0.95

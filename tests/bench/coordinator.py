@@ -73,7 +73,7 @@ def one_run(members: int, keys_dir: Path) -> dict[str, Any]:
 def bench(members: list[int], repeats: int) -> dict[str, Any]:
     world_at_scale.raise_fd_limit(max(members) + 256)
     keys_dir = Path(tempfile.mkdtemp(prefix="splitfeed-bench-coordinator-")) / "keys"
-    from splitfeed.trainer_client import keys
+    from splitfeed.trainer_client.transport import keys
 
     keys.create(keys_dir)
     out: dict[str, Any] = {"runs": {}}

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.script.client import StreamClient
 
 
 def p99(values: list[float]) -> float | None:
@@ -34,7 +34,7 @@ def _all_reduce(client: StreamClient) -> Callable[[], None]:
     import torch
     import torch.distributed as dist
 
-    from splitfeed.trainer_client import membership
+    from splitfeed.trainer_client.contract import membership
 
     membership.init_process_group(client.world, "gloo")
     atexit.register(dist.destroy_process_group)  # a live gloo group aborts the interpreter's exit

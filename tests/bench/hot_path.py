@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from splitfeed.sidecar.publishing import Publisher
-from splitfeed.trainer_client import client, counters, ring, taking
-from splitfeed.trainer_client.receiving import Receiver
+from splitfeed.sidecar.serving.publishing import Publisher
+from splitfeed.trainer_client.script import client, counters, taking
+from splitfeed.trainer_client.transport import ring
+from splitfeed.trainer_client.script.receiving import Receiver
 
 PREFETCH = 4
 

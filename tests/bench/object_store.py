@@ -113,8 +113,8 @@ def sidecar_run(work: Path, endpoint: Endpoint, clump: int, seconds: float, *, s
     """A `splitfeed sidecar` through the endpoint: rows/s after the first batch, stall, requests.
     With `store` (spec.checkpoint.uri on the same endpoint) its epoch plans live there, as a
     job's do, instead of in the sidecar's own directory."""
-    from splitfeed.trainer_client import specs
-    from splitfeed.trainer_client.client import StreamClient
+    from splitfeed.trainer_client.contract import specs
+    from splitfeed.trainer_client.script.client import StreamClient
 
     body: dict = {"data": spec(endpoint.options, clump)}
     if store:
@@ -184,8 +184,9 @@ def lancedb_run(endpoint: Endpoint, clump: int, seconds: float) -> dict:
 
 def checkpoint_write(endpoint: Endpoint) -> float:
     """Seconds for one rank's drain checkpoint (record, then commit marker) through the store."""
-    from splitfeed.sidecar import checkpoints, positions
-    from splitfeed.trainer_client import specs
+    from splitfeed.sidecar.world import checkpoints
+    from splitfeed.sidecar.data import positions
+    from splitfeed.trainer_client.contract import specs
 
     data = specs.DataSpec(uri="x", table="t", num_splits=SPLITS, global_batch_size=BATCH)
     store = checkpoints.Store(f"s3://{BUCKET}/ckpt", "bench", "job", endpoint.options, uid="u",

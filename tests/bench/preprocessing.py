@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.script.client import StreamClient
 from tests.bench import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def _measure(batches: Callable[[], Any], rows_of: Callable[[Any], int], total: i
 
 
 def _sidecar(data: dict[str, Any], workdir: Path) -> Any:
-    from splitfeed.trainer_client import specs
+    from splitfeed.trainer_client.contract import specs
 
     job = specs.parse_job({"apiVersion": specs.API_VERSION, "kind": specs.KIND,
                            "metadata": {"name": "bench"}, "spec": {"data": data}})

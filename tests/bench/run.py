@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.script.client import StreamClient
 from tests.bench.floor import floor_gbps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,21 +239,22 @@ def bare_loop(client: StreamClient) -> Iterator[int]:
 def sidecar_env(workdir: Path, **extra: str) -> tuple[Path, dict[str, str]]:
     """A fresh socket directory (in /dev/shm where there is one) and the environment of a lone
     sidecar serving rank 0 of 1 from it, with a keypair of its own under `workdir`, as a pod's."""
-    from splitfeed.trainer_client import contract, keys
+    from splitfeed.trainer_client.contract import wellknown
+    from splitfeed.trainer_client.transport import keys
 
     sockets = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     if not (workdir / "keys").exists():
         keys.create(workdir / "keys")
-    return sockets, {**os.environ, contract.SOCKET_DIR_ENV: str(sockets), contract.RANK: "0",
-                     contract.WORLD_SIZE: "1", contract.RESUME_ENV: "none",
-                     contract.KEYS_DIR_ENV: str(workdir / "keys"), **extra}
+    return sockets, {**os.environ, wellknown.SOCKET_DIR_ENV: str(sockets), wellknown.RANK: "0",
+                     wellknown.WORLD_SIZE: "1", wellknown.RESUME_ENV: "none",
+                     wellknown.KEYS_DIR_ENV: str(workdir / "keys"), **extra}
 
 
 def sidecar_rows_per_s(uri: str, workdir: Path, loop: Callable[[StreamClient], Iterator[int]] = bare_loop,
                        epochs: int = 1) -> float:
     """Rows/s that `loop` takes from one sidecar over `epochs` epochs of the bench table, its
     first batch excluded."""
-    from splitfeed.trainer_client import specs
+    from splitfeed.trainer_client.contract import specs
 
     job = specs.parse_job({
         "apiVersion": specs.API_VERSION, "kind": specs.KIND, "metadata": {"name": "bench"},

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.script.client import StreamClient
 from tests.bench.run import MiB, PREFETCH, ROOT, WARMUP, touch
 
 

@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client.contract import specs
 from tests.support.chart import CA_BUNDLE, CHART, NAMESPACE, RELEASE, SCENARIOS, grants, objects, rendered
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -337,7 +337,7 @@ class TestRBAC:
 
 
 class TestNetworkPolicy:
-    """networkPolicy.* reaches the operator as the flags operator/policies.py reads (docs/security.md)."""
+    """networkPolicy.* reaches the operator as the flags operator/objects/policies.py reads (docs/security.md)."""
 
     @staticmethod
     def settings(values: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -420,11 +420,11 @@ class TestWebhook:
     def test_each_webhook_path_reaches_the_kopf_handler_for_its_resource(self):
         # Kopf's webhook server routes a request by the handler id in its URL
         # path (POST /<id>); a request for a path with no handler is admitted
-        # unchecked. So the chart's paths must be operator/webhooks.py's ids,
+        # unchecked. So the chart's paths must be operator/cluster/webhooks.py's ids,
         # with the same subresource and operations.
         import kopf
 
-        from splitfeed.operator import webhooks
+        from splitfeed.operator.cluster import webhooks
 
         registry = kopf.OperatorRegistry()
         webhooks.register(registry)
@@ -674,7 +674,7 @@ class TestMetrics:
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
 
     def test_the_pod_monitor_selects_the_pods_the_operator_creates(self):
-        from splitfeed.operator import planning
+        from splitfeed.operator.objects import planning
 
         job = specs.parse_job(yaml.safe_load((ROOT / "examples" / "streamingjob.yaml").read_text()))
         pod = next(o for o in planning.world(job, 0, planning.Owner("j", "u"), planning.Settings(), None, None)

@@ -124,7 +124,7 @@ class TestBuildContext:
             pytest.param(".git/HEAD", False, id="git"),
             pytest.param("tests/unit/test_specs.py", False, id="tests"),
             pytest.param("trainer_client/__pycache__/x.pyc", False, id="pycache"),
-            pytest.param("trainer_client/specs.py", True, id="sources"),
+            pytest.param("trainer_client/contract/specs.py", True, id="sources"),
             pytest.param("pyproject.toml", True, id="pyproject"),
         ],
     )

@@ -85,9 +85,11 @@ import importlib, importlib.util, pkgutil, sys
 absent = [m for m in {NOT_FOR_THE_CLIENT!r} if importlib.util.find_spec(m) is not None]
 assert not absent, f"not a client-only venv: {{absent}} installed"
 import splitfeed.trainer_client
-from splitfeed.trainer_client import StreamClient, messages
-for module in pkgutil.iter_modules(splitfeed.trainer_client.__path__, "splitfeed.trainer_client."):
-    importlib.import_module(module.name)
+from splitfeed.trainer_client import StreamClient
+from splitfeed.trainer_client.contract import messages
+for module in pkgutil.walk_packages(splitfeed.trainer_client.__path__, "splitfeed.trainer_client."):
+    if not module.name.startswith("splitfeed.trainer_client.integrations."):  # each needs its framework
+        importlib.import_module(module.name)
 print(messages.package_version(), StreamClient.__name__)
 """
     done = run([str(client_venv / "python"), "-c", script], cwd=client_venv)

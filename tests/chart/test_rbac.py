@@ -1,7 +1,7 @@
 """The chart grants exactly what the operator uses: derived from the code, never pinned.
 
 What the operator needs comes from three places, all read here:
-- operator/kube.py, the only module of ours that calls the API: every client
+- operator/cluster/kube.py, the only module of ours that calls the API: every client
   method it names (`self.core.create_namespaced_pod`, ...) is a (group,
   resource, verb), parsed from the source;
 - Kopf's own requests (watching, finalizers, events, peering): recorded from
@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from splitfeed.operator import handlers, planning  # noqa: F401 (handlers registers)
-from splitfeed.trainer_client import contract, specs
+from splitfeed.operator.cluster import handlers
+from splitfeed.operator.objects import planning
+from splitfeed.trainer_client.contract import wellknown, specs
 from tests.support.builders import OWNER, manifest
 from tests.support.chart import SCENARIOS, grants, objects
 from tests.support.emulated import PODS, add_job, cluster, job_of, phase, pods_of, running_operator  # noqa: F401 (cluster: the fixture)
@@ -35,7 +36,7 @@ from tests.support.waiting import until
 ROOT = Path(__file__).resolve().parents[2]
 Grant = tuple[str, str, str]
 API_GROUPS = {"core": "", "policy": "policy", "authorization": "authorization.k8s.io",
-              "coordination": "coordination.k8s.io", "networking": "networking.k8s.io", "custom": contract.GROUP}
+              "coordination": "coordination.k8s.io", "networking": "networking.k8s.io", "custom": wellknown.GROUP}
 VERBS = {"read": "get", "get": "get", "list": "list", "create": "create", "patch": "patch", "delete": "delete",
          "replace": "update"}
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings", "subjectaccessreviews"}
@@ -53,7 +54,7 @@ def client_calls(path: Path) -> set[Grant]:
             kind = m[2]
             singular = kind.replace("_", "")
             plural = singular[:-1] + "ies" if singular.endswith("y") else singular + "s"  # networkpolicy
-            resource = contract.PLURAL if kind == "custom_object" else plural
+            resource = wellknown.PLURAL if kind == "custom_object" else plural
             found.add((API_GROUPS[node.value.attr], resource + ("/status" if m[3] else ""), VERBS[m[1]]))
     return found
 
@@ -135,7 +136,7 @@ def needed(recorded: set[Grant]) -> set[Grant]:
     owner_ref = next(o for o in planning.world(specs.parse_job(manifest()), 0, OWNER, planning.Settings())
                      if o["kind"] == "Pod")["metadata"]["ownerReferences"][0]
     if owner_ref.get("blockOwnerDeletion"):
-        found.add((contract.GROUP, f"{contract.PLURAL}/finalizers", "update"))
+        found.add((wellknown.GROUP, f"{wellknown.PLURAL}/finalizers", "update"))
     return found
 
 
@@ -203,7 +204,7 @@ def test_without_network_policies_the_chart_grants_nothing_on_them(recorded, clu
 
 def test_the_static_reading_of_kube_py_sees_every_call():
     calls = client_calls(ROOT / "operator" / "kube.py")
-    assert ("", "pods", "create") in calls and (contract.GROUP, "streamingjobs/status", "patch") in calls
+    assert ("", "pods", "create") in calls and (wellknown.GROUP, "streamingjobs/status", "patch") in calls
     assert ("coordination.k8s.io", "leases", "update") in calls
     assert ("authorization.k8s.io", "subjectaccessreviews", "create") in calls
     assert {("networking.k8s.io", "networkpolicies", v) for v in ("get", "create", "patch")} <= calls

@@ -5,7 +5,7 @@ apiserver runs them: on the object after structural defaulting, with `self`
 bound to the node that carries the rule (and `oldSelf` for transition rules).
 The openAPIV3Schema is turned into a JSON Schema (draft 2020-12) to check the
 examples. And every field, default, bound and required flag is compared with
-the config model, `splitfeed.trainer_client.specs`, so that the CRD and the
+the config model, `splitfeed.trainer_client.contract.specs`, so that the CRD and the
 model can never drift apart.
 """
 
@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitfeed.trainer_client import progress, specs, topology
+from splitfeed.trainer_client.contract import progress, specs, topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "streamingjob.yaml").read_text())

@@ -325,7 +325,7 @@ def test_a_suspend_during_a_rescale_drain_suspends_once_and_resumes_with_the_new
 
 def test_a_job_deleted_during_a_drain_leaves_a_checkpoint_that_resume_from_resumes(cluster: Cluster) -> None:
     """test_overlapping.py's, in place: 2 -> 1, then `kubectl delete sj` while world 0 drains.
-    The operator deletes the deleted job's pods gracefully at once (operator/deleting.py): a
+    The operator deletes the deleted job's pods gracefully at once (operator/cluster/deleting.py): a
     preemption, after which every sidecar ends its world at one agreed step. What in place
     changes: the kept pod may have gone on into world 1 before its SIGTERM came, which then
     drains world 1; so the newest complete checkpoint is a drained (agreed) step of the job's

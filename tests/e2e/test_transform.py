@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.trainer_client import specs, topology
+from splitfeed.trainer_client.contract import specs, topology
 from tests.e2e import e2e_transforms
 from tests.e2e.cluster import NS, Cluster, log, wait_for
 from tests.e2e.jobs import wait_phase

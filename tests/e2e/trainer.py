@@ -82,9 +82,9 @@ import torch._dynamo  # noqa: E402,F401 - DDP's constructor imports it lazily (R
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from splitfeed.trainer_client import membership  # noqa: E402
-from splitfeed.trainer_client.client import StreamClient  # noqa: E402
-from splitfeed.trainer_client.errors import CheckpointError  # noqa: E402
+from splitfeed.trainer_client.contract import membership
+from splitfeed.trainer_client.script.client import StreamClient
+from splitfeed.trainer_client.contract.errors import CheckpointError
 
 CLASSES = 10  # the test table's labels are id % 10
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_convert
 
 from splitfeed.trainer_client import CheckpointError, StreamClient
-from splitfeed.trainer_client.taking import Batch
+from splitfeed.trainer_client.script.taking import Batch
 from tests.streaming.harness import manifest, pods, reference_batches, socket_root  # noqa: F401
 
 
@@ -85,7 +85,7 @@ def test_a_loader_that_reads_ahead_checkpoints_the_steps_it_trained(pods, table_
         assert (trained.global_step, ahead.global_step) == (4, 5)
         assert client.checkpoint_position == 5
         # The sidecar's progress (its splitfeed_global_step, the operator's status) counts trained steps.
-        from splitfeed.sidecar import metrics
+        from splitfeed.sidecar.serving import metrics
         assert metrics.read_rank(pod._sidecar.server.feeds[0]).global_step == 5
         assert client.checkpoint() == 5  # 6 batches handed out, 5 trained
         client.commit(5)

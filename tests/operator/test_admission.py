@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitfeed.operator import admission
-from splitfeed.trainer_client import specs
+from splitfeed.operator.objects import admission
+from splitfeed.trainer_client.contract import specs
 from tests.support.builders import manifest
 
 ALLOWED_48_960 = [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
@@ -134,7 +134,7 @@ def test_scale_review_still_reports_broken_fields():
 
 
 def test_operator_sidecar_defaults_fill_only_what_the_job_omits():
-    from splitfeed.operator import planning
+    from splitfeed.operator.objects import planning
     settings = planning.Settings.from_env({"SPLITFEED_SIDECAR_IMAGE": "reg/sf:2", "SPLITFEED_SIDECAR_SHM_SIZE": "8Gi",
                                            "SPLITFEED_SIDECAR_PREFETCH_BATCHES": "8"})
     m = manifest()
@@ -277,7 +277,7 @@ async def test_the_webhooks_refuse_order_changes_and_stops_without_a_store(clust
     import aiohttp
     import kopf
 
-    from splitfeed.operator import webhooks
+    from splitfeed.operator.cluster import webhooks
 
     port = free_port()
     settings = kopf.OperatorSettings()
@@ -311,7 +311,7 @@ async def test_the_webhooks_refuse_order_changes_and_stops_without_a_store(clust
 
 
 def test_a_pod_is_dry_run_again_only_when_the_parsed_trainer_template_changed():
-    from splitfeed.operator import webhooks
+    from splitfeed.operator.cluster import webhooks
 
     job = admission.review_job(manifest())
     assert not webhooks._template_changed(manifest(replicas=6), job, {})  # a scale: the same template
@@ -377,7 +377,8 @@ def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
     longer than the bound for a core."""
     import time
 
-    from splitfeed.operator import lifecycle, planning
+    from splitfeed.operator.lifecycle import deciding
+    from splitfeed.operator.objects import planning
     from tests.support.builders import OWNER, T0
 
     n = admission.MAXIMA["spec.data.numSplits"]
@@ -387,7 +388,7 @@ def test_a_job_at_the_split_maximum_is_judged_and_planned_in_milliseconds():
     job = admission.review_job(m)
     with pytest.raises(admission.Rejected) as info:
         admission.review_scale(m, 7)  # the rejection lists every valid count
-    d = lifecycle.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
+    d = deciding.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
     elapsed = time.thread_time() - start
     assert elapsed < 0.5, f"{elapsed:.2f} s of CPU"
     assert info.value.allowed[:4] == [1, 2, 4, 5] and len(info.value.allowed) == 49
@@ -457,7 +458,8 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_a_malformed_template_is_rejected_and_the_reconciler_says_so_without_crashing(case):
-    from splitfeed.operator import lifecycle, planning
+    from splitfeed.operator.lifecycle import deciding
+    from splitfeed.operator.objects import planning
     from tests.support.builders import OWNER, T0
 
     m = template_with(MALFORMED[case])
@@ -465,7 +467,7 @@ def test_a_malformed_template_is_rejected_and_the_reconciler_says_so_without_cra
         admission.review_job(m)
     assert "spec.trainer.template" in str(info.value)
     job = admission.parse(m)
-    d = lifecycle.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
+    d = deciding.decide(job, {}, [], owner=OWNER, settings=planning.Settings(), now=T0)
     assert d.permanent_error and not d.create
     (validated,) = [c for c in d.status["conditions"] if c["type"] == "Validated"]
     assert validated["reason"] == "InvalidSpec" and "spec.trainer.template" in validated["message"]

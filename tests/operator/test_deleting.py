@@ -1,5 +1,5 @@
 """A deleted StreamingJob's pods are stopped at once (issue 22 item 5): the pure choice
-(operator/deleting.py), and the handler in the operator in process (real Kopf) against kmock,
+(operator/cluster/deleting.py), and the handler in the operator in process (real Kopf) against kmock,
 which has no garbage collector: a pod that goes was deleted by the operator."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from splitfeed.operator import deleting, handlers  # noqa: F401 (handlers registers)
+from splitfeed.operator.cluster import deleting, handlers
 from tests.support.builders import manifest
 from tests.support.emulated import (  # noqa: F401 (cluster: the fixture)
     JOBS,

@@ -1,4 +1,4 @@
-"""Trainers that return before the job's last step (operator/endings.py, issue 21), step by step.
+"""Trainers that return before the job's last step (operator/lifecycle/endings.py, issue 21), step by step.
 
 The pods are written as a kubelet reports them: the `trainer` container terminated with
 exit 0 and a finishedAt, the sidecar still running (a plain container nobody stops, or a
@@ -11,7 +11,8 @@ import datetime
 import json
 from typing import Any
 
-from splitfeed.operator import endings, live
+from splitfeed.operator.lifecycle import endings
+from splitfeed.operator.cluster import live
 from tests.support.memory_cluster import Cluster, ts
 
 RUNNING = {"running": {"startedAt": "2026-01-01T11:00:00Z"}}
@@ -92,7 +93,7 @@ def test_sidecars_that_reported_end_the_job_at_once_with_their_step() -> None:
 
 def test_native_sidecars_stopped_by_the_kubelet_end_the_job_with_their_reports() -> None:
     """Native sidecars (the default): the kubelet stops them once the trainer exited; each writes
-    its report (sidecar/ending.py) into initContainerStatuses, and the pods succeed."""
+    its report (sidecar/serving/ending.py) into initContainerStatuses, and the pods succeed."""
     c = two()
     for pod in list(c.pods):
         c.pods[pod]["status"] = {"phase": "Succeeded", "containerStatuses": [

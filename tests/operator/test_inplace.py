@@ -7,8 +7,9 @@ from __future__ import annotations
 import datetime
 import json
 
-from splitfeed.operator import lifecycle, planning
-from splitfeed.trainer_client import messages
+from splitfeed.operator.lifecycle import deciding
+from splitfeed.operator.objects import planning
+from splitfeed.trainer_client.contract import messages
 from tests.support.builders import OWNER, status_answer
 from tests.support.memory_cluster import SETTINGS, Cluster, env_of, in_place, ts
 
@@ -216,7 +217,7 @@ def test_recreate_stays_the_default_and_names_pods_by_world():
     d = c.step()
     assert d.step == "CheckpointRequested" and not d.create and d.notify_replicas == 0
     assert sorted(c.pods) == ["resnet-w0-0", "resnet-w0-1"]
-    assert isinstance(d, lifecycle.Decision)
+    assert isinstance(d, deciding.Decision)
 
 
 def test_a_job_that_ends_while_its_new_pods_start_succeeds_and_the_new_pods_go():

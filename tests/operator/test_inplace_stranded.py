@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitfeed.operator import lifecycle, rescaling
-from splitfeed.trainer_client import messages
+from splitfeed.operator.lifecycle import deciding, rescaling
+from splitfeed.trainer_client.contract import messages
 from tests.support.builders import status_answer
 from tests.support.memory_cluster import Cluster, in_place, ts
 
@@ -32,7 +32,7 @@ def sidecar_killed(c: Cluster, pod: str, trainer: dict[str, Any]) -> None:
         {"name": "splitfeed-sidecar", "state": {"terminated": {"exitCode": 137, "finishedAt": ts(c.now)}}}]}
 
 
-def events(d: lifecycle.Decision, reason: str) -> list[lifecycle.Event]:
+def events(d: deciding.Decision, reason: str) -> list[deciding.Event]:
     return [e for e in d.events if e.reason == reason]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from splitfeed.operator import lifecycle
+from splitfeed.operator.lifecycle import deciding
 from tests.support.memory_cluster import Cluster, in_place, ts
 
 DRAIN = 9
@@ -27,7 +27,7 @@ def drained(c: Cluster, pod: str, reason: str) -> None:
                                  "exitCode": 0, "message": json.dumps(report), "finishedAt": ts(c.now)}}}]}
 
 
-def reasons(d: lifecycle.Decision) -> list[str]:
+def reasons(d: deciding.Decision) -> list[str]:
     return [e.reason for e in d.events]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 import pytest
 
-from splitfeed.operator import handlers, webhooks  # noqa: F401 (handlers registers)
+from splitfeed.operator.cluster import handlers, webhooks
 from tests.support.builders import manifest, status_answer
 from tests.support.emulated import (  # noqa: F401 (cluster: the fixture)
     JOBS,
@@ -138,7 +138,7 @@ async def test_a_rescale_the_status_timer_never_saw_is_still_timed(cluster, monk
     """A drain agreed and a new world started between two timer passes (seconds, with quick
     trainers; found end to end: status.lastRescale never came): the reconciler's own reads
     of the status start the rescale's timeline. The timer is kept from asking here."""
-    from splitfeed.operator import live
+    from splitfeed.operator.cluster import live
 
     monkeypatch.setattr(live.Poller, "due", lambda self, key, body: False)
     add_job(cluster, manifest(replicas=2))

@@ -1,4 +1,4 @@
-"""operator/kube.py, leader election and the reconcile loop's guarantees, without an apiserver.
+"""operator/cluster/kube.py, leader election and the reconcile loop's guarantees, without an apiserver.
 
 - every API call has a request timeout (a server that never answers is an error in seconds);
 - Kopf's own watches and requests have timeouts (handlers.configure);
@@ -28,8 +28,10 @@ import kopf
 import kubernetes
 import pytest
 
-from splitfeed.operator import configs, handlers, kube, leader, planning, reconciling, rescaling
-from splitfeed.trainer_client import keys
+from splitfeed.operator.cluster import configs, handlers, kube, leader, reconciling
+from splitfeed.operator.objects import planning
+from splitfeed.operator.lifecycle import rescaling
+from splitfeed.trainer_client.transport import keys
 from tests.support.builders import manifest
 from tests.support.waiting import until
 
@@ -88,7 +90,7 @@ async def test_every_call_gives_up_on_a_silent_apiserver():
     with silent_server() as silent:
         client = kube.Kube(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=silent.url)),
                            timeout=(0.5, 0.5))
-        pod = planning.pod(__import__("splitfeed.trainer_client.specs", fromlist=["x"]).parse_job(manifest()),
+        pod = planning.pod(__import__("splitfeed.trainer_client.contract.specs", fromlist=["x"]).parse_job(manifest()),
                            0, 0, planning.Owner("resnet", "uid-1"), planning.Settings())
         calls = [client.get_job("ns", "resnet"), client.list_pods("ns", "resnet"), client.create(pod),
                  client.patch_job_status("ns", "resnet", {"phase": "Running"}, "7"),

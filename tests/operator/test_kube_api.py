@@ -324,7 +324,7 @@ def test_deleting_a_job_lets_the_garbage_collector_remove_its_world(env: Env) ->
 
 
 def test_deleting_a_job_stops_its_pods_at_once_and_an_orphaning_delete_keeps_them(env: Env) -> None:
-    """Issue 22 item 5 (operator/deleting.py): the operator deletes a deleted job's pods itself, at
+    """Issue 22 item 5 (operator/cluster/deleting.py): the operator deletes a deleted job's pods itself, at
     once (its log names them; the garbage collector would delete them too, later), but not under
     `kubectl delete --cascade=orphan`, which keeps them, as the garbage collector does."""
     for name in ("phi", "chi"):
@@ -349,7 +349,7 @@ def test_deleting_a_job_stops_its_pods_at_once_and_an_orphaning_delete_keeps_the
 # --- hardening (issue #9) ---------------------------------------------------------------------
 
 def kube_client(env: Env) -> Any:
-    from splitfeed.operator import kube
+    from splitfeed.operator.cluster import kube
 
     return kube.Kube.connect(str(env.cp.kubeconfig))
 
@@ -357,7 +357,7 @@ def kube_client(env: Env) -> Any:
 def test_a_status_patch_onto_a_stale_resource_version_is_a_conflict(env: Env) -> None:
     import asyncio
 
-    from splitfeed.operator import kube
+    from splitfeed.operator.cluster import kube
 
     env.apply(job_manifest("kappa", replicas=1))
     wait_for_api(lambda: env.status("kappa").get("phase") == "Running", 30, "Running")
@@ -436,7 +436,7 @@ def test_a_same_named_object_of_another_owner_is_reported_and_left_alone(env: En
 def test_one_operator_holds_the_lease_and_a_second_takes_over_only_when_it_stops(env: Env) -> None:
     import asyncio
 
-    from splitfeed.operator import configs, leader
+    from splitfeed.operator.cluster import configs, leader
 
     lease = env.api.sanitize_for_serialization(
         kubernetes.client.CoordinationV1Api(env.api).read_namespaced_lease("splitfeed-operator", NS))
@@ -506,8 +506,9 @@ def test_each_job_gets_its_own_keypair_secret_mounted_into_its_sidecar_and_train
     """The job's CURVE keypair (trainer_client.keys): an immutable Secret the job owns, mounted
     read-only where SPLITFEED_KEYS_DIR says in the sidecar and the trainer, in no other container;
     a job deleted and created again gets a new keypair, and the old Secret goes with the old job."""
-    from splitfeed.operator import planning
-    from splitfeed.trainer_client import contract, keys
+    from splitfeed.operator.objects import planning
+    from splitfeed.trainer_client.contract import wellknown
+    from splitfeed.trainer_client.transport import keys
 
     m = job_manifest("kappa", replicas=1)
     m["spec"]["trainer"]["template"]["spec"]["containers"].append(
@@ -522,16 +523,16 @@ def test_each_job_gets_its_own_keypair_secret_mounted_into_its_sidecar_and_train
     first = planning.keypair_of(secret)
     assert keys.parse(first.public, first.secret, "the Secret") == first
     pod = env.api.sanitize_for_serialization(pods["kappa-w0-0"])
-    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == contract.VOLUME_KEYS)
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == wellknown.VOLUME_KEYS)
     assert volume["secret"] == {"secretName": secret["metadata"]["name"], "defaultMode": 0o440}
     for c in pod["spec"]["containers"]:
-        mounts = [m for m in c.get("volumeMounts") or [] if m["name"] == contract.VOLUME_KEYS]
+        mounts = [m for m in c.get("volumeMounts") or [] if m["name"] == wellknown.VOLUME_KEYS]
         env_of = {e["name"]: e.get("value") for e in c.get("env") or []}
         if c["name"] in ("trainer", "splitfeed-sidecar"):
-            assert mounts == [{"name": contract.VOLUME_KEYS, "mountPath": contract.KEYS_DIR, "readOnly": True}]
-            assert env_of[contract.KEYS_DIR_ENV] == contract.KEYS_DIR
+            assert mounts == [{"name": wellknown.VOLUME_KEYS, "mountPath": wellknown.KEYS_DIR, "readOnly": True}]
+            assert env_of[wellknown.KEYS_DIR_ENV] == wellknown.KEYS_DIR
         else:
-            assert mounts == [] and contract.KEYS_DIR_ENV not in env_of, c["name"]
+            assert mounts == [] and wellknown.KEYS_DIR_ENV not in env_of, c["name"]
 
     env.cp.kubectl("delete", "streamingjob", "kappa", "--wait=true", "--timeout=60s")
     env.apply(m)
@@ -599,7 +600,7 @@ def test_the_policy_is_made_once_and_a_changed_one_is_put_back(env: Env) -> None
     write), and one changed by hand (here: admitting everybody) gets the operator's spec back whole."""
     import asyncio
 
-    from splitfeed.operator import admission, planning, policies
+    from splitfeed.operator.objects import admission, planning, policies
 
     env.apply(job_manifest("tau", replicas=1))
     first = wait_for_api(lambda: network_policy(env, "tau"), 30, "tau's policy")

@@ -1,12 +1,13 @@
-"""operator/live.py: live status.progress from a coordinator's answer, and a rescale's timeline."""
+"""operator/cluster/live.py: live status.progress from a coordinator's answer, and a rescale's timeline."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
 
-from splitfeed.operator import live, planning
-from splitfeed.trainer_client import contract, messages
+from splitfeed.operator.cluster import live
+from splitfeed.operator.objects import planning
+from splitfeed.trainer_client.contract import wellknown, messages
 from tests.support.builders import status_answer
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
@@ -93,7 +94,7 @@ def test_steps_taken_past_the_new_worlds_resume_step_are_counted_as_redone():
 def test_the_coordinator_is_replica_0_of_the_running_world_by_pod_ip():
     def pod(epoch: int, replica: int, ip: str, phase: str = "Running") -> dict:
         return {"metadata": {"name": planning.pod_name("job", epoch, replica),
-                             "labels": {contract.LABEL_EPOCH: str(epoch), contract.LABEL_REPLICA: str(replica)}},
+                             "labels": {wellknown.LABEL_EPOCH: str(epoch), wellknown.LABEL_REPLICA: str(replica)}},
                 "status": {"podIP": ip, "phase": phase}}
 
     pods = [pod(0, 0, "10.0.0.1"), pod(1, 1, "10.0.0.3"), pod(1, 0, "10.0.0.2")]
@@ -137,7 +138,7 @@ def test_filled_rows_of_every_world_add_up_in_status_progress():
 
 
 def test_steps_redone_by_rescales_add_up_in_the_operators_counter():
-    from splitfeed.operator import metrics
+    from splitfeed.operator.cluster import metrics
 
     observed = metrics.OperatorMetrics()
     observed.rescaled("ns", "job", {"lastRescale": {"latencySeconds": 12.0, "stepsRedone": 0}})

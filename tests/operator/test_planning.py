@@ -10,8 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitfeed.operator import admission, planning
-from splitfeed.trainer_client import contract, specs
+from splitfeed.operator.objects import admission, planning
+from splitfeed.trainer_client.contract import wellknown, specs
 from tests.operator import pss
 from tests.support.builders import OWNER, manifest
 
@@ -30,7 +30,7 @@ def every_built_pod_is_restricted_when_its_template_is(monkeypatch):
         broken = pss.violations(pod)
         template = {"spec": job.trainer.template.get("spec") or {}}
         if (template["spec"].get("securityContext") or {}).get("runAsUser") != 0:  # root is the template's choice
-            assert not [v for v in broken if v.startswith(contract.SIDECAR_NAME)], broken
+            assert not [v for v in broken if v.startswith(wellknown.SIDECAR_NAME)], broken
         if not pss.violations(template):
             assert broken == [], broken
         return pod

@@ -1,4 +1,4 @@
-"""The job's NetworkPolicy (operator/policies.py), read the way a CNI reads it.
+"""The job's NetworkPolicy (operator/objects/policies.py), read the way a CNI reads it.
 
 `admitted` below evaluates a policy by the Kubernetes rules (a peer's podSelector alone
 means the policy's namespace; an absent `from` or `ports` means every source or port)
@@ -15,8 +15,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from splitfeed.operator import commands, planning, policies
-from splitfeed.trainer_client import cli, contract, errors, specs
+from splitfeed.operator import commands
+from splitfeed.operator.objects import planning, policies
+from splitfeed.trainer_client import cli
+from splitfeed.trainer_client.contract import wellknown, errors, specs
 from tests.support.builders import OWNER, manifest
 
 OPERATOR_NS, OPERATOR_LABELS = "splitfeed-system", {"app.kubernetes.io/name": "splitfeed",
@@ -83,15 +85,15 @@ def env_of(pod: Mapping[str, Any]) -> dict[str, str]:
 def control_ports(objs: list[dict[str, Any]]) -> tuple[set[int], set[int], set[int]]:
     """(coordinator, rendezvous, metrics) ports as the world's pods and Service use them."""
     pods = [o for o in objs if o["kind"] == "Pod"]
-    coordinator = {int(env_of(p)[contract.COORDINATOR_ENV].rsplit(":", 1)[1]) for p in pods}
-    rendezvous = {int(env_of(p)[contract.MASTER_PORT_ENV]) for p in pods}
+    coordinator = {int(env_of(p)[wellknown.COORDINATOR_ENV].rsplit(":", 1)[1]) for p in pods}
+    rendezvous = {int(env_of(p)[wellknown.MASTER_PORT_ENV]) for p in pods}
     service = next(o for o in objs if o["kind"] == "Service")
     coordinator |= {p["port"] for p in service["spec"]["ports"] if p["name"].startswith("coordinator")}
     rendezvous |= {p["port"] for p in service["spec"]["ports"] if p["name"].startswith("rendezvous")}
     metrics = {int(port["containerPort"]) for p in pods
                for c in p["spec"].get("containers", []) + p["spec"].get("initContainers", [])
                for port in c.get("ports") or [] if port.get("name") == "metrics"}
-    metrics |= {int(env_of(p)[contract.METRICS_PORT_ENV]) for p in pods}
+    metrics |= {int(env_of(p)[wellknown.METRICS_PORT_ENV]) for p in pods}
     return coordinator, rendezvous, metrics
 
 
@@ -118,7 +120,7 @@ def test_the_policy_is_the_jobs_own_and_allows_egress():
     policy = the_policy(planning.world(job(), 3, OWNER, ENABLED))
     assert policy["metadata"]["name"] == "resnet" and policy["metadata"]["namespace"] == "ns"
     assert policy["metadata"]["ownerReferences"] == [OWNER.reference()]
-    assert policy["metadata"]["labels"] == {contract.LABEL_JOB: "resnet"}
+    assert policy["metadata"]["labels"] == {wellknown.LABEL_JOB: "resnet"}
     assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress: not restricted
     assert "egress" not in policy["spec"]
 
@@ -140,7 +142,7 @@ def test_it_selects_every_pod_of_every_world_of_the_job_and_no_other_jobs(rescal
 
 def test_a_template_label_cannot_take_a_pod_out_of_the_policy():
     m = manifest()
-    m["spec"]["trainer"]["template"]["metadata"]["labels"][contract.LABEL_JOB] = "elsewhere"
+    m["spec"]["trainer"]["template"]["metadata"]["labels"][wellknown.LABEL_JOB] = "elsewhere"
     objs = planning.world(specs.parse_job(m), 0, OWNER, ENABLED)
     policy = the_policy(objs)
     assert all(selects(policy["spec"]["podSelector"], o["metadata"]["labels"]) for o in objs if o["kind"] == "Pod")
@@ -158,7 +160,7 @@ def test_the_jobs_own_pods_reach_every_control_port_of_every_world_and_torchs_ow
         coordinator, rendezvous, metrics = control_ports(planning.world(j, epoch, OWNER, ENABLED))
         ports |= coordinator | rendezvous | metrics
     assert len(ports) == (5 if rescale == "inPlace" else 3), ports  # the in-place worlds alternate two pairs
-    member = {"team": "vision", contract.LABEL_JOB: "resnet", contract.LABEL_REPLICA: "1"}
+    member = {"team": "vision", wellknown.LABEL_JOB: "resnet", wellknown.LABEL_REPLICA: "1"}
     # 41234: a port gloo or NCCL picked for a collective between two pods of the job.
     for port in ports | {41234}:
         assert admitted(policy, "ns", member, port), port
@@ -188,7 +190,7 @@ def test_the_metrics_peers_reach_the_metrics_port_only(rescale):
     objs = planning.world(j, 1, OWNER, ENABLED)
     policy = the_policy(objs)
     coordinator, rendezvous, metrics = control_ports(objs)
-    assert metrics == {contract.METRICS_PORT}
+    assert metrics == {wellknown.METRICS_PORT}
     prometheus = {"app.kubernetes.io/name": "prometheus"}
     assert all(admitted(policy, "monitoring", prometheus, p) for p in metrics)
     assert not any(admitted(policy, "monitoring", prometheus, p) for p in coordinator | rendezvous)
@@ -198,10 +200,10 @@ def test_the_metrics_peers_reach_the_metrics_port_only(rescale):
 def test_a_pod_of_another_job_or_namespace_reaches_nothing():
     objs = planning.world(job(rescale="inPlace"), 0, OWNER, ENABLED)
     policy = the_policy(objs)
-    stranger = {contract.LABEL_JOB: "other", "team": "vision"}
+    stranger = {wellknown.LABEL_JOB: "other", "team": "vision"}
     ports = set().union(*control_ports(objs)) | {41234}
     assert not any(admitted(policy, "ns", stranger, p) for p in ports)
-    assert not any(admitted(policy, "elsewhere", {contract.LABEL_JOB: "resnet"}, p) for p in ports)
+    assert not any(admitted(policy, "elsewhere", {wellknown.LABEL_JOB: "resnet"}, p) for p in ports)
 
 
 def test_no_peers_admit_nobody_rather_than_everybody():
@@ -212,9 +214,9 @@ def test_no_peers_admit_nobody_rather_than_everybody():
         network_policy=policies.parse("[]", None))))
     for policy in (no_metrics, no_operator):
         assert all(rule.get("from") for rule in policy["spec"]["ingress"])
-        assert not admitted(policy, "monitoring", {"app": "prometheus"}, contract.METRICS_PORT)
-    assert admitted(no_metrics, OPERATOR_NS, OPERATOR_LABELS, contract.COORDINATOR_PORT)
-    assert not admitted(no_operator, OPERATOR_NS, OPERATOR_LABELS, contract.COORDINATOR_PORT)
+        assert not admitted(policy, "monitoring", {"app": "prometheus"}, wellknown.METRICS_PORT)
+    assert admitted(no_metrics, OPERATOR_NS, OPERATOR_LABELS, wellknown.COORDINATOR_PORT)
+    assert not admitted(no_operator, OPERATOR_NS, OPERATOR_LABELS, wellknown.COORDINATOR_PORT)
 
 
 def test_a_templates_own_scrape_port_is_admitted_to_the_metrics_peers():
@@ -225,7 +227,7 @@ def test_a_templates_own_scrape_port_is_admitted_to_the_metrics_peers():
     scraped = int(pod["metadata"]["annotations"]["prometheus.io/port"])
     assert scraped == 9400
     assert admitted(the_policy(objs), "monitoring", {}, scraped)
-    assert admitted(the_policy(objs), "monitoring", {}, contract.METRICS_PORT)
+    assert admitted(the_policy(objs), "monitoring", {}, wellknown.METRICS_PORT)
 
 
 # --- the operator's settings --------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitfeed.operator.redaction import redact, redact_text
+from splitfeed.operator.objects.redaction import redact, redact_text
 
 
 @pytest.mark.parametrize("uri, shown", [

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from splitfeed.operator import lifecycle, planning
-from splitfeed.trainer_client import contract, specs
+from splitfeed.operator.lifecycle import deciding
+from splitfeed.operator.objects import planning
+from splitfeed.trainer_client.contract import wellknown, specs
 from tests.support.builders import OWNER, T0, manifest
 from tests.support.memory_cluster import SETTINGS, STATUS_SCHEMA, Cluster, assert_declared, merge, ts
 
@@ -66,7 +67,7 @@ def test_an_invalid_new_job_fails_permanently_without_pods():
 def test_fixing_an_invalid_spec_starts_the_job():
     c = Cluster(replicas=5)
     c.step()
-    assert not lifecycle.is_terminal(c.status)
+    assert not deciding.is_terminal(c.status)
     c.scale(6)
     c.step()
     assert c.status["phase"] == "Running" and c.status["replicas"] == 6 and len(c.pods) == 6
@@ -273,7 +274,7 @@ def test_a_vanished_pod_of_a_started_world_is_a_failure():
 def test_a_trainer_that_exited_non_zero_fails_its_pod_while_a_plain_sidecar_still_runs():
     """--sidecar-mode container, restartPolicy Never: nothing restarts the trainer, the pod stays Running."""
     c = Cluster().running()
-    exited = T0 - datetime.timedelta(seconds=lifecycle.REPORT_GRACE_S)
+    exited = T0 - datetime.timedelta(seconds=deciding.REPORT_GRACE_S)
     c.pods["resnet-w0-1"]["status"] = {"phase": "Running", "containerStatuses": [
         {"name": "trainer", "state": {"terminated": {"exitCode": 137, "finishedAt": ts(exited)}}},
         {"name": "splitfeed-sidecar", "state": {"running": {}}}]}
@@ -308,7 +309,7 @@ def test_a_data_error_reported_just_after_the_trainer_exits_still_spends_no_rest
 def test_a_sidecar_that_never_reports_delays_the_restart_by_the_grace_only():
     c = Cluster(maxRestarts=3).running()
     trainer_exited_sidecar_running(c, "resnet-w0-0")
-    c.now += datetime.timedelta(seconds=lifecycle.REPORT_GRACE_S - 1)
+    c.now += datetime.timedelta(seconds=deciding.REPORT_GRACE_S - 1)
     assert c.step().step == "AwaitingSidecarReport"
     c.now += datetime.timedelta(seconds=1)
     assert c.step().step == "RemovingOldWorld" and c.status["restarts"] == 1
@@ -333,7 +334,7 @@ def test_a_permanent_data_error_fails_the_job_without_spending_the_restart_budge
     assert c.status["phase"] == "Failed" and c.reason("Failed") == "DataError"
     assert c.status.get("restarts") is None
     assert "'nope' does not exist" in d.events[0].message and d.events[0].reason == "DataError"
-    assert lifecycle.is_terminal(c.status)
+    assert deciding.is_terminal(c.status)
 
 
 def test_the_restart_budget_ends_in_failed_with_the_reason():
@@ -351,7 +352,7 @@ def test_the_restart_budget_ends_in_failed_with_the_reason():
     msg = [x for x in c.status["conditions"] if x["type"] == "Failed"][0]["message"]
     assert "table has 10 rows" in msg and "1/1 restarts" in msg
     assert sorted(d.delete) == [f"resnet-w1-{i}" for i in range(3)]
-    assert lifecycle.is_terminal(c.status)
+    assert deciding.is_terminal(c.status)
     assert c.step().status == {}
 
 
@@ -361,7 +362,7 @@ def test_all_pods_succeeded_without_a_drain_is_success():
     d = c.step()
     assert c.status["phase"] == "Succeeded" and c.reason("Complete") == "AllPodsSucceeded"
     assert [e.reason for e in d.events] == ["Succeeded"]
-    assert lifecycle.is_terminal(c.status)
+    assert deciding.is_terminal(c.status)
     c.scale(8)
     assert c.step().annotate == {}
 
@@ -389,14 +390,14 @@ def test_conditions_keep_their_transition_time_while_unchanged():
 
 
 def test_an_unparseable_spec_fails_a_new_job_but_spares_a_running_world():
-    from splitfeed.operator import admission
+    from splitfeed.operator.objects import admission
     problem = admission.Rejected("field spec.data.table", "spec.data.table: is required")
-    d = lifecycle.rejected({}, problem, now=T0)
+    d = deciding.rejected({}, problem, now=T0)
     assert d.status["phase"] == "Failed" and d.permanent_error and d.events[0].reason == "InvalidSpec"
     running = Cluster().running()
-    d = lifecycle.rejected(running.status, problem, now=T0)
+    d = deciding.rejected(running.status, problem, now=T0)
     assert "phase" not in d.status and d.status["conditions"][0]["reason"] == "InvalidSpec"
-    again = lifecycle.rejected(merge(running.status, d.status), problem, now=T0)
+    again = deciding.rejected(merge(running.status, d.status), problem, now=T0)
     assert again.status == {} and again.events == []
 
 
@@ -473,7 +474,7 @@ def sidecar_env(pod: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in side["env"]}
 
 
-def events(d: lifecycle.Decision, reason: str) -> list[lifecycle.Event]:
+def events(d: deciding.Decision, reason: str) -> list[deciding.Event]:
     return [e for e in d.events if e.reason == reason]
 
 
@@ -706,7 +707,7 @@ def test_notify_waits_for_replica_zeros_ip_and_brackets_ipv6():
 
 # --- failure policy: back-off, disruptions, in-place restarts (issue #9) ----------------------
 
-def fail_and_restart(c: Cluster, pod: str) -> lifecycle.Decision:
+def fail_and_restart(c: Cluster, pod: str) -> deciding.Decision:
     c.set_phase("Running")
     c.set_phase("Failed", pod)
     d = c.step()
@@ -824,8 +825,8 @@ def test_in_place_restarts_and_world_restarts_share_one_budget():
 # --- objects the apiserver refuses to create --------------------------------------------------
 
 def refused(c: Cluster, status: int, reason: str, message: str, kind: str = "Pod",
-            name: str = "resnet-w0-2") -> lifecycle.Decision:
-    d = lifecycle.creation_failed(c.job, c.status, lifecycle.CreationFailure(kind, name, status, reason, message),
+            name: str = "resnet-w0-2") -> deciding.Decision:
+    d = deciding.creation_failed(c.job, c.status, deciding.CreationFailure(kind, name, status, reason, message),
                                   settings=SETTINGS, now=c.now, generation=1)
     assert_declared(d.status, STATUS_SCHEMA)
     c.status = merge(c.status, d.status)
@@ -864,7 +865,7 @@ def test_a_pod_the_apiserver_calls_invalid_fails_the_job_and_removes_the_world()
                 name="resnet-w1-0")
     assert c.status["phase"] == "Failed" and c.reason("Failed") == "InvalidPodTemplate"
     assert "spec.containers[0].image: Required value" in d.events[0].message
-    assert lifecycle.is_terminal(c.status)
+    assert deciding.is_terminal(c.status)
     c.pods["resnet-w1-3"] = merge(planning.pod(c.job, 1, 3, OWNER, SETTINGS), {"status": {"phase": "Pending"}})
     assert c.step().delete == ["resnet-w1-3"]  # whatever was created goes
 
@@ -941,9 +942,9 @@ def test_a_sidecar_error_with_a_signed_uri_is_redacted_in_events_and_conditions(
 
 def test_the_pinned_table_version_is_recorded_once_and_given_to_the_next_world():
     """status.data.tableVersion from a sidecar's report; the next world's sidecars get it."""
-    from splitfeed.operator import conditions as conds
+    from splitfeed.operator.objects import conditions as conds
 
-    pod = {"status": {"initContainerStatuses": [{"name": contract.SIDECAR_NAME, "state": {"terminated": {
+    pod = {"status": {"initContainerStatuses": [{"name": wellknown.SIDECAR_NAME, "state": {"terminated": {
         "exitCode": 0, "finishedAt": "2026-12-03T00:00:00Z",
         "message": json.dumps({"globalStep": 3, "tableVersion": 7})}}}]}}
     reports = conds.sidecar_reports(pod)

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from splitfeed.operator import standby
+from splitfeed.operator.cluster import standby
 from tests.support.ports import free_port
 
 

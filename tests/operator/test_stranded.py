@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 
-from splitfeed.operator import lifecycle, rescaling
+from splitfeed.operator.lifecycle import deciding, rescaling
 from tests.support.memory_cluster import Cluster, ts
 
 DRAIN = 7
@@ -54,7 +54,7 @@ def draining(complete: int | None) -> Cluster:
     return c
 
 
-def events(d: lifecycle.Decision, reason: str) -> list[lifecycle.Event]:
+def events(d: deciding.Decision, reason: str) -> list[deciding.Event]:
     return [e for e in d.events if e.reason == reason]
 
 

@@ -1,4 +1,4 @@
-"""Pods, a StreamingJob and its status parsed once (operator/views.py): what the life cycle asks, from raw API objects."""
+"""Pods, a StreamingJob and its status parsed once (operator/objects/views.py): what the life cycle asks, from raw API objects."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 import datetime
 import json
 
-from splitfeed.operator import planning, views
-from splitfeed.trainer_client import contract, specs
+from splitfeed.operator.objects import planning, views
+from splitfeed.trainer_client.contract import wellknown, specs
 from tests.support.builders import OWNER, T0, manifest, pod_dict
 
 NATIVE = planning.Settings()
@@ -36,26 +36,26 @@ def test_a_built_pod_reads_back_its_name_world_controller_and_policy():
 
 
 def test_absent_fields_take_the_apis_defaults():
-    pod = views.Pod.parse({"metadata": {"name": "x", "labels": {contract.LABEL_EPOCH: "not a number"}}})
+    pod = views.Pod.parse({"metadata": {"name": "x", "labels": {wellknown.LABEL_EPOCH: "not a number"}}})
     assert (pod.phase, pod.epoch, pod.restart_policy, pod.containers, pod.final_report) == (
         "Pending", None, "Always", (), None)
 
 
 def test_a_nonzero_trainer_fails_a_never_restarting_pod_while_it_still_runs():
-    p = built(containerStatuses=[terminated("trainer", 1), running(contract.SIDECAR_NAME)])
+    p = built(containerStatuses=[terminated("trainer", 1), running(wellknown.SIDECAR_NAME)])
     assert views.Pod.parse(p).failed
     p["spec"]["restartPolicy"] = "OnFailure"
     assert not views.Pod.parse(p).failed
-    init_only = built(initContainerStatuses=[terminated(contract.SIDECAR_NAME, 2)])
+    init_only = built(initContainerStatuses=[terminated(wellknown.SIDECAR_NAME, 2)])
     assert not views.Pod.parse(init_only).failed, "a native sidecar's exit is not the pod's failure"
 
 
 def test_the_report_is_pending_only_while_the_sidecar_runs_within_the_grace():
-    p = views.Pod.parse(built(initContainerStatuses=[running(contract.SIDECAR_NAME)],
+    p = views.Pod.parse(built(initContainerStatuses=[running(wellknown.SIDECAR_NAME)],
                               containerStatuses=[terminated("trainer", 1)]))
     assert p.report_pending(T0 + datetime.timedelta(seconds=14), 15.0)
     assert not p.report_pending(T0 + datetime.timedelta(seconds=15), 15.0)
-    done = views.Pod.parse(built(initContainerStatuses=[terminated(contract.SIDECAR_NAME, 0)],
+    done = views.Pod.parse(built(initContainerStatuses=[terminated(wellknown.SIDECAR_NAME, 0)],
                                  containerStatuses=[terminated("trainer", 1)]))
     assert not done.report_pending(T0, 15.0)
 
@@ -64,12 +64,12 @@ def test_drained_disrupted_and_restart_counts_come_from_the_status():
     report = json.dumps({"drained": True, "agreedStep": 12, "drainReason": "preempt"})
     p = views.Pod.parse(built(
         "Succeeded", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}],
-        initContainerStatuses=[{**terminated(contract.SIDECAR_NAME, 0, message=report), "restartCount": 2}],
+        initContainerStatuses=[{**terminated(wellknown.SIDECAR_NAME, 0, message=report), "restartCount": 2}],
         containerStatuses=[terminated("trainer", 0)]))
     assert p.drained and p.final_report is not None and p.final_report.agreed_step == 12
     assert p.disruption is not None and p.disruption["reason"] == "PreemptionByScheduler"
     assert [(c.name, c.init, c.restart_count) for c in p.containers] == [
-        (contract.SIDECAR_NAME, True, 2), ("trainer", False, 0)]
+        (wellknown.SIDECAR_NAME, True, 2), ("trainer", False, 0)]
     assert p.terminated and not p.live
 
 

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import zmq
 
-from splitfeed.operator import lifecycle, reconciling, views
-from splitfeed.trainer_client import keys, worlds
-from splitfeed.trainer_client import messages
+from splitfeed.operator.lifecycle import deciding
+from splitfeed.operator.cluster import reconciling
+from splitfeed.operator.objects import views
+from splitfeed.trainer_client.transport import keys, worlds
+from splitfeed.trainer_client.contract import messages
 from tests.support.keys import session_keypair
 from tests.support.waiting import wait_for
 
@@ -141,7 +143,7 @@ class RecordingKube:
 def test_the_reconciler_sends_a_decisions_notify_after_its_status_and_annotations(router):
     kube = RecordingKube(router)
     ctx = reconciling.Context(kube=kube, settings=None)  # type: ignore[arg-type]
-    d = lifecycle.Decision(step="CheckpointRequested", status={"phase": "Rescaling"},
+    d = deciding.Decision(step="CheckpointRequested", status={"phase": "Rescaling"},
                            annotate={"resnet-w0-0": {"splitfeed.io/drain": "rescale-w0"}},
                            notify=(router.address, "rescale-w0", "rescale"))
     body = {"metadata": {"namespace": "ns", "name": "resnet", "resourceVersion": "41"}}

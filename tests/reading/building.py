@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-from splitfeed.sidecar import forking
+from splitfeed.sidecar.forks import forking
 
 HELPER = forking.start()  # first: before any lancedb call or thread, as the sidecar does
 
@@ -26,7 +26,8 @@ HELPER = forking.start()  # first: before any lancedb call or thread, as the sid
 def main(argv: list[str]) -> int:
     from multiprocessing import forkserver
 
-    from splitfeed.sidecar import planner, plans, reading
+    from splitfeed.sidecar.forks import planner
+    from splitfeed.sidecar.data import plans, reading
     from tests.reading import dying
     from tests.reading.tables import data_spec
 

@@ -17,8 +17,8 @@ import lancedb
 import numpy as np
 import pyarrow as pa
 
-from splitfeed.sidecar import reading
-from splitfeed.trainer_client import specs
+from splitfeed.sidecar.data import reading
+from splitfeed.trainer_client.contract import specs
 from tests.support import s3, tables
 
 TABLE = "frames"

@@ -13,8 +13,8 @@ import pathlib
 
 import pytest
 
-from splitfeed.sidecar import workers
-from splitfeed.trainer_client import errors, specs
+from splitfeed.sidecar.forks import workers
+from splitfeed.trainer_client.contract import errors, specs
 from tests.reading import dying
 from tests.reading.tables import TABLE, data_spec, write_table
 

@@ -18,8 +18,9 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from splitfeed.sidecar import blobs, checkpoints, identity, positions, reading
-from splitfeed.trainer_client import errors, specs, topology
+from splitfeed.sidecar.world import blobs, checkpoints, identity
+from splitfeed.sidecar.data import positions, reading
+from splitfeed.trainer_client.contract import errors, specs, topology
 from tests.reading.tables import (
     CREDENTIALS,
     as_rows,

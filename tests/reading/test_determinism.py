@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar import positions, reading, workers
-from splitfeed.trainer_client import errors, specs, topology
+from splitfeed.sidecar.data import positions, reading
+from splitfeed.sidecar.forks import workers
+from splitfeed.trainer_client.contract import errors, specs, topology
 
 from tests.reading.tables import (
     NUM_ROWS,

@@ -1,4 +1,4 @@
-"""Plans built in a child forked from the sidecar's helper (sidecar/forking.py), in a process
+"""Plans built in a child forked from the sidecar's helper (sidecar/forks/forking.py), in a process
 of their own (tests/reading/building.py) that forks the helper first, as a sidecar does.
 
 The oracle is StreamingDataset iterated in-process, as in test_plans.py: split s of the
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from splitfeed.sidecar import plans, reading, takes
+from splitfeed.sidecar.data import plans, reading, takes
 from tests.reading.tables import data_spec, ids_of, reference_rows
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import checkpoints, plans, positions, reading, workers
-from splitfeed.trainer_client import errors
+from splitfeed.sidecar.world import checkpoints
+from splitfeed.sidecar.data import plans, positions, reading
+from splitfeed.sidecar.forks import workers
+from splitfeed.trainer_client.contract import errors
 from tests.reading.tables import data_spec, ids_of, reference_rows, whole_batches, write_table
 from tests.support.s3_endpoint import CREDENTIALS, S3Endpoint
 
@@ -146,7 +148,7 @@ def test_the_world_start_check_of_a_stored_plan_reads_its_footer_alone(store: tu
 def test_a_builders_requests_per_plan_do_not_grow_with_the_plans_stored(store: tuple[S3Endpoint, str]) -> None:
     """A job's 100th epoch must cost its builder what its 2nd did: the check that the stored
     plans are this lancedb's (3 requests a plan) runs once per builder, not at every build."""
-    from splitfeed.sidecar import planner
+    from splitfeed.sidecar.forks import planner
 
     endpoint, _ = store
     table, data = reading.pin(remote_spec(endpoint, epochs=8), CREDENTIALS)

@@ -18,8 +18,9 @@ from typing import Any
 import lancedb
 import pytest
 
-from splitfeed.sidecar import reading, workers
-from splitfeed.trainer_client import errors, specs, topology
+from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.forks import workers
+from splitfeed.trainer_client.contract import errors, specs, topology
 from tests.reading.tables import TABLE, as_rows, data_spec, frames, reference_rows, whole_batches, write_table
 
 W_BEFORE, W_AFTER = 2, 3

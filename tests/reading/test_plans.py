@@ -1,4 +1,4 @@
-"""Epoch plans (sidecar/plans.py) against lancedb's own order, and plans that must not be used.
+"""Epoch plans (sidecar/data/plans.py) against lancedb's own order, and plans that must not be used.
 
 The oracle is StreamingDataset iterated in-process: a world of N ranks over N splits
 gives each split's rows in lancedb's order, so split s of a plan, taken by row id,
@@ -23,8 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from splitfeed.sidecar import cgroups, planner, plans, reading, takes, workers
-from splitfeed.trainer_client import errors, specs, topology
+from splitfeed.sidecar.data import cgroups, plans, reading, takes
+from splitfeed.sidecar.forks import planner, workers
+from splitfeed.trainer_client.contract import errors, specs, topology
 from tests.reading.tables import data_spec, ids_of, open_reference_table, reference_rows
 
 ORDERS = [

@@ -23,8 +23,9 @@ import pyarrow as pa
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar import cgroups, reading, workers
-from splitfeed.trainer_client import errors, specs
+from splitfeed.sidecar.data import cgroups, reading
+from splitfeed.sidecar.forks import workers
+from splitfeed.trainer_client.contract import errors, specs
 
 from tests.support import transforms
 from tests.reading.tables import data_spec, open_reference_table
@@ -383,7 +384,7 @@ def test_packing_auto_budget_is_lancedbs_epoch_0_estimate(token_uri: str) -> Non
 
 
 def test_a_checkpoint_of_other_preprocessing_is_not_resumed(db_uri: str) -> None:
-    from splitfeed.sidecar import checkpoints
+    from splitfeed.sidecar.world import checkpoints
 
     def provenance(data: specs.DataSpec) -> dict[str, Any]:
         return checkpoints.provenance(data, table_version=1, job_uid="u", world_epoch=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitfeed.sidecar import workers
+from splitfeed.sidecar.forks import workers
 from tests.reading.tables import (
     CREDENTIALS,
     as_rows,

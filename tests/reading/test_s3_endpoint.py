@@ -26,7 +26,7 @@ import pyarrow.fs as pafs
 import pytest
 from botocore.exceptions import ClientError
 
-from splitfeed.sidecar import checkpoints
+from splitfeed.sidecar.world import checkpoints
 from tests.reading.tables import TABLE, frames, write_table
 from tests.support.s3_endpoint import S3Endpoint
 

@@ -21,8 +21,9 @@ import pyarrow as pa
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar import positions, reading, workers
-from splitfeed.trainer_client import specs
+from splitfeed.sidecar.data import positions, reading
+from splitfeed.sidecar.forks import workers
+from splitfeed.trainer_client.contract import specs
 
 from tests.reading.tables import data_spec, open_reference_table
 from tests.support import transforms
@@ -167,7 +168,7 @@ def test_warn_logs_each_skipped_row_with_its_split_and_position_and_counts_it(
 ) -> None:
     data = skip_job(db_uri, bad_ids, "warn")
     ledger: dict[int, reading.Passed] = {}
-    with caplog.at_level(logging.WARNING, logger="splitfeed.sidecar.reading"):
+    with caplog.at_level(logging.WARNING, logger="splitfeed.sidecar.data.reading"):
         out = list(workers.iter_rank_batches(data, {}, rank=3, world_size=24, start_global_step=0,
                                              stop_global_step=12, ledger=ledger))
     assert len(out) == 12

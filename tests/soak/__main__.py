@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitfeed.sidecar import forkserver
-from splitfeed.trainer_client import topology
+from splitfeed.sidecar.forks import forkserver
+from splitfeed.trainer_client.contract import topology
 from tests.soak import invariants, probe, schedule as sched
 from tests.soak.runner import SLEEP_S, Soak, Violation
 

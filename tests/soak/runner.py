@@ -21,7 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from splitfeed.trainer_client import agent, contract
+from splitfeed.trainer_client.script import agent
+from splitfeed.trainer_client.contract import wellknown
 from tests.soak import probe, schedule as sched
 from tests.soak.launcher import Launcher, command
 from tests.soak.progress import Progress
@@ -77,7 +78,7 @@ class Soak:
         job = manifests.data_manifest(self.uri, str(self.store), epochs=self.overrides["epochs"])
         self.job_file.write_text(yaml.safe_dump(job))
         self.env = {**os.environ, "SPLITFEED_SHM_ROOT": str(self.shm), "TMPDIR": str(root / "tmp")}
-        self.env.pop(contract.KEYS_DIR_ENV, None)  # as a user's shell: the run makes its own keypair
+        self.env.pop(wellknown.KEYS_DIR_ENV, None)  # as a user's shell: the run makes its own keypair
         self.progress = Progress(self.logs)
         self.sleep_s = sleep_s
         self.replicas = plan.start

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from splitfeed.trainer_client import stranded
+from splitfeed.trainer_client.transport import stranded
 from tests.soak import probe
 from tests.soak.progress import Progress
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import zmq
 
-from splitfeed.trainer_client import contract, messages, stalls
+from splitfeed.trainer_client.contract import wellknown, messages, stalls
 
 WAIT_MS = 20
 """How long each forged request waits for an answer (a coordinator answers in well under that)."""
@@ -67,7 +67,7 @@ def coordinators(work_glob: str) -> dict[str, int]:
 
 def public_key(work_glob: str) -> bytes | None:
     """The job's public key, which a forger may learn (it is not what proves the job)."""
-    for path in glob.glob(f"{work_glob}/keys/{contract.KEY_PUBLIC}"):
+    for path in glob.glob(f"{work_glob}/keys/{wellknown.KEY_PUBLIC}"):
         return Path(path).read_bytes().strip()
     return None
 

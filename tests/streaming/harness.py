@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import main as sidecar_main, reading
-from splitfeed.trainer_client import specs
+from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar.data import reading
+from splitfeed.trainer_client.contract import specs
 from tests.support import guards, keys, manifests, ports, tables
 
 ROWS = 1000

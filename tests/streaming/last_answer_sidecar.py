@@ -16,13 +16,13 @@ import sys
 import warnings
 from pathlib import Path
 
-from splitfeed.sidecar import forkserver
+from splitfeed.sidecar.forks import forkserver
 from splitfeed.sidecar import main as sidecar_main
-from splitfeed.sidecar import serving
-from splitfeed.trainer_client import messages
+from splitfeed.sidecar.serving import service
+from splitfeed.trainer_client.contract import messages
 
 
-class LastAnswer(serving.Server):
+class LastAnswer(service.Server):
     def _hello(self, peer: bytes, message: messages.Hello) -> None:
         super()._hello(peer, message)
         self.stopping.set()  # the reply is this sidecar's last, as a drained rank's `committed` is

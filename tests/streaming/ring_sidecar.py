@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from splitfeed.sidecar import main as sidecar_main
-from splitfeed.sidecar import serving
+from splitfeed.sidecar.serving import service
 
 
 def size_of(mode: str, step: int) -> int:
@@ -37,14 +37,14 @@ def batch(mode: str, step: int) -> pa.RecordBatch:
 
 
 def main() -> int:
-    serving.tune_interpreter()
+    service.tune_interpreter()
     directory, mode, steps, prefetch = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 
     def factory(rank: int, first: int):  # type: ignore[no-untyped-def]
         for step in range(first, steps):
             yield step, batch(mode, step)
 
-    server = serving.Server(directory=directory, ranks=[0], world_size=1, factory=factory,
+    server = service.Server(directory=directory, ranks=[0], world_size=1, factory=factory,
                             steps_per_epoch=steps, total_steps=steps, start_step=0, resume_step=0,
                             prefetch=prefetch)
     settings = sidecar_main.SidecarSettings(config=Path("unused"), socket_dir=directory)

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from splitfeed.trainer_client.client import StreamClient
-from splitfeed.trainer_client.worlds import request_drain
+from splitfeed.trainer_client.script.client import StreamClient
+from splitfeed.trainer_client.transport.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
 

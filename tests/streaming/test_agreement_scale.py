@@ -10,7 +10,7 @@ member published, plus two), and the drain must cost the coordinator three messa
 
 from __future__ import annotations
 
-from splitfeed.trainer_client import keys
+from splitfeed.trainer_client.transport import keys
 from tests.support import world_at_scale
 from tests.support.world_at_scale import PUBLISHED, SPREAD
 

@@ -15,8 +15,11 @@ import pytest
 import zmq
 from prometheus_client import generate_latest
 
-from splitfeed.sidecar import agreement, main as sidecar_main, metrics
-from splitfeed.trainer_client import contract, errors, keys, messages, worlds
+from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar.serving import metrics
+from splitfeed.trainer_client.contract import wellknown, errors, messages
+from splitfeed.trainer_client.transport import keys, worlds
 from tests.support import ports
 from tests.support.keys import session_keypair
 from tests.support.waiting import wait_for
@@ -65,7 +68,7 @@ def test_only_the_jobs_keypair_gets_a_drain_request_through(caplog: pytest.LogCa
     coordinator = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
     coordinator.on_join(b"m0", 0)
     thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), keys=job_keys)
-    caplog.set_level(logging.WARNING, logger="splitfeed.sidecar.agreement")
+    caplog.set_level(logging.WARNING, logger="splitfeed.sidecar.world.agreement")
     try:
         forged = messages.DrainRequest(token="forged", reason="rescale", replicas=1)
         assert forged_ask(thread.address, forged, server_key=job_keys.public) is None
@@ -126,10 +129,10 @@ def test_no_coordinator_or_request_without_the_jobs_keypair(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """No insecure default: a sidecar or a request without SPLITFEED_KEYS_DIR is refused by name."""
     settings = sidecar_main.SidecarSettings(config=tmp_path / "c.json", socket_dir=tmp_path)
-    with pytest.raises(errors.UserError, match=contract.KEYS_DIR_ENV):
+    with pytest.raises(errors.UserError, match=wellknown.KEYS_DIR_ENV):
         sidecar_main.job_keys(settings)
-    monkeypatch.delenv(contract.KEYS_DIR_ENV)
-    with pytest.raises(errors.UserError, match=f"{contract.KEYS_DIR_ENV} is not set"):
+    monkeypatch.delenv(wellknown.KEYS_DIR_ENV)
+    with pytest.raises(errors.UserError, match=f"{wellknown.KEYS_DIR_ENV} is not set"):
         worlds.request_drain("tcp://127.0.0.1:1", "rescale-w0", "rescale")
     (tmp_path / "keys").mkdir()
     with pytest.raises(errors.UserError, match="cannot read the job's keypair"):
@@ -143,7 +146,7 @@ def test_no_coordinator_or_request_without_the_jobs_keypair(tmp_path: Path,
 def test_a_written_keypair_is_owner_only(tmp_path: Path) -> None:
     written = keys.create(tmp_path / "keys")
     assert (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
-    for name in (contract.KEY_PUBLIC, contract.KEY_SECRET):
+    for name in (wellknown.KEY_PUBLIC, wellknown.KEY_SECRET):
         assert (tmp_path / "keys" / name).stat().st_mode & 0o777 == 0o600
     assert keys.load(tmp_path / "keys") == written
     assert written.secret.decode() not in repr(written)

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import zmq
 
-from splitfeed.sidecar import agreement
-from splitfeed.trainer_client import messages
-from splitfeed.trainer_client.client import StreamClient
-from splitfeed.trainer_client.worlds import request_drain
+from splitfeed.sidecar.world import agreement
+from splitfeed.trainer_client.contract import messages
+from splitfeed.trainer_client.script.client import StreamClient
+from splitfeed.trainer_client.transport.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest, reference_batches
 from tests.support.keys import session_keypair

@@ -1,6 +1,6 @@
 """A sidecar whose trainer returned without close() (issue 21): SIGTERM ends it at once.
 
-`sidecar/ending.py: trainers_gone` says whether a sidecar's trainers are gone (each said
+`sidecar/serving/ending.py: trainers_gone` says whether a sidecar's trainers are gone (each said
 hello, none is connected now); the SIGTERM handler of `splitfeed sidecar` stops at once
 then instead of asking for a drain nobody can commit (the kubelet stopping a native
 sidecar, the operator deleting the pod of a world whose trainers returned).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import ending
+from splitfeed.sidecar.serving import ending
 from tests.streaming.harness import manifest
 from tests.support.waiting import wait_for
 

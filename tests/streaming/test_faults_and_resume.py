@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import checkpoints
+from splitfeed.sidecar.world import checkpoints
 from splitfeed.trainer_client import SidecarFailed
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.script.client import StreamClient
 
 from tests.streaming.harness import JOB_UID, coordinator_address, manifest, reference_batches, reference_global_steps
 from tests.support.waiting import wait_for
@@ -246,7 +246,7 @@ def test_a_reader_failure_reaches_the_trainer_and_stops_the_sidecar(socket_root,
     import numpy as np
     import pyarrow as pa
 
-    from splitfeed.sidecar import serving
+    from splitfeed.sidecar.serving import service
     from splitfeed.trainer_client import UserError
 
     def factory(rank, first):
@@ -262,7 +262,7 @@ def test_a_reader_failure_reaches_the_trainer_and_stops_the_sidecar(socket_root,
     box = {}
 
     def serve():
-        server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=factory,
+        server = service.Server(directory=socket_root, ranks=[0], world_size=1, factory=factory,
                                 steps_per_epoch=10, total_steps=10, start_step=0, resume_step=0, prefetch=2)
         box["server"] = server
         try:

@@ -26,9 +26,11 @@ import pyarrow as pa
 import pytest
 import zmq
 
-from splitfeed.sidecar import serving
-from splitfeed.trainer_client import SidecarFailed, UserError, messages, ring, slots
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.sidecar.serving import service
+from splitfeed.trainer_client import SidecarFailed, UserError
+from splitfeed.trainer_client.contract import messages
+from splitfeed.trainer_client.transport import ring, slots
+from splitfeed.trainer_client.script.client import StreamClient
 
 from tests.streaming.harness import manifest, reference_batches
 from tests.streaming.ring_sidecar import pattern, size_of
@@ -267,8 +269,8 @@ def serve(socket_root):
     """An in-process sidecar serving `plain` batches; yields a starter."""
     started = []
 
-    def start(total_steps: int) -> serving.Server:
-        server = serving.Server(directory=socket_root, ranks=[0], world_size=1,
+    def start(total_steps: int) -> service.Server:
+        server = service.Server(directory=socket_root, ranks=[0], world_size=1,
                                 factory=lambda rank, first: ((s, plain(s)) for s in range(first, total_steps)),
                                 steps_per_epoch=total_steps, total_steps=total_steps, start_step=0,
                                 resume_step=0, prefetch=2)
@@ -307,7 +309,7 @@ def test_a_slot_marked_filled_before_its_payload_is_written_is_not_handed_out_un
         slot.mark_trailer(len(blob), global_step, seq)
         return True
 
-    monkeypatch.setattr(serving.Publisher, "_publish", torn_publish)
+    monkeypatch.setattr(service.Publisher, "_publish", torn_publish)
     serve(total_steps=12)
     with StreamClient(socket_root, 0, as_tensors=False, timeout_s=30) as client:
         got = [ids(b) for b in client]
@@ -336,7 +338,7 @@ def test_a_slot_whose_sequence_is_wrong_is_never_handed_out(serve, socket_root, 
 
 def test_a_waiting_trainer_is_woken_by_the_batch_not_by_its_heartbeat(serve, socket_root, monkeypatch):
     """No spin, a 30 s heartbeat, no look every slice: each of 300 batches that lands while the trainer sleeps must wake it."""
-    from splitfeed.trainer_client import client as client_module
+    from splitfeed.trainer_client.script import client as client_module
 
     monkeypatch.setattr(client_module, "SPIN_S", 0.0)
     monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
@@ -347,7 +349,7 @@ def test_a_waiting_trainer_is_woken_by_the_batch_not_by_its_heartbeat(serve, soc
             release.acquire()
             yield step, plain(step)
 
-    server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=paced, steps_per_epoch=300,
+    server = service.Server(directory=socket_root, ranks=[0], world_size=1, factory=paced, steps_per_epoch=300,
                             total_steps=300, start_step=0, resume_step=0, prefetch=2)
     server.end_linger_s = 0.0
     thread = threading.Thread(target=lambda: (server.run(), server.close()), daemon=True)
@@ -372,15 +374,15 @@ def test_a_volume_without_room_for_the_control_block_is_a_user_error(socket_root
     with tmpfs(socket_root / "shm", "4k") as volume:
         (volume / "ballast").write_bytes(b"x" * 4096)
         with pytest.raises(UserError, match="control block of local rank 0 .* spec.sidecar.shmSize"):
-            serving.Publisher(directory=volume, instance="i", local_rank=0, rank=0, factory=lambda r, f: iter(()),
+            service.Publisher(directory=volume, instance="i", local_rank=0, rank=0, factory=lambda r, f: iter(()),
                               prefetch=2, start_step=0, total_steps=1)
 
 
 def test_a_restarted_sidecar_knows_which_trainers_took_every_batch_from_its_predecessor(tmp_path):
     """A sidecar SIGKILLed after its trainer took the job's last batch leaves its control block
     in the emptyDir; the restarted one must not wait for that trainer's hello for ever."""
-    from splitfeed.sidecar import serving
-    from splitfeed.trainer_client import ring
+    from splitfeed.sidecar.serving import service
+    from splitfeed.trainer_client.transport import ring
 
     done = ring.Control(ring.control_path(tmp_path, "old", 0), create=True)
     done.end_step, done.acked = 40, 39
@@ -388,8 +390,8 @@ def test_a_restarted_sidecar_knows_which_trainers_took_every_batch_from_its_pred
     midway.end_step, midway.acked = 40, 12
     (tmp_path / "ctl-torn-r2").write_bytes(b"not a control block")
     try:
-        assert serving.served_out(tmp_path) == {0}
+        assert service.served_out(tmp_path) == {0}
     finally:
         done.close()
         midway.close()
-    assert serving.served_out(tmp_path / "absent") == set()
+    assert service.served_out(tmp_path / "absent") == set()

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.trainer_client import contract, membership, ring, worlds
-from splitfeed.trainer_client.client import StreamClient
-from splitfeed.trainer_client.errors import WorldLost
+from splitfeed.trainer_client.contract import wellknown, membership
+from splitfeed.trainer_client.transport import ring, worlds
+from splitfeed.trainer_client.script.client import StreamClient
+from splitfeed.trainer_client.contract.errors import WorldLost
 from tests.streaming.harness import manifest, pods, reference_batches, socket_root, table_uri  # noqa: F401
 from tests.support.tables import check_exact
 from tests.support import exactness, ports, processes
@@ -35,8 +36,8 @@ EPOCHS = 2
 def agent(pod, logs: Path, replica: int, master_port: int, epoch: int, how: str) -> subprocess.Popen:  # type: ignore[no-untyped-def]
     """The pod's trainer container with the pod's environment: `splitfeed run -- python trainer.py`
     (agent), or the trainer itself following the world in its process (in-process)."""
-    env = {**os.environ, **contract.rank_env(
-        world_size=3, gpus_per_replica=1, replica=replica, local_rank=0, master_addr=contract.LOOPBACK,
+    env = {**os.environ, **wellknown.rank_env(
+        world_size=3, gpus_per_replica=1, replica=replica, local_rank=0, master_addr=wellknown.LOOPBACK,
         master_port=master_port, socket_dir=str(pod.socket_dir), world_epoch=epoch)}
     trainer = [sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.2", "--checkpoint-every", "3",
                "--timeout-s", "60"]
@@ -50,7 +51,7 @@ def agent(pod, logs: Path, replica: int, master_port: int, epoch: int, how: str)
 def start_pod(pods, job: dict, name: str, replica: int, coordinator: str, master_port: int,  # type: ignore[no-untyped-def]
               epoch: int, resume: str):
     pod = pods(name, job, replicas=3, replica=replica, coordinator=coordinator, resume=resume, world_epoch=epoch)
-    pod.env.update({contract.MASTER_ADDR: contract.LOOPBACK, contract.MASTER_PORT_ENV: str(master_port)})
+    pod.env.update({wellknown.MASTER_ADDR: wellknown.LOOPBACK, wellknown.MASTER_PORT_ENV: str(master_port)})
     return pod.start_process()
 
 
@@ -119,7 +120,7 @@ def test_a_trainer_that_talks_to_its_sidecar_after_the_world_was_lost_is_told_so
     job = manifest(table_uri, str(store), epochs=EPOCHS)
     coordinator, master_port = ports.tcp_address(), ports.free_port()
     sidecars = [start_pod(pods, job, f"r{r}", r, coordinator, master_port, 0, "none") for r in range(3)]
-    monkeypatch.setenv(contract.WORLD_EPOCH_ENV, "0")  # the trainers' pods are world 0's
+    monkeypatch.setenv(wellknown.WORLD_EPOCH_ENV, "0")  # the trainers' pods are world 0's
     clients = [StreamClient(pod.socket_dir, 0, timeout_s=60, as_tensors=False) for pod in sidecars]
     try:
         for _ in range(3):

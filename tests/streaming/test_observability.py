@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitfeed.sidecar import workers
-from splitfeed.trainer_client import worlds
+from splitfeed.sidecar.forks import workers
+from splitfeed.trainer_client.transport import worlds
 
 from tests.streaming.harness import coordinator_address, manifest
 from tests.support.waiting import wait_for

@@ -19,9 +19,10 @@ import pytest
 import torch
 import yaml
 
-from splitfeed.sidecar import reading
-from splitfeed.trainer_client import errors, specs, topology, worlds
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.sidecar.data import reading
+from splitfeed.trainer_client.contract import errors, specs, topology
+from splitfeed.trainer_client.transport import worlds
+from splitfeed.trainer_client.script.client import StreamClient
 
 from tests.support import transforms
 from tests.streaming.harness import coordinator_address, manifest, reference_batches

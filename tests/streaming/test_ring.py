@@ -14,9 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from splitfeed.sidecar import serving
-from splitfeed.trainer_client import messages, ring
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.sidecar.serving import service
+from splitfeed.trainer_client.contract import messages
+from splitfeed.trainer_client.transport import ring
+from splitfeed.trainer_client.script.client import StreamClient
 
 from tests.support.waiting import wait_for
 
@@ -34,8 +35,8 @@ def factory(rank: int, first: int):
 def serve(socket_root):
     started = []
 
-    def start(total_steps: int, prefetch: int, source=factory) -> serving.Server:
-        server = serving.Server(directory=socket_root, ranks=[0], world_size=1, factory=source,
+    def start(total_steps: int, prefetch: int, source=factory) -> service.Server:
+        server = service.Server(directory=socket_root, ranks=[0], world_size=1, factory=source,
                                 steps_per_epoch=total_steps, total_steps=total_steps, start_step=0,
                                 resume_step=0, prefetch=prefetch)
         server.end_linger_s = 0.0
@@ -57,7 +58,7 @@ def ids(batch) -> list[int]:
 
 def test_every_slot_held_makes_the_sidecar_wait_for_a_slot_and_a_release_wakes_it(serve, socket_root,
                                                                                 monkeypatch):
-    from splitfeed.trainer_client import slots
+    from splitfeed.trainer_client.transport import slots
 
     monkeypatch.setattr(ring, "MAX_SLOTS", 3)  # both sides are in this process
     monkeypatch.setattr(slots, "ROOM_RECHECK_S", 60.0)  # only the trainer's futex wake ends the wait in time
@@ -92,7 +93,7 @@ def test_holding_every_slot_while_asking_for_more_is_a_clear_error(serve, socket
 
 
 def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(serve, socket_root, monkeypatch):
-    from splitfeed.trainer_client import slots
+    from splitfeed.trainer_client.transport import slots
 
     # No periodic re-check: only the trainer's futex wake can end the sidecar's waits in time.
     monkeypatch.setattr(slots, "ROOM_RECHECK_S", 60.0)
@@ -110,7 +111,7 @@ def test_a_full_ring_makes_the_sidecar_wait_for_room_and_taking_half_wakes_it(se
 
 def test_a_trainer_that_waits_is_told_when_its_batch_lands(serve, socket_root, monkeypatch):
     """No spinning, no look every slice: the trainer sleeps on `posts` and the sidecar's futex wake must wake it."""
-    from splitfeed.trainer_client import client as client_module
+    from splitfeed.trainer_client.script import client as client_module
 
     monkeypatch.setattr(client_module, "SPIN_S", 0.0)
     monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
@@ -138,12 +139,12 @@ def test_a_wake_with_no_batch_and_no_message_leaves_the_next_batch_its_own_wake(
     brings no batch and no message; the batch that lands later must still wake the trainer
     (it used to wait on its socket for the rest of the slice, and the sidecar wakes once
     per `trainer_waiting` value: the timeout, 30 s, under load)."""
-    from splitfeed.trainer_client import client as client_module
+    from splitfeed.trainer_client.script import client as client_module
 
     monkeypatch.setattr(client_module, "SPIN_S", 0.0)
     monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
     monkeypatch.setattr(client_module, "AFTER_BARE_WAKE_SLICE_S", 60.0)  # only wakes may wake it
-    send = serving.Server._send
+    send = service.Server._send
 
     def bump_late(self, peer: bytes, message) -> None:
         if not isinstance(message, messages.Welcome):
@@ -158,7 +159,7 @@ def test_a_wake_with_no_batch_and_no_message_leaves_the_next_batch_its_own_wake(
                     control.wake(ring.POSTS)
         threading.Timer(0.2, bump).start()
 
-    monkeypatch.setattr(serving.Server, "_send", bump_late)
+    monkeypatch.setattr(service.Server, "_send", bump_late)
     gate = threading.Event()
 
     def slow(rank: int, first: int):
@@ -178,8 +179,8 @@ def test_a_wake_with_no_batch_and_no_message_leaves_the_next_batch_its_own_wake(
 def hears_the_failure_of_its_second_batch_at_once(serve, socket_root, monkeypatch) -> None:
     """A trainer asleep for batch 1, with its periodic looks at the socket made 60 s and
     its heartbeats 30 s: the sidecar's failure must reach it within 10 s all the same."""
-    from splitfeed.trainer_client import client as client_module
-    from splitfeed.trainer_client.errors import SidecarFailed
+    from splitfeed.trainer_client.script import client as client_module
+    from splitfeed.trainer_client.contract.errors import SidecarFailed
 
     monkeypatch.setattr(client_module, "SPIN_S", 0.0)
     monkeypatch.setattr(client_module, "WAIT_SLICE_S", 60.0)
@@ -219,7 +220,7 @@ def test_a_wake_that_comes_before_its_message_still_delivers_the_message(serve, 
         time.sleep(0.5)
         self.sock.send_multipart([peer, message.encode()])
 
-    monkeypatch.setattr(serving.Server, "_send", wake_then_send)
+    monkeypatch.setattr(service.Server, "_send", wake_then_send)
     hears_the_failure_of_its_second_batch_at_once(serve, socket_root, monkeypatch)
 
 

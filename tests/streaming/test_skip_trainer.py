@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from splitfeed.trainer_client import ring
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.transport import ring
+from splitfeed.trainer_client.script.client import StreamClient
 
 from tests.streaming.harness import coordinator_address
 from tests.support.skipping import expected_steps, job

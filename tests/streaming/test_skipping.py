@@ -23,9 +23,10 @@ import yaml
 
 import pytest
 
-from splitfeed.trainer_client import specs, worlds
-from splitfeed.trainer_client.client import StreamClient
-from splitfeed.trainer_client.worlds import request_drain
+from splitfeed.trainer_client.contract import specs
+from splitfeed.trainer_client.transport import worlds
+from splitfeed.trainer_client.script.client import StreamClient
+from splitfeed.trainer_client.transport.worlds import request_drain
 
 from tests.streaming.harness import coordinator_address, manifest
 from tests.support import exactness

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import agreement, main as sidecar_main
-from splitfeed.trainer_client import contract, messages, ring, stranded, worlds
-from splitfeed.trainer_client.errors import CheckpointError
+from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar import main as sidecar_main
+from splitfeed.trainer_client.contract import wellknown, messages
+from splitfeed.trainer_client.transport import ring, stranded, worlds
+from splitfeed.trainer_client.contract.errors import CheckpointError
 from tests.streaming.harness import manifest, pods, reference_batches, socket_root, table_uri  # noqa: F401
 from tests.support.tables import check_exact
 from tests.support import exactness, ports, processes
@@ -45,8 +47,8 @@ KILLED = 2
 
 def trainer(pod, logs: Path, replicas: int, replica: int, master_port: int, epoch: int) -> subprocess.Popen:  # type: ignore[no-untyped-def]
     """The pod's trainer container: tests/e2e/trainer.py with the pod's environment."""
-    env = {**os.environ, **contract.rank_env(
-        world_size=replicas, gpus_per_replica=1, replica=replica, local_rank=0, master_addr=contract.LOOPBACK,
+    env = {**os.environ, **wellknown.rank_env(
+        world_size=replicas, gpus_per_replica=1, replica=replica, local_rank=0, master_addr=wellknown.LOOPBACK,
         master_port=master_port, socket_dir=str(pod.socket_dir), world_epoch=epoch)}
     with open(pod.dir / "trainer.log", "ab") as out:  # the child holds its own descriptor
         return subprocess.Popen([sys.executable, str(E2E_TRAINER), str(logs), "--sleep-s", "0.15", "--timeout-s", "60"],

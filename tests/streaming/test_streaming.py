@@ -10,8 +10,9 @@ import pytest
 import torch
 import zmq
 
-from splitfeed.trainer_client import messages, ring
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.contract import messages
+from splitfeed.trainer_client.transport import ring
+from splitfeed.trainer_client.script.client import StreamClient
 
 from tests.streaming.harness import coordinator_address, DIM, manifest, reference_batches
 from tests.support.waiting import wait_for

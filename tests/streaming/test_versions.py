@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from splitfeed.trainer_client import errors, messages
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.contract import errors, messages
+from splitfeed.trainer_client.script.client import StreamClient
 from tests.streaming.harness import manifest, reference_batches
 
 OURS = messages.package_version()

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.trainer_client.script.client import StreamClient
 
 
 def main() -> int:

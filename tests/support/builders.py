@@ -6,8 +6,8 @@ import copy
 import datetime
 from typing import Any
 
-from splitfeed.operator import planning
-from splitfeed.trainer_client import messages, stalls
+from splitfeed.operator.objects import planning
+from splitfeed.trainer_client.contract import messages, stalls
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
 

@@ -20,7 +20,8 @@ from kopf._cogs.structs.credentials import Vault  # not exported; operator(vault
 import kubernetes
 import pytest_asyncio
 
-from splitfeed.operator import configs, kube, planning, reconciling
+from splitfeed.operator.cluster import configs, kube, reconciling
+from splitfeed.operator.objects import planning
 from tests.support import waiting
 
 JOBS = "splitfeed.io/v1alpha1/streamingjobs"

@@ -12,19 +12,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from splitfeed.trainer_client import contract, keys
+from splitfeed.trainer_client.contract import wellknown
+from splitfeed.trainer_client.transport import keys
 
 
 def install(directory: Path) -> keys.Keypair:
     """Write a fresh keypair into `directory` and point this process's environment at it."""
     keypair = keys.create(directory)
-    os.environ[contract.KEYS_DIR_ENV] = str(directory)
+    os.environ[wellknown.KEYS_DIR_ENV] = str(directory)
     return keypair
 
 
 def session_dir() -> Path:
     """The directory `install` pointed the environment at."""
-    return Path(os.environ[contract.KEYS_DIR_ENV])
+    return Path(os.environ[wellknown.KEYS_DIR_ENV])
 
 
 def session_keypair() -> keys.Keypair:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitfeed.trainer_client import specs
+from splitfeed.trainer_client.contract import specs
 
 
 def data_manifest(uri: str, checkpoint_uri: str | None = None, **data: object) -> dict[str, Any]:

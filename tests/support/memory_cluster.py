@@ -10,8 +10,9 @@ import pathlib
 
 import yaml
 
-from splitfeed.operator import lifecycle, planning
-from splitfeed.trainer_client import messages, specs
+from splitfeed.operator.lifecycle import deciding
+from splitfeed.operator.objects import planning
+from splitfeed.trainer_client.contract import messages, specs
 from tests.support.builders import OWNER, T0, manifest
 
 SETTINGS = planning.Settings()
@@ -58,7 +59,7 @@ class Cluster:
         self.pods: dict[str, dict] = {}
         self.others: dict[str, dict] = {}
         self.now = T0
-        self.log: list[lifecycle.Decision] = []
+        self.log: list[deciding.Decision] = []
         self.next_world: messages.Status | None = None
         """What the next world's coordinator answers `status` with (an in-place change), if it serves."""
 
@@ -67,10 +68,10 @@ class Cluster:
         return specs.parse_job(self.manifest, check_replicas=False)
 
     def decide(self):
-        return lifecycle.decide(self.job, self.status, list(self.pods.values()), owner=OWNER,
+        return deciding.decide(self.job, self.status, list(self.pods.values()), owner=OWNER,
                                 settings=SETTINGS, now=self.now, generation=1, next_world=self.next_world)
 
-    def step(self, *, act: bool = True) -> lifecycle.Decision:
+    def step(self, *, act: bool = True) -> deciding.Decision:
         d = self.decide()
         self.log.append(d)
         assert_declared(d.status, STATUS_SCHEMA)

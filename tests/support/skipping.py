@@ -16,9 +16,9 @@ from typing import Any
 
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar import reading
-from splitfeed.trainer_client import specs
-from splitfeed.trainer_client.client import StreamClient
+from splitfeed.sidecar.data import reading
+from splitfeed.trainer_client.contract import specs
+from splitfeed.trainer_client.script.client import StreamClient
 
 from tests.support import skipping_transforms
 from tests.support.manifests import data_manifest as manifest

@@ -15,8 +15,8 @@ import lancedb
 import numpy as np
 import pyarrow as pa
 
-from splitfeed.sidecar import reading
-from splitfeed.trainer_client import specs, topology
+from splitfeed.sidecar.data import reading
+from splitfeed.trainer_client.contract import specs, topology
 from tests.support import exactness
 from tests.support.manifests import data_manifest
 

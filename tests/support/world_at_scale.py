@@ -114,8 +114,8 @@ AGREEMENT = ("drain_request", "drain_ack", "freeze", "frozen", "commit_at")
 
 def _coordinator(conn: Connection, keys_dir: str, replicas: int) -> None:
     """Child: the production coordinator on TCP; answers the parent's samples until 'stop'."""
-    from splitfeed.sidecar import agreement
-    from splitfeed.trainer_client import keys
+    from splitfeed.sidecar.world import agreement
+    from splitfeed.trainer_client.transport import keys
 
     raise_fd_limit(replicas + 256)
     coordinator = agreement.Coordinator(replicas=replicas, total_steps=TOTAL_STEPS, resume_step=0)
@@ -148,8 +148,8 @@ class StandInPublisher:
 
 
 def _progress(replica: int) -> Any:
-    from splitfeed.sidecar import metrics
-    from splitfeed.trainer_client import messages
+    from splitfeed.sidecar.serving import metrics
+    from splitfeed.trainer_client.contract import messages
 
     rank = metrics.RankProgress(rank=replica, global_step=PUBLISHED, counts=[0] * 12, wait_s=0.5, wall_s=60.0,
                                 rows=PUBLISHED * 256, batches=PUBLISHED, bytes=PUBLISHED << 20, filled=2, slots=4)
@@ -160,8 +160,9 @@ def _members(conn: Connection, address: str, keys_dir: str, replicas: list[int],
     """Child: `replicas`' members, joined, then served in one loop until 'stop'."""
     import zmq
 
-    from splitfeed.sidecar import agreement, following
-    from splitfeed.trainer_client import keys
+    from splitfeed.sidecar.world import agreement
+    from splitfeed.sidecar.serving import following
+    from splitfeed.trainer_client.transport import keys
 
     raise_fd_limit(8 * len(replicas) + 256)
     keypair = keys.load(keys_dir)
@@ -188,7 +189,8 @@ def _serve(conn: Connection, members: list[Any], sides: list[Any], publishers: l
     and progress at their pace; the steps learned, sent to the parent once every member knows."""
     import zmq
 
-    from splitfeed.sidecar import agreement, metrics
+    from splitfeed.sidecar.world import agreement
+    from splitfeed.sidecar.serving import metrics
 
     by_socket = {m.socket: i for i, m in enumerate(members)}
     poller = zmq.Poller()
@@ -218,7 +220,7 @@ def _serve(conn: Connection, members: list[Any], sides: list[Any], publishers: l
 def rest_window_s(members: int) -> float:
     """A member's heartbeat period in a world of `members` (agreement.Member.heartbeat): a window
     this long holds one heartbeat of each member and a whole number of progress periods."""
-    from splitfeed.sidecar import agreement
+    from splitfeed.sidecar.world import agreement
 
     return agreement.at_rest_period_s(agreement.JOIN_RESEND_S * 5, members, agreement.HEARTBEATS_PER_S)
 
@@ -274,7 +276,7 @@ class World:
 
     def drain(self, timeout_s: float = 60.0) -> Drain:
         """The operator's drain request, timed until every member knows the agreed step."""
-        from splitfeed.trainer_client import keys, worlds
+        from splitfeed.trainer_client.transport import keys, worlds
 
         keypair = keys.load(self.keys_dir)
         before = self.sample()

@@ -1,4 +1,4 @@
-"""The world's drain agreement as a pure state machine (sidecar/agreement.py).
+"""The world's drain agreement as a pure state machine (sidecar/world/agreement.py).
 
 Every interleaving is a plain call; the expected step is worked out here from
 the rule in docs/agreement.md (batch S - 1 published nowhere when S is fixed).
@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import pytest
 
-from splitfeed.sidecar.agreement import (COMMITTED, EVERY, FREEZING, HEARTBEATS_PER_S, IDLE, JOIN_RESEND_S,
-                                         WAITING_FOR_MEMBERS, Coordinator, Out, Watermark, at_rest_period_s,
-                                         cut_step, flat_reports)
-from splitfeed.trainer_client import errors
-from splitfeed.trainer_client.messages import CommitAt, Complete, DrainAck, Freeze, Joined
+from splitfeed.sidecar.world.agreement import (
+    COMMITTED,
+    EVERY,
+    FREEZING,
+    HEARTBEATS_PER_S,
+    IDLE,
+    JOIN_RESEND_S,
+    WAITING_FOR_MEMBERS,
+    Coordinator,
+    Out,
+    Watermark,
+    at_rest_period_s,
+    cut_step,
+    flat_reports,
+)
+from splitfeed.trainer_client.contract import errors
+from splitfeed.trainer_client.contract.messages import CommitAt, Complete, DrainAck, Freeze, Joined
 
 
 def kinds(outs):

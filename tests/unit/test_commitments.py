@@ -1,10 +1,10 @@
-"""sidecar/commitments.py: the drain step a sidecar committed to, kept for the sidecar that restarts after it."""
+"""sidecar/world/commitments.py: the drain step a sidecar committed to, kept for the sidecar that restarts after it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from splitfeed.sidecar import commitments
+from splitfeed.sidecar.world import commitments
 
 
 def test_a_kept_commitment_is_read_back_for_its_own_world_only(tmp_path: Path) -> None:

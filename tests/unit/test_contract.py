@@ -1,4 +1,4 @@
-"""The pod contract: trainer_client/contract.py and docs/pod-contract.md say the same,
+"""The pod contract: trainer_client/contract/wellknown.py and docs/pod-contract.md say the same,
 and the operator and `splitfeed local` build one environment from it; and every
 file, module and function docs/*.md and README.md cite exists."""
 
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitfeed.operator import planning
-from splitfeed.sidecar import local
-from splitfeed.trainer_client import client, contract, counters, specs
-from splitfeed.trainer_client.errors import ProtocolError
+from splitfeed.operator.objects import planning
+from splitfeed.local import running
+from splitfeed.trainer_client.script import client, counters
+from splitfeed.trainer_client.contract import wellknown, specs
+from splitfeed.trainer_client.contract.errors import ProtocolError
 from tests.support.builders import manifest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def first_column(text: str) -> list[str]:
 
 
 def values(suffix: str, prefix: str = "") -> set[str]:
-    return {v for k, v in vars(contract).items()
+    return {v for k, v in vars(wellknown).items()
             if k.endswith(suffix) and isinstance(v, str) and v.startswith(prefix)}
 
 
@@ -49,31 +50,31 @@ def test_the_documented_rank_variables_are_what_the_builder_sets():
     rows = first_column(section("Environment"))
     documented = {name for row in rows for name in re.findall(r"`([A-Z_]+)`", row)
                   if not name.startswith(("SPLITFEED_", "PET_"))}
-    built = contract.rank_env(world_size=4, gpus_per_replica=2, replica=1, local_rank=0, master_addr="a",
+    built = wellknown.rank_env(world_size=4, gpus_per_replica=2, replica=1, local_rank=0, master_addr="a",
                               master_port=1, socket_dir="/s", world_epoch=0)
     assert documented == {k for k in built if not k.startswith("SPLITFEED_")}
 
 
 def test_the_documented_labels_and_annotations_are_the_contracts():
     documented = set(re.findall(r"`(splitfeed\.io/[a-z-]+)`", section("Names, labels and annotations")))
-    assert documented == values("", "splitfeed.io/") - {contract.API_VERSION}
-    assert documented == {contract.LABEL_JOB, contract.LABEL_REPLICA, contract.LABEL_EPOCH,
-                          contract.ANNOTATION_DRAIN, contract.ANNOTATION_DRAIN_REPLICAS,
-                          contract.ANNOTATION_CHECKSUM}
+    assert documented == values("", "splitfeed.io/") - {wellknown.API_VERSION}
+    assert documented == {wellknown.LABEL_JOB, wellknown.LABEL_REPLICA, wellknown.LABEL_EPOCH,
+                          wellknown.ANNOTATION_DRAIN, wellknown.ANNOTATION_DRAIN_REPLICAS,
+                          wellknown.ANNOTATION_CHECKSUM}
 
 
 def test_the_documented_volumes_paths_and_ports_are_the_contracts():
     volumes = section("Volumes")
     assert {n for row in first_column(volumes) for n in re.findall(r"`(splitfeed-[a-z]+)`", row)} == {
-        *contract.RESERVED_VOLUMES, contract.VOLUME_TRANSFORMS}
-    for path in (contract.SOCKET_DIR, contract.CONFIG_DIR, contract.PODINFO_DIR, contract.STORAGE_DIR,
-                 contract.TRANSFORMS_DIR):
+        *wellknown.RESERVED_VOLUMES, wellknown.VOLUME_TRANSFORMS}
+    for path in (wellknown.SOCKET_DIR, wellknown.CONFIG_DIR, wellknown.PODINFO_DIR, wellknown.STORAGE_DIR,
+                 wellknown.TRANSFORMS_DIR):
         assert f"`{path}`" in volumes, path
-    assert contract.TERMINATION_LOG in section("Containers and commands")
-    assert f"--config {contract.CONFIG_DIR}/{contract.CONFIG_FILE}" in section("Containers and commands")
+    assert wellknown.TERMINATION_LOG in section("Containers and commands")
+    assert f"--config {wellknown.CONFIG_DIR}/{wellknown.CONFIG_FILE}" in section("Containers and commands")
     names = section("Names, labels and annotations")
-    assert f"`rendezvous` {contract.MASTER_PORT}" in names and f"`coordinator` {contract.COORDINATOR_PORT}" in names
-    assert f"`{contract.SIDECAR_NAME}`" in section("Containers and commands")
+    assert f"`rendezvous` {wellknown.MASTER_PORT}" in names and f"`coordinator` {wellknown.COORDINATOR_PORT}" in names
+    assert f"`{wellknown.SIDECAR_NAME}`" in section("Containers and commands")
 
 
 def test_the_documented_report_is_the_contracts():
@@ -82,51 +83,51 @@ def test_the_documented_report_is_the_contracts():
     text = line.group(1)
     inner = re.search(r'"lastCheckpoint": (\{.*?\})', text)
     assert inner is not None
-    assert re.findall(r'"(\w+)":', inner.group(1)) == list(contract.LAST_CHECKPOINT_FIELDS)
+    assert re.findall(r'"(\w+)":', inner.group(1)) == list(wellknown.LAST_CHECKPOINT_FIELDS)
     outer = re.findall(r'"(\w+)":', text.replace(inner.group(1), ""))
-    assert outer == list(contract.REPORT_FIELDS)
+    assert outer == list(wellknown.REPORT_FIELDS)
     table = {row.strip(" `") for row in first_column(section("What the sidecar reports"))[2:]}
-    assert table <= set(contract.REPORT_FIELDS)
+    assert table <= set(wellknown.REPORT_FIELDS)
 
 
 def test_the_documented_stats_record_is_what_the_client_writes(tmp_path):
-    row = next(line for line in section("Environment").splitlines() if f"`{contract.STATS_FILE_ENV}`" in line)
-    assert re.findall(r'"(\w+)"', row) == list(contract.STATS_FIELDS)
+    row = next(line for line in section("Environment").splitlines() if f"`{wellknown.STATS_FILE_ENV}`" in line)
+    assert re.findall(r'"(\w+)"', row) == list(wellknown.STATS_FIELDS)
     stats = counters.Stats(str(tmp_path / "stats.json"))
     stats.write(final=True)
-    assert list(json.loads((tmp_path / "stats.json").read_text())) == list(contract.STATS_FIELDS)
+    assert list(json.loads((tmp_path / "stats.json").read_text())) == list(wellknown.STATS_FIELDS)
 
 
 def test_the_crd_coordinates_are_the_crds():
     crd = yaml.safe_load((ROOT / "crds" / "streamingjob.yaml").read_text())["spec"]
-    assert (crd["group"], [v["name"] for v in crd["versions"]]) == (contract.GROUP, [contract.VERSION])
-    assert (crd["names"]["kind"], crd["names"]["plural"]) == (contract.KIND, contract.PLURAL)
-    assert contract.API_VERSION == f"{crd['group']}/{crd['versions'][0]['name']}"
-    assert planning.Owner("j", "u").reference()["apiVersion"] == contract.API_VERSION
+    assert (crd["group"], [v["name"] for v in crd["versions"]]) == (wellknown.GROUP, [wellknown.VERSION])
+    assert (crd["names"]["kind"], crd["names"]["plural"]) == (wellknown.KIND, wellknown.PLURAL)
+    assert wellknown.API_VERSION == f"{crd['group']}/{crd['versions'][0]['name']}"
+    assert planning.Owner("j", "u").reference()["apiVersion"] == wellknown.API_VERSION
 
 
 @pytest.mark.parametrize("gpus, replicas", [(1, 4), (2, 2), (4, 2)])
 def test_local_processes_get_the_pods_rank_variables(gpus, replicas, monkeypatch):
-    monkeypatch.setattr(local.os, "environ", {"KEEP": "1"})
+    monkeypatch.setattr(running.os, "environ", {"KEEP": "1"})
     job = specs.parse_job(manifest(replicas=replicas, gpusPerReplica=gpus))
     for replica in range(replicas):
         pod = planning.pod_env(job, 3, replica)
-        here = local.rank_env(job, replica, 0, Path("/tmp/s"), 1234, 3)
-        machine_specific = {contract.MASTER_ADDR, contract.MASTER_PORT_ENV, contract.SOCKET_DIR_ENV}
+        here = running.rank_env(job, replica, 0, Path("/tmp/s"), 1234, 3)
+        machine_specific = {wellknown.MASTER_ADDR, wellknown.MASTER_PORT_ENV, wellknown.SOCKET_DIR_ENV}
         assert {k: v for k, v in here.items() if k in pod and k not in machine_specific} == {
             k: v for k, v in pod.items() if k not in machine_specific}
-        assert here["KEEP"] == "1" and here[contract.JOB_UID_ENV] == contract.LOCAL_JOB_UID
-        assert here[contract.MASTER_ADDR] == "127.0.0.1" and here[contract.MASTER_PORT_ENV] == "1234"
-        assert pod[contract.MASTER_PORT_ENV] == str(contract.MASTER_PORT)
-        last = local.rank_env(job, replica, gpus - 1, Path("/tmp/s"), 1234, 3)
-        assert last[contract.RANK] == str(replica * gpus + gpus - 1)
+        assert here["KEEP"] == "1" and here[wellknown.JOB_UID_ENV] == wellknown.LOCAL_JOB_UID
+        assert here[wellknown.MASTER_ADDR] == "127.0.0.1" and here[wellknown.MASTER_PORT_ENV] == "1234"
+        assert pod[wellknown.MASTER_PORT_ENV] == str(wellknown.MASTER_PORT)
+        last = running.rank_env(job, replica, gpus - 1, Path("/tmp/s"), 1234, 3)
+        assert last[wellknown.RANK] == str(replica * gpus + gpus - 1)
 
 
 def test_the_sidecar_gets_a_resume_step_instead_of_a_resume_mode():
     base = {"coordinator": "tcp://c:1", "job_uid": "u"}
-    assert contract.sidecar_env(**base, resume_step=None, resume="none") == {
+    assert wellknown.sidecar_env(**base, resume_step=None, resume="none") == {
         "SPLITFEED_RESUME": "none", "SPLITFEED_COORDINATOR": "tcp://c:1", "SPLITFEED_JOB_UID": "u"}
-    assert contract.sidecar_env(**base, resume_step=7, table_version=3, config_checksum="abc") == {
+    assert wellknown.sidecar_env(**base, resume_step=7, table_version=3, config_checksum="abc") == {
         "SPLITFEED_RESUME_STEP": "7", "SPLITFEED_COORDINATOR": "tcp://c:1", "SPLITFEED_JOB_UID": "u",
         "SPLITFEED_TABLE_VERSION": "3", "SPLITFEED_CONFIG_CHECKSUM": "abc"}
 
@@ -134,9 +135,9 @@ def test_the_sidecar_gets_a_resume_step_instead_of_a_resume_mode():
 # --- every file, module and function the docs cite exists -------------------------------
 
 PAGES = sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]
-PACKAGES = ("trainer_client", "sidecar", "operator")
+PACKAGES = ("trainer_client", "sidecar", "operator", "local")
 
-CITED_PATH = re.compile(r"(?<![\w./-])\.?(?:sidecar|trainer_client|operator|tests|docs|examples|charts|crds|pkg|\.ci)"
+CITED_PATH = re.compile(r"(?<![\w./-])\.?(?:sidecar|trainer_client|operator|local|tests|docs|examples|charts|crds|pkg|\.ci)"
                         r"/[\w./-]*")
 """A path into one of the repository's folders: `sidecar/foo.py`, tests/support, charts/splitfeed/..."""
 
@@ -144,9 +145,9 @@ CITED_NAME = re.compile(r"(?<![\w./-])([a-z_]\w*)\.([A-Za-z_]\w*)")
 """`module.name` inside backticks, as in `ring.futex_wait` or `client.checkpoint()`."""
 
 CITED_IN_FILE = re.compile(r"\b([\w/]+\.py): `?([A-Za-z_]\w*)")
-"""`path.py: name`, as in `sidecar/reading.py: reference_dataset`."""
+"""`path.py: name`, as in `sidecar/data/reading.py: reference_dataset`."""
 
-ALIASES = {"client": [("trainer_client/client.py", "StreamClient"), ("trainer_client/adapting.py", "Adapting")]}
+ALIASES = {"client": [("trainer_client/script/client.py", "StreamClient"), ("trainer_client/script/adapting.py", "Adapting")]}
 """Names the docs use for an object rather than a module: the README's `client = StreamClient(...)`
 (the class and the base class it takes its framework-facing members from)."""
 
@@ -192,10 +193,12 @@ def chart_values(dotted: str) -> bool:
 
 
 def unresolved_names(text: str) -> list[str]:
-    """`module.name` citations (in backticks) of a module of the three packages whose module
+    """`module.name` citations (in backticks) of a module of the packages whose module
     has no such name, and `path.py: name` citations whose file does not define it."""
-    modules = {p.stem: [q for q in (ROOT / pkg / f"{p.stem}.py" for pkg in PACKAGES) if q.exists()]
-               for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")}
+    modules: dict[str, list[Path]] = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            modules.setdefault(path.stem, []).append(path)
     missing = []
     for quoted in re.findall(r"`([^`\n]+)`", text):
         for m in CITED_NAME.finditer(quoted):
@@ -229,18 +232,18 @@ def test_every_module_function_a_page_cites_exists(page):
 
 
 def test_the_doc_checks_catch_what_drifts():
-    text = ("`operator/worlds.py` beside sidecar/serving.py; `ring.futex_wait`, `ring.no_such_thing`, "
+    text = ("`operator/worlds.py` beside sidecar/serving/service.py; `ring.futex_wait`, `ring.no_such_thing`, "
             "`client.checkpoint()`, `client.no_such_method()`, `metrics.serviceMonitor.enabled`, "
-            "`metrics.noSuchValue`; `sidecar/reading.py: reference_dataset`, `sidecar/reading.py: gone`")
-    assert cited_paths(text) == {"operator/worlds.py", "sidecar/serving.py", "sidecar/reading.py"}
+            "`metrics.noSuchValue`; `sidecar/data/reading.py: reference_dataset`, `sidecar/data/reading.py: gone`")
+    assert cited_paths(text) == {"operator/worlds.py", "sidecar/serving/service.py", "sidecar/data/reading.py"}
     assert [p for p in cited_paths(text) if not (ROOT / p).exists()] == ["operator/worlds.py"]
     assert unresolved_names(text) == ["ring.no_such_thing", "client.no_such_method", "metrics.noSuchValue",
-                                      "sidecar/reading.py: gone"]
+                                      "sidecar/data/reading.py: gone"]
 
 
-# --- the report as the operator reads it (contract.SidecarReport) ---------------------------------
+# --- the report as the operator reads it (wellknown.SidecarReport) ---------------------------------
 
-FULL_REPORT: contract.Report = {
+FULL_REPORT: wellknown.Report = {
     "globalStep": 121, "epoch": 1, "step": 21, "stepsPerEpoch": 100,
     "lastCheckpoint": {"step": 100, "epoch": 1, "worldSize": 4, "time": "2026-01-01T12:00:00+00:00"},
     "drained": True, "agreedStep": 121, "drainReason": "rescale", "resumeStep": 80, "tableVersion": 7,
@@ -249,8 +252,8 @@ FULL_REPORT: contract.Report = {
 
 
 def test_the_parser_reads_every_field_the_sidecar_writes():
-    assert contract.SidecarReport.WIRE_FIELDS == contract.REPORT_FIELDS
-    assert tuple(f.name for f in dataclasses.fields(contract.ReportedCheckpoint)) == (
+    assert wellknown.SidecarReport.WIRE_FIELDS == wellknown.REPORT_FIELDS
+    assert tuple(f.name for f in dataclasses.fields(wellknown.ReportedCheckpoint)) == (
         "step", "epoch", "world_size", "time")
 
 
@@ -259,10 +262,10 @@ def test_a_report_the_sidecar_wrote_parses_into_a_typed_report(tmp_path):
 
     main.write_report(tmp_path / "termination-log", FULL_REPORT)
     text = (tmp_path / "termination-log").read_text()
-    report = contract.SidecarReport.parse(text, finished_at="2026-01-01T12:00:05Z")
-    assert report == contract.SidecarReport(
+    report = wellknown.SidecarReport.parse(text, finished_at="2026-01-01T12:00:05Z")
+    assert report == wellknown.SidecarReport(
         global_step=121, epoch=1, step=21, steps_per_epoch=100,
-        last_checkpoint=contract.ReportedCheckpoint(step=100, epoch=1, world_size=4, time="2026-01-01T12:00:00+00:00"),
+        last_checkpoint=wellknown.ReportedCheckpoint(step=100, epoch=1, world_size=4, time="2026-01-01T12:00:00+00:00"),
         drained=True, agreed_step=121, drain_reason="rescale", resume_step=80, table_version=7, error=None,
         permanent=False, filled_rows=2, skipped_rows=3, finished_at="2026-01-01T12:00:05Z")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -272,18 +275,18 @@ def test_a_report_the_sidecar_wrote_parses_into_a_typed_report(tmp_path):
 def test_the_reduced_report_of_a_sidecar_that_could_not_start_parses_with_defaults():
     reduced = {"globalStep": 0, "lastCheckpoint": None, "drained": False, "agreedStep": None,
                "error": "the sidecar cannot start: OSError: boom", "permanent": False}
-    report = contract.SidecarReport.parse(json.dumps(reduced))
+    report = wellknown.SidecarReport.parse(json.dumps(reduced))
     assert report is not None and report.error == "the sidecar cannot start: OSError: boom"
     assert (report.global_step, report.last_checkpoint, report.drained, report.agreed_step) == (0, None, False, None)
     assert (report.steps_per_epoch, report.table_version, report.drain_reason, report.finished_at) == (
         None, None, None, None)
     assert (report.permanent, report.filled_rows, report.skipped_rows) == (False, 0, 0)
-    assert contract.SidecarReport.parse("{}") == contract.SidecarReport()
+    assert wellknown.SidecarReport.parse("{}") == wellknown.SidecarReport()
 
 
 def test_the_last_line_of_the_message_is_the_report_and_unknown_fields_are_ignored():
     text = "a log line\n" + json.dumps({"drained": True, "agreedStep": 12, "fromANewerSidecar": [1]}) + "\n"
-    report = contract.SidecarReport.parse(text)
+    report = wellknown.SidecarReport.parse(text)
     assert report is not None and report.drained and report.agreed_step == 12
 
 
@@ -303,6 +306,6 @@ def test_the_last_line_of_the_message_is_the_report_and_unknown_fields_are_ignor
     ("[" * 100_000, "not JSON"),
 ])
 def test_a_message_that_is_not_a_valid_report_is_none_and_says_why(text, why):
-    assert contract.SidecarReport.parse(text) is None
+    assert wellknown.SidecarReport.parse(text) is None
     with pytest.raises(ProtocolError, match=re.escape(why)):
-        contract.SidecarReport.from_text(text)
+        wellknown.SidecarReport.from_text(text)

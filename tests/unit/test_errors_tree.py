@@ -1,4 +1,4 @@
-"""Every error class of the three packages hangs off trainer_client.errors.SplitfeedError and is drawn there."""
+"""Every error class of splitfeed hangs off trainer_client.contract.errors.SplitfeedError and is drawn there."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import inspect
 import pkgutil
 
 import splitfeed
-from splitfeed.trainer_client import errors
+from splitfeed.trainer_client.contract import errors
+
+
+PACKAGES = ("trainer_client", "sidecar", "operator", "local")
 
 
 def error_classes() -> dict[str, type[BaseException]]:
     """Exception classes defined in splitfeed's modules, by their dotted name below `splitfeed.`."""
     found: dict[str, type[BaseException]] = {}
-    for package in ("trainer_client", "sidecar", "operator"):
+    for package in PACKAGES:
         root = importlib.import_module(f"splitfeed.{package}")
         names = [f"splitfeed.{package}"] + [
-            m.name for m in pkgutil.iter_modules(root.__path__, f"splitfeed.{package}.")]
+            m.name for m in pkgutil.walk_packages(root.__path__, f"splitfeed.{package}.")]
         for name in names:
             module = importlib.import_module(name)
             for _, value in inspect.getmembers(module, inspect.isclass):
@@ -27,16 +30,16 @@ def error_classes() -> dict[str, type[BaseException]]:
 
 def test_the_search_finds_the_errors_of_every_package():
     names = set(error_classes())
-    assert {"trainer_client.errors.ProtocolError", "sidecar.checkpoints.StaleWorld",
-            "operator.kube.Conflict"} <= names, names
+    assert {"trainer_client.contract.errors.ProtocolError", "sidecar.world.checkpoints.StaleWorld",
+            "operator.cluster.kube.Conflict", "local.running._EndedFirst"} <= names, names
 
 
 def test_every_error_class_subclasses_the_root_and_is_drawn_in_its_docstring():
     doc = errors.__doc__ or ""
     for dotted, cls in error_classes().items():
         assert issubclass(cls, errors.SplitfeedError), f"{dotted} does not subclass SplitfeedError"
-        drawn = cls.__name__ if dotted.startswith("trainer_client.errors.") else dotted
-        assert f" {drawn} " in doc or f" {drawn}\n" in doc, f"{dotted} is not drawn in trainer_client/errors.py"
+        drawn = cls.__name__ if dotted.startswith("trainer_client.contract.errors.") else dotted
+        assert f" {drawn} " in doc or f" {drawn}\n" in doc, f"{dotted} is not drawn in trainer_client/contract/errors.py"
 
 
 def test_the_drawing_names_no_class_that_does_not_exist():
@@ -44,5 +47,5 @@ def test_the_drawing_names_no_class_that_does_not_exist():
     drawn = {word for line in (errors.__doc__ or "").splitlines()
              for word in line.replace("─", " ").replace("│", " ").split()
              if word[:1].isalpha() and (word.endswith(("Error", "Failed", "Unavailable")) or "." in word)
-             and word[0].isalpha() and word.split(".")[0] in ("trainer_client", "sidecar", "operator")}
+             and word[0].isalpha() and word.split(".")[0] in PACKAGES}
     assert drawn <= set(classes), drawn - set(classes)

@@ -7,14 +7,14 @@ import subprocess
 import sys
 import time
 
-from splitfeed.trainer_client import failures
+from splitfeed.trainer_client.script import failures
 from tests.support import ports
 
 RANK = """
 import os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from splitfeed.trainer_client import failures
+from splitfeed.trainer_client.script import failures
 rank, port, d = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 failures.install(d, rank, lambda: 7)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -43,7 +43,7 @@ def test_a_collective_whose_peer_vanished_is_recorded_as_such(tmp_path):
 OWN = """
 import sys
 from pathlib import Path
-from splitfeed.trainer_client import failures
+from splitfeed.trainer_client.script import failures
 failures.install(Path(sys.argv[1]), 0, lambda: 2)
 how = sys.argv[2]
 if how == "raises":

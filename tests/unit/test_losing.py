@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import agreement, main
-from splitfeed.trainer_client import agent, contract, errors, membership, messages
+from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar import main
+from splitfeed.trainer_client.script import agent
+from splitfeed.trainer_client.contract import wellknown, errors, membership, messages
 
 
 def coordinator(replicas: int = 3) -> agreement.Coordinator:
@@ -71,7 +73,7 @@ def test_the_others_go_on_to_the_next_world_from_the_newest_complete_checkpoint_
     assert (nxt.world_epoch, nxt.world_size, nxt.coordinator, nxt.master_port) == (
         5, 3, "tcp://job-r0.job:29511", 29510)  # the other port of the pair
     assert (nxt.resume_step, nxt.resume, nxt.table_version, nxt.after_loss) == (
-        None, contract.RESUME_LATEST, 7, True)
+        None, wellknown.RESUME_LATEST, 7, True)
     assert main.lost_world_next(settings(2), lost, table_version=7) is None
 
 
@@ -96,7 +98,8 @@ def test_a_trainer_stops_only_when_its_own_world_lost_a_pod(tmp_path, written, e
 SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
-from splitfeed.trainer_client import failures, membership
+from splitfeed.trainer_client.script import failures
+from splitfeed.trainer_client import membership
 d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
 epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
 if os.environ.get("HOW") == "launcher":  # torchrun's part: a worker process has the client
@@ -124,8 +127,8 @@ def run_agent(directory: Path, how: str, timeout_s: float) -> subprocess.Complet
     """`splitfeed run -- python -c SCRIPT` in world 0 of 2, with `directory` as its pod's socket directory."""
     return subprocess.run(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
-        env={**os.environ, contract.SOCKET_DIR_ENV: str(directory), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "HOW": how, "SCRIPT": SCRIPT},
+        env={**os.environ, wellknown.SOCKET_DIR_ENV: str(directory), wellknown.WORLD_EPOCH_ENV: "0",
+             wellknown.WORLD_SIZE: "2", wellknown.MASTER_PORT_ENV: "29500", "HOW": how, "SCRIPT": SCRIPT},
         capture_output=True, text=True, timeout=timeout_s)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.trainer_client import contract, membership
+from splitfeed.trainer_client.contract import wellknown, membership
 
 
 def world(epoch: int, state: str = membership.SERVING, size: int = 4, port: int = 29500) -> membership.World:
@@ -27,16 +27,16 @@ def test_consecutive_worlds_alternate_between_two_ports():
 
 
 def test_a_world_gives_a_trainer_the_environment_a_new_pod_of_it_would_get():
-    base = {contract.LOCAL_RANK: "0", contract.LOCAL_WORLD_SIZE: "1", "PATH": "/bin", contract.WORLD_SIZE: "2"}
+    base = {wellknown.LOCAL_RANK: "0", wellknown.LOCAL_WORLD_SIZE: "1", "PATH": "/bin", wellknown.WORLD_SIZE: "2"}
     env = membership.world_env(base, world(3, size=3, port=29510))
-    assert env[contract.WORLD_SIZE] == "3" and env[contract.RANK] == "2" and env[contract.NODE_RANK] == "2"
-    assert env[contract.MASTER_PORT_ENV] == "29510" and env[contract.WORLD_EPOCH_ENV] == "3"
+    assert env[wellknown.WORLD_SIZE] == "3" and env[wellknown.RANK] == "2" and env[wellknown.NODE_RANK] == "2"
+    assert env[wellknown.MASTER_PORT_ENV] == "29510" and env[wellknown.WORLD_EPOCH_ENV] == "3"
     assert env["PATH"] == "/bin" and "PET_NNODES" not in env  # torchrun's only where the pod has them
     several = membership.world_env({**base, "PET_NNODES": "2", "PET_MASTER_PORT": "29500",
-                                    contract.LOCAL_WORLD_SIZE: "2", contract.LOCAL_RANK: "1"},
+                                    wellknown.LOCAL_WORLD_SIZE: "2", wellknown.LOCAL_RANK: "1"},
                                    membership.World(3, membership.SERVING, 2, 6, 3, "h", 29510))
     assert several["PET_NNODES"] == "3" and several["PET_MASTER_PORT"] == "29510"
-    assert several[contract.RANK] == "3"  # replica 1's second GPU
+    assert several[wellknown.RANK] == "3"  # replica 1's second GPU
 
 
 def test_the_file_is_read_back_whole_and_an_unwritten_one_is_none(tmp_path):
@@ -93,8 +93,8 @@ def agent(tmp_path: Path, plan: dict, **env: str) -> tuple[int, list[dict]]:
     membership.write(tmp_path, world(0, size=4, port=29500))
     done = subprocess.run(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, "-c", SCRIPT],
-        env={**__import__("os").environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "4", contract.MASTER_PORT_ENV: "29500", **env},
+        env={**__import__("os").environ, wellknown.SOCKET_DIR_ENV: str(tmp_path), wellknown.WORLD_EPOCH_ENV: "0",
+             wellknown.WORLD_SIZE: "4", wellknown.MASTER_PORT_ENV: "29500", **env},
         capture_output=True, text=True, timeout=60)
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     return done.returncode, runs
@@ -156,8 +156,8 @@ def test_a_python_script_runs_next_in_an_interpreter_that_imported_torch_while_t
     membership.write(tmp_path, world(0, size=4))
     done = subprocess.run(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, str(script), "--lr", "1"],
-        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "4", contract.MASTER_PORT_ENV: "29500"},
+        env={**os.environ, wellknown.SOCKET_DIR_ENV: str(tmp_path), wellknown.WORLD_EPOCH_ENV: "0",
+             wellknown.WORLD_SIZE: "4", wellknown.MASTER_PORT_ENV: "29500"},
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
@@ -217,8 +217,8 @@ def test_a_script_the_agent_runs_starts_with_torch_frozen_and_its_own_objects_ar
     membership.write(tmp_path, world(0, size=2))
     done = subprocess.run(
         [sys.executable, "-m", "splitfeed.trainer_client.cli", "run", "--", sys.executable, str(script), str(tmp_path)],
-        env={**os.environ, contract.SOCKET_DIR_ENV: str(tmp_path), contract.WORLD_EPOCH_ENV: "0",
-             contract.WORLD_SIZE: "2", contract.MASTER_PORT_ENV: "29500", "EXIT_CODE": str(exit_code)},
+        env={**os.environ, wellknown.SOCKET_DIR_ENV: str(tmp_path), wellknown.WORLD_EPOCH_ENV: "0",
+             wellknown.WORLD_SIZE: "2", wellknown.MASTER_PORT_ENV: "29500", "EXIT_CODE": str(exit_code)},
         capture_output=True, text=True, timeout=60)
     assert done.returncode == exit_code, done.stderr
     at_exit = json.loads((tmp_path / "at-exit.json").read_text())

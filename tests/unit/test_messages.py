@@ -1,4 +1,4 @@
-"""The wire messages (trainer_client/messages.py): what a peer may send, and what is refused.
+"""The wire messages (trainer_client/contract/messages.py): what a peer may send, and what is refused.
 
 The frames here are written out by hand, as a peer of another version or a
 hostile one would send them; the typed objects are what a receiver must get.
@@ -11,10 +11,18 @@ import json
 
 import pytest
 
-from splitfeed.trainer_client import messages
-from splitfeed.trainer_client.errors import ProtocolError, VersionMismatch
-from splitfeed.trainer_client.messages import (
-    CommitAt, DrainAck, DrainRequest, Error, Hello, Joined, Ready, Wake, Welcome,
+from splitfeed.trainer_client.contract import messages
+from splitfeed.trainer_client.contract.errors import ProtocolError, VersionMismatch
+from splitfeed.trainer_client.contract.messages import (
+    CommitAt,
+    DrainAck,
+    DrainRequest,
+    Error,
+    Hello,
+    Joined,
+    Ready,
+    Wake,
+    Welcome,
 )
 
 

@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
-from splitfeed.trainer_client import errors, ring
+from splitfeed.trainer_client.contract import errors
+from splitfeed.trainer_client.transport import ring
 
 
 def load_ring_as(platform: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Execute ring.py afresh, under another module name, as on `platform`."""
     monkeypatch.setattr(sys, "platform", platform)
-    spec = importlib.util.spec_from_file_location("splitfeed.trainer_client._ring_elsewhere", ring.__file__)
+    spec = importlib.util.spec_from_file_location("splitfeed.trainer_client.transport._ring_elsewhere", ring.__file__)
     assert spec is not None and spec.loader is not None
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 

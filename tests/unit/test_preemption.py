@@ -1,4 +1,4 @@
-"""The trainer's SIGTERM handler (trainer_client/preemption.py): one SIGTERM delivered twice at
+"""The trainer's SIGTERM handler (trainer_client/script/preemption.py): one SIGTERM delivered twice at
 once (to the container's process group and forwarded by `splitfeed run`) asks the world to drain
 once; a second SIGTERM later still stops the trainer at once."""
 
@@ -11,7 +11,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import os, signal, time
-    from splitfeed.trainer_client.preemption import SAME_SIGTERM_S, Preemption
+    from splitfeed.trainer_client.script.preemption import SAME_SIGTERM_S, Preemption
     sent = []
     p = Preemption(sent.append)
     p.install()

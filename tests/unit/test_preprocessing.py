@@ -1,4 +1,4 @@
-"""Output rows of a transform -> one Arrow batch per step (sidecar/preprocessing.py).
+"""Output rows of a transform -> one Arrow batch per step (sidecar/data/preprocessing.py).
 
 Expected values are written out here, not computed by the code under test.
 """
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from splitfeed.sidecar import preprocessing
-from splitfeed.trainer_client import errors, specs
+from splitfeed.sidecar.data import preprocessing
+from splitfeed.trainer_client.contract import errors, specs
 
 
 def test_fixed_shape_numeric_values_become_one_tensor_column_each():

@@ -9,7 +9,8 @@ import threading
 
 import pyarrow as pa
 
-from splitfeed.sidecar import agreement, serving
+from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar.serving import service
 
 SPE = 100
 
@@ -24,7 +25,7 @@ def rank_steps(last: int):
 def wait_for_reach(outbox: queue.SimpleQueue, reach: int) -> None:
     while True:
         news = outbox.get(timeout=60)
-        if isinstance(news, serving.Assembled) and news.reach >= reach:
+        if isinstance(news, service.Assembled) and news.reach >= reach:
             return
 
 
@@ -34,10 +35,10 @@ def test_a_frozen_publishers_look_ahead_holds_no_step_the_world_already_dropped(
     not run dry reads the rest of that epoch: steps already OUT (the world's end is known),
     which nobody will ever publish. They should not pile up in memory; held is bounded by
     the look-ahead, not by the epoch's length."""
-    world = serving.WorldView(SPE)
+    world = service.WorldView(SPE)
     stop = threading.Event()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
-    steps = serving.AgreedSteps(rank_steps(2 * SPE), first_step=0, rank=0, world=world, lookahead=2,
+    steps = service.AgreedSteps(rank_steps(2 * SPE), first_step=0, rank=0, world=world, lookahead=2,
                                 total_steps=2 * SPE, stop=stop, outbox=outbox, signal=None)
     try:
         world.update(4, {0: 5}, -1)  # another rank's split ran dry after step 4: E = 5
@@ -63,7 +64,8 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
     trainer's checkpoint but the epoch's length. The ledger keeps the newest KEEP steps it
     read, so an epoch that lost more than KEEP steps for the world (but not for this rank)
     evicts step E - 1: the checkpoint of step E fails ("holds no split positions")."""
-    from splitfeed.sidecar import main, reading
+    from splitfeed.sidecar import main
+    from splitfeed.sidecar.data import reading
 
     keep = main.SkipLedgers.KEEP
     spe = keep + 200
@@ -75,9 +77,9 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
             ledger[step] = reading.Passed({0: step + 1}, 0)
             yield step, batch
 
-    world = serving.WorldView(spe)
+    world = service.WorldView(spe)
     stop = threading.Event()
-    steps = serving.AgreedSteps(read(2 * spe), first_step=0, rank=0, world=world, lookahead=2,
+    steps = service.AgreedSteps(read(2 * spe), first_step=0, rank=0, world=world, lookahead=2,
                                 total_steps=2 * spe, stop=stop, outbox=queue.SimpleQueue(), signal=None)
     try:
         world.update(4, {0: 5}, -1)  # another rank's split ran dry after step 4: E = 5
@@ -97,14 +99,15 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
 
 def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_step():
     """restartPolicy OnFailure: a new trainer process says hello without next_step and the
-    sidecar rewinds its publisher to the world's newest complete step W (serving._hello), whose
+    sidecar rewinds its publisher to the world's newest complete step W (service._hello), whose
     reader starts from `resume_state(rank, W)`, i.e. SkipLedgers.state -> the ledger's entry of
     step W - 1. The ledger keeps only the newest KEEP steps the reader read, so a job that
     checkpoints less often than every KEEP steps (KEEP = 4096; every 5000 steps is common)
     cannot resume its restarted trainer: the rank fails with "holds no split positions", where
     raise/fill jobs resume. The positions of W - 1 were written to the store at checkpoint()."""
-    from splitfeed.sidecar import main, reading
-    from splitfeed.trainer_client import specs
+    from splitfeed.sidecar import main
+    from splitfeed.sidecar.data import reading
+    from splitfeed.trainer_client.contract import specs
 
     data = specs.DataSpec(uri="unused", table="t", num_splits=2, global_batch_size=2,
                           transform="tests.transforms:fragile", on_transform_error="skip")

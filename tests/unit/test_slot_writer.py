@@ -1,4 +1,4 @@
-"""The sidecar's write half of a slot (trainer_client/slots.py): a writer kept from batch to
+"""The sidecar's write half of a slot (trainer_client/transport/slots.py): a writer kept from batch to
 batch writes the very stream a fresh pyarrow stream writer writes, and `ipc_size` of batches
 with equal schemas (new objects each) is what pyarrow says it is."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from splitfeed.trainer_client import slots
+from splitfeed.trainer_client.transport import slots
 
 
 def fresh_stream(batch: pa.RecordBatch) -> bytes:

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from splitfeed.trainer_client import fields, specs, topology
+from splitfeed.trainer_client.contract import fields, specs, topology
 
 GOOD = {
     "apiVersion": "splitfeed.io/v1alpha1",
@@ -137,7 +137,7 @@ def test_order_fields_are_the_wire_values_of_the_order_defining_fields():
 def test_the_maxima_are_refused_when_parsing_too_so_local_and_plan_say_the_same():
     import pytest as _pytest
 
-    from splitfeed.trainer_client import specs as _specs
+    from splitfeed.trainer_client.contract import specs as _specs
 
     manifest = {"apiVersion": _specs.API_VERSION, "kind": _specs.KIND, "metadata": {"name": "j"},
                 "spec": {"data": {"uri": "/tmp/db", "table": "t", "numSplits": 2_000_000,

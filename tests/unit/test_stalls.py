@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from splitfeed.trainer_client import messages, progress, stalls
-from splitfeed.trainer_client.errors import ProtocolError
+from splitfeed.trainer_client.contract import messages, progress, stalls
+from splitfeed.trainer_client.contract.errors import ProtocolError
 
 
 def counts_at(**by_bound: int) -> list[int]:
@@ -64,7 +64,7 @@ def member(replica: int, step: int, **over: object) -> messages.Progress:
 
 
 def answered(members: list[messages.Progress], **world: object) -> messages.Status:
-    """The coordinator's `status` answer as the operator gets it (sidecar/agreement.py builds it the same way)."""
+    """The coordinator's `status` answer as the operator gets it (sidecar/world/agreement.py builds it the same way)."""
     return progress.world_status(members, **world)
 
 

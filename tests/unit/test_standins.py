@@ -1,6 +1,6 @@
-"""The coordinator standing in for a dead member sidecar (sidecar/standins.py): when it may write a
+"""The coordinator standing in for a dead member sidecar (sidecar/world/standins.py): when it may write a
 rank's checkpoint at the drain step, and when a member counts as committed; and how a trainer
-knows its sidecar is gone (trainer_client/stranded.py: a lock the sidecar process holds)."""
+knows its sidecar is gone (trainer_client/transport/stranded.py: a lock the sidecar process holds)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 
-from splitfeed.sidecar.agreement import Coordinator
-from splitfeed.sidecar.standins import StandIns
-from splitfeed.trainer_client import stranded
-from splitfeed.trainer_client.messages import StandIn, Status
+from splitfeed.sidecar.world.agreement import Coordinator
+from splitfeed.sidecar.world.standins import StandIns
+from splitfeed.trainer_client.transport import stranded
+from splitfeed.trainer_client.contract.messages import StandIn, Status
 
 EPOCH, DRAIN = 3, 12
 
@@ -112,7 +112,7 @@ def test_a_member_counts_as_committed_once_every_rank_of_it_is_and_then_the_step
 HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from splitfeed.trainer_client import stranded
+    from splitfeed.trainer_client.transport import stranded
     fd = stranded.hold(Path(sys.argv[1]))
     print("held" if fd is not None else "not held", flush=True)
     time.sleep(60)

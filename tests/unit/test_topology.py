@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from splitfeed.trainer_client import topology
+from splitfeed.trainer_client.contract import topology
 
 
 def rules_hold(replicas, gpus, n, k, g):

@@ -1,13 +1,14 @@
 """The world's agreement on which steps exist under onTransformError=skip/warn
-(sidecar/agreement.py: Watermark, settle_cut; sidecar/serving.py: epoch_ends), as pure functions."""
+(sidecar/world/agreement.py: Watermark, settle_cut; sidecar/serving/service.py: epoch_ends), as pure functions."""
 
 from __future__ import annotations
 
 import pytest
 
-from splitfeed.sidecar import agreement, serving
-from splitfeed.sidecar.agreement import IN, OUT, Coordinator, Watermark
-from splitfeed.trainer_client import errors, messages
+from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar.serving import service
+from splitfeed.sidecar.world.agreement import IN, OUT, Coordinator, Watermark
+from splitfeed.trainer_client.contract import errors, messages
 
 SPE = 10
 
@@ -51,7 +52,7 @@ def test_reach_reports_round_trip_and_malformed_ones_are_refused():
     (14, 20, {1: 5}),            # the reader is done (step = total steps) after step 14
 ])
 def test_a_readers_jump_reveals_its_epoch_ends(previous, step, ends):
-    assert serving.epoch_ends(previous, step, SPE) == ends
+    assert service.epoch_ends(previous, step, SPE) == ends
 
 
 def agreed(outs):

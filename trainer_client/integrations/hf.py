@@ -25,8 +25,8 @@ from typing import Any
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..client import StreamClient
-from ..loading import iterable_dataset
+from ..script.client import StreamClient
+from ..script.loading import iterable_dataset
 
 STEP_FILE = "splitfeed.json"
 """In each Trainer checkpoint folder: {"step": the global splitfeed step it holds}."""

@@ -23,8 +23,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from ..client import StreamClient
-from ..loading import iterable_dataset
+from ..script.client import StreamClient
+from ..script.loading import iterable_dataset
 
 
 def trainer_arguments(client: StreamClient) -> dict[str, Any]:

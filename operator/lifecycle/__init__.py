@@ -1,0 +1,2 @@
+"""The world life cycle: one pure decision per observation (steady, restarting, rescaling,
+in place, ending)."""
