@@ -40,7 +40,7 @@ def _trainer(directory: Path, instance: str) -> tuple[Any, Receiver, counters.St
     control = ring.Control(ring.control_path(directory, instance, 0), create=False)
     session = SimpleNamespace(control=control, next_step=0, instance=instance, steps_per_epoch=10**9)
     taker = taking.Taker(directory, 0, as_tensors=False)
-    receiver = Receiver(session, SimpleNamespace(), taker, client, timeout_s=60.0,  # type: ignore[arg-type]
+    receiver = Receiver(session, SimpleNamespace(), taker, client.pace(), timeout_s=60.0,  # type: ignore[arg-type]
                         heartbeat_s=5.0, on_welcome=lambda _: None, before_wait=lambda: None)
     stats = counters.Stats(None)
     stats.attach(control)

@@ -12,7 +12,7 @@ from .handshake import Session
 from .preemption import Preemption
 
 if TYPE_CHECKING:
-    from .client import StreamClient
+    from .loading import Client
     from .taking import Batch
 
 
@@ -64,13 +64,13 @@ class Adapting:
         (pin_memory too) and the frameworks that take one (trainer_client.loading)."""
         from . import loading
 
-        return loading.iterable_dataset(cast("StreamClient", self))
+        return loading.iterable_dataset(cast("Client", self))
 
     def data_state(self) -> Any:
         """The data position as a `torch.distributed.checkpoint` Stateful (trainer_client.loading.DataState)."""
         from . import loading
 
-        return loading.DataState(cast("StreamClient", self))
+        return loading.DataState(cast("Client", self))
 
     def trained(self, through: Batch | int) -> None:
         """The model has trained through `through`: a batch this iterator returned, or a count of

@@ -6,15 +6,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from ..contract import membership, messages
+from ..transport.channel import Channel
 from ..transport import stranded
 from ..contract.errors import CheckpointError, NotWelcomed
 from .handshake import Session
-
-if TYPE_CHECKING:
-    from .client import Channel
 
 log = logging.getLogger(__name__)
 

@@ -30,40 +30,26 @@ A sidecar that went on in place to a later world never lets a trainer of the
 earlier one continue in it: that hello is refused (WORLD_ENDED), and the trainer,
 told WorldLost, rejoins (`rejoin`) at the step the new world starts from.
 
-The socket is here (`Channel`); the handshake is `handshake`, the receive path
-`receiving`, checkpoints `checkpointing` and SIGTERM `preemption`.
+The socket is `trainer_client.transport.channel`; the handshake is `handshake`, the receive
+path `receiving` (with this module's timings), checkpoints `checkpointing` and SIGTERM `preemption`.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import sys
 import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
-import zmq
-
-from . import adapting, counters, failures, handshake, taking
+from . import adapting, counters, failures, taking
 from ..contract import wellknown, membership, messages
 from .checkpointing import Checkpoints
-from ..contract.errors import (
-    CheckpointError,
-    NotWelcomed,
-    ProtocolError,
-    SidecarFailed,
-    SidecarUnavailable,
-    VersionMismatch,
-    WorldLost,
-)
+from ..contract.errors import CheckpointError, SidecarFailed, SidecarUnavailable, WorldLost
 from .handshake import Session
 from .preemption import Preemption
-from .receiving import Receiver
+from .receiving import Pace, Receiver
 from .taking import Batch as Batch
+from ..transport.channel import Channel, Context
 
 log = logging.getLogger(__name__)
 
@@ -90,106 +76,11 @@ batch's wake reaches it, and looks at its socket soon and then less and less oft
 TORN_RETRY_S = 200e-6
 """How long the trainer waits before looking again at a slot whose marks do not match."""
 
-_Answer = TypeVar("_Answer", messages.Checkpointed, messages.Committed)
 
-
-class Channel:
-    """The DEALER socket to this rank's sidecar, and the messages read ahead of their turn."""
-
-    def __init__(self, context: zmq.Context[Any], directory: Path, local_rank: int, *,
-                 timeout_s: float, heartbeat_s: float, lost: Callable[[], bool]) -> None:
-        self._timeout_s = timeout_s
-        self._heartbeat_s = heartbeat_s
-        self._lost = lost
-        """Whether this process's world was lost (membership.lost): a WORLD_ENDED is then its news."""
-        self._sock = context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES)
-        self._sock.setsockopt(zmq.IDENTITY, f"t{local_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
-        self._sock.setsockopt(zmq.RECONNECT_IVL, messages.RECONNECT_IVL_MS)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, messages.RECONNECT_IVL_MAX_MS)
-        self._sock.connect(f"ipc://{directory / messages.SOCKET_NAME}")
-        self._inbox: collections.deque[messages.Message] = collections.deque()
-
-    @property
-    def closed(self) -> bool:
-        return bool(self._sock.closed)
-
-    def send(self, message: messages.Message) -> None:
-        self._sock.send(message.encode())
-
-    def pending(self) -> bool:
-        """A message is waiting to be received (now, without waiting)."""
-        return bool(self._inbox) or bool(self._sock.poll(0))
-
-    def clear(self) -> None:
-        """Drop the messages read ahead (a new handshake answers anew)."""
-        self._inbox.clear()
-
-    def receive(self, timeout_s: float) -> messages.Message | None:
-        """The next message within `timeout_s`, or None; a fatal error raises SidecarFailed, and
-        the word that this process's world was lost raises WorldLost."""
-        if self._inbox:
-            return self._inbox.popleft()
-        if not self._sock.poll(int(timeout_s * 1000)):
-            return None
-        frame = self._sock.recv()
-        try:
-            message = messages.decode(frame)
-        except VersionMismatch as exc:  # nothing this sidecar says can be read: end here, once
-            raise VersionMismatch(handshake.sidecar_mismatch(exc), peer_protocol=exc.peer_protocol,
-                                  peer_package=exc.peer_package) from None
-        except ProtocolError as exc:
-            log.error("sidecar sent a malformed message (%s); resynchronising", exc)
-            return None
-        if isinstance(message, messages.Error):
-            if message.fatal and message.code == messages.VERSION_MISMATCH:
-                raise VersionMismatch(message.message)  # the sidecar refused this trainer's version
-            if message.fatal:
-                raise SidecarFailed(message.message)
-            if message.code == messages.WORLD_ENDED:
-                if self._lost():
-                    raise WorldLost(message.message)
-                return None  # it answers a hello sent before this process rejoined: nothing now
-            log.warning("sidecar: %s", message.message)
-        return message
-
-    def request(self, request: messages.Checkpoint | messages.Commit, answer: type[_Answer],
-                gone: Callable[[], bool] | None = None) -> _Answer:
-        """Send `request` and wait for its `answer` (of the same step); an error reply raises
-        CheckpointError, as does `gone()` turning true while no answer came (the sidecar died)."""
-        self.send(request)
-        step = request.step
-        deadline = time.monotonic() + self._timeout_s
-        held: list[messages.Message] = []
-        try:
-            while time.monotonic() < deadline:
-                message = self.receive(self._heartbeat_s)
-                if message is None and gone is not None and gone():
-                    raise CheckpointError(f"the sidecar is gone: no answer to {request.kind} of step {step}")
-                if message is None:
-                    continue
-                if isinstance(message, answer) and message.step == step:
-                    return message
-                if isinstance(message, messages.Error) and message.code == messages.NOT_WELCOMED:
-                    raise NotWelcomed(message.message)  # a restarted sidecar: say hello again
-                if isinstance(message, messages.Error):
-                    raise CheckpointError(message.message)
-                held.append(message)
-            raise CheckpointError(f"no answer to {request.kind} of step {step} in {self._timeout_s} s")
-        finally:
-            self._inbox.extendleft(reversed(held))
-
-    def close(self, *, bye: bool = True) -> None:
-        """Say bye (if it can go at once) and close; without `bye`, close at once."""
-        if not bye:
-            self._sock.close(linger=0)
-            return
-        try:
-            self._sock.send(messages.Bye().encode(), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self._sock.close(linger=100)
+def pace() -> Pace:
+    """The receive path's timings as this module's constants say now (tests change them here)."""
+    return Pace(spin_s=SPIN_S, wait_slice_s=WAIT_SLICE_S, max_wait_slice_s=MAX_WAIT_SLICE_S,
+                after_bare_wake_slice_s=AFTER_BARE_WAKE_SLICE_S, torn_retry_s=TORN_RETRY_S)
 
 
 def socket_directory(socket_dir: str | os.PathLike[str] | None) -> Path:
@@ -219,11 +110,11 @@ class StreamClient(adapting.Adapting):
         timeout_s: float = 300.0,
         heartbeat_s: float = 1.0,
         as_tensors: bool = True,
-        context: zmq.Context[Any] | None = None,
+        context: Context | None = None,
     ) -> None:
         self._dir = socket_directory(socket_dir)
         self.local_rank = int(os.environ.get(wellknown.LOCAL_RANK, "0") if local_rank is None else local_rank)
-        self._channel = Channel(context or zmq.Context.instance(), self._dir, self.local_rank,
+        self._channel = Channel(context, self._dir, self.local_rank,
                                 timeout_s=timeout_s, heartbeat_s=heartbeat_s,
                                 lost=lambda: membership.lost(self._dir, self._session.world_epoch))
         self._taker = taking.Taker(self._dir, self.local_rank, as_tensors=as_tensors)
@@ -232,7 +123,7 @@ class StreamClient(adapting.Adapting):
         self._checkpoints = Checkpoints(self._session, self._channel, self._dir, self.local_rank, timeout_s,
                                         rehello=lambda: self._welcome(self._session.hello(stale=self._session.instance)))
         self._preemption = Preemption(self._channel.send)
-        self._receiver = Receiver(self._session, self._channel, self._taker, sys.modules[__name__],
+        self._receiver = Receiver(self._session, self._channel, self._taker, pace(),
                                   timeout_s=timeout_s, heartbeat_s=heartbeat_s, on_welcome=self._welcome,
                                   before_wait=self._preemption.ask_drain)
         self._ended = False

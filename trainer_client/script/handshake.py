@@ -6,27 +6,17 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..contract import wellknown, membership, messages
+from ..transport.channel import Channel
 from ..transport import ring
 from ..contract.errors import SidecarUnavailable, VersionMismatch
-
-if TYPE_CHECKING:
-    from .client import Channel
 
 log = logging.getLogger(__name__)
 
 REFUSED_PACKAGE = "hello message has unknown fields ['package']"
 """How a sidecar of a splitfeed whose hello had no `package` yet refuses this one's hello (its
 decode refuses a field it does not know): the same protocol version, but an older sidecar."""
-
-
-def sidecar_mismatch(exc: VersionMismatch) -> str:
-    """The sidecar's frame is of another protocol version (`exc`, from decode): say both."""
-    assert exc.peer_protocol is not None
-    return messages.mismatch(trainer=(messages.PROTOCOL_VERSION, messages.package_version()),
-                             sidecar=(exc.peer_protocol, exc.peer_package))
 
 
 def older_sidecar(refusal: str) -> str:

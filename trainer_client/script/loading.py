@@ -6,11 +6,32 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .client import StreamClient
     from .taking import Batch
+
+
+class Client(Protocol):
+    """What the dataset and DataState read of a StreamClient: a protocol, not the class, since
+    client.py imports this module (through its base class in adapting)."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    @property
+    def steps_left(self) -> int: ...
+
+    @property
+    def checkpointed_step(self) -> int | None: ...
+
+    @property
+    def checkpoint_position(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def resume_step(self) -> int: ...
 
 
 class Handed:
@@ -44,7 +65,7 @@ class Handed:
 class _Iterable:
     """The dataset's behaviour; `iterable_dataset` mixes it into torch's IterableDataset."""
 
-    def __init__(self, client: StreamClient) -> None:
+    def __init__(self, client: Client) -> None:
         self.client = client
         self.handed = Handed()
 
@@ -75,7 +96,7 @@ def _dataset_class() -> type:
     return type("StreamDataset", (_Iterable, IterableDataset), {})
 
 
-def iterable_dataset(client: StreamClient) -> Any:
+def iterable_dataset(client: Client) -> Any:
     """`client` as a torch IterableDataset: `len()` is the steps left in this world, `set_epoch`
     does nothing, and `handed` knows which step a framework's next "trained" is of."""
     return _dataset_class()(client)
@@ -91,7 +112,7 @@ class DataState:
     world resumes at: the model and the data would disagree.
     """
 
-    def __init__(self, client: StreamClient) -> None:
+    def __init__(self, client: Client) -> None:
         self.client = client
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,28 +6,26 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
 
 from ..contract import messages
+from ..transport.channel import Channel
 from ..transport import ring, slots
 from . import taking
 from ..contract.errors import SidecarFailed, SidecarUnavailable
 from .handshake import Session
 from .taking import Batch
 
-if TYPE_CHECKING:
-    from .client import Channel
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pace:
+    """The receive path's timings, given to it (script.client makes them from its constants,
+    which tests change there)."""
 
-class Pace(Protocol):
-    """The receive path's timings, read where they are used (trainer_client.client holds them;
-    tests change them there)."""
-
-    SPIN_S: float
-    WAIT_SLICE_S: float
-    MAX_WAIT_SLICE_S: float
-    AFTER_BARE_WAKE_SLICE_S: float
-    TORN_RETRY_S: float
+    spin_s: float
+    wait_slice_s: float
+    max_wait_slice_s: float
+    after_bare_wake_slice_s: float
+    torn_retry_s: float
 
 
 @dataclasses.dataclass
@@ -100,7 +98,7 @@ class Receiver:
 
     def _wait(self) -> _Wait:
         # A sidecar slower than the trainer: sleep at once, leave it the CPU.
-        return _Wait(spun=not self.spin_next, slice_s=self._pace.WAIT_SLICE_S)
+        return _Wait(spun=not self.spin_next, slice_s=self._pace.wait_slice_s)
 
     def _wait_for(self, wait: _Wait) -> Batch | None:
         """next_batch once the batch was not there at the first look: look, spin, sleep, look again."""
@@ -152,7 +150,7 @@ class Receiver:
         if time.monotonic() - wait.torn_since > self._timeout_s:
             raise SidecarFailed(self._taker.why_torn(control, self._session.instance, index, step,
                                                      self._timeout_s))
-        time.sleep(self._pace.TORN_RETRY_S)
+        time.sleep(self._pace.torn_retry_s)
 
     def _idle(self, control: ring.Control, wait: _Wait) -> None:
         """No batch yet: read what the socket has, say hello when it is quiet, else sleep a slice."""
@@ -176,13 +174,13 @@ class Receiver:
             # delivered yet (found under load), or a bump of a batch or message already
             # taken. Look at the socket again soon, but go on sleeping on the futex: a
             # wait on the socket alone missed the next batch's wake until the timeout.
-            wait.slice_s = self._pace.AFTER_BARE_WAKE_SLICE_S
+            wait.slice_s = self._pace.after_bare_wake_slice_s
         timeout_s = min(wait.slice_s, max(0.0, wait.deadline - now))
         # The sidecar bumps `posts` and wakes this futex when it posts a batch or sends
         # a message; the socket is also looked at between slices (a restarted sidecar).
         wait.slept_at = wait.seen
         control.sleep(ring.POSTS, wait.seen, timeout_s)
-        wait.slice_s = min(wait.slice_s * 2, max(self._pace.WAIT_SLICE_S, self._pace.MAX_WAIT_SLICE_S))
+        wait.slice_s = min(wait.slice_s * 2, max(self._pace.wait_slice_s, self._pace.max_wait_slice_s))
 
     def _spin(self, control: ring.Control, step: int) -> int | None:
         """Poll the ring for up to SPIN_S before sleeping on the `posts` futex.
@@ -196,7 +194,7 @@ class Receiver:
         one the sidecar (or whoever waits for the core) runs first; it halved
         the trainer's CPU per 1 MiB batch at load 10 on 2 cores.
         """
-        deadline = time.perf_counter() + self._pace.SPIN_S
+        deadline = time.perf_counter() + self._pace.spin_s
         while time.perf_counter() < deadline:
             index = control.find(step)
             if index is not None:
