@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from .contract import errors, messages
+from .contract import errors, versions
 
 
 def require_extra(extra: str, *modules: str) -> None:
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Feed LanceDB tables to elastic GPU training, deterministically.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=messages.version_line(),
+    parser.add_argument("--version", action="version", version=versions.version_line(),
                         help="print the splitfeed version and its wire protocol version")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for ep in sorted(entry_points(group="splitfeed.commands"), key=lambda e: e.name):
@@ -72,7 +72,7 @@ class _SayWhy(argparse.Action):
 
 def main(argv: Sequence[str] | None = None) -> int:
     if list(sys.argv[1:] if argv is None else argv) == ["--version"]:
-        print(messages.version_line())  # before the commands' modules are looked at
+        print(versions.version_line())  # before the commands' modules are looked at
         return 0
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -11,7 +11,7 @@ Pure; one policy of the life cycle (`rescaling.drain_step` hands a drain marked
    with the count M (the `splitfeed.io/drain` and `splitfeed.io/drain-replicas`
    annotations, and a `drain_request` to its coordinator); `status.drain.askedAt`.
 3. Replica 0's sidecar starts world e+1's coordinator on the other port of a pair
-   (trainer_client.membership.world_port) once every member committed the drain
+   (trainer_client.layout.WorldLayout.next) once every member committed the drain
    step; the operator learns it from that coordinator's `status` answer
    (`Ctx.next_world`, fetched by `reconciling`): its world epoch, its replicas, its
    resume step. Then, in one decision: status (worldEpoch e+1, replicas, resumeStep),

@@ -133,8 +133,8 @@ def notify(c: Ctx, drain_token: str, reason: str) -> tuple[str, str, str] | None
     first = planning.pod_name_of(c.job, c.world_epoch, 0)
     pod = next((p for p in c.world if p.name == first and not p.terminated), None)
     ip = pod.pod_ip if pod is not None else None
-    port = planning.world_port(c.job, wellknown.COORDINATOR_PORT, c.world_epoch)
-    return (planning.coordinator_at(str(ip), port), drain_token, reason.lower()) if ip else None
+    world = planning.world_layout(c.job, c.world_epoch)
+    return (world.coordinator_at(str(ip)), drain_token, reason.lower()) if ip else None
 
 
 def _annotations(c: Ctx, drain_token: str) -> dict[str, dict[str, str]]:

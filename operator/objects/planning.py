@@ -1,5 +1,7 @@
 """The objects of a world, built from a StreamingJob: pods, headless Service, ConfigMap, budget,
-keypair Secret and (operator/objects/policies.py) NetworkPolicy.
+keypair Secret and (operator/objects/policies.py) NetworkPolicy. Who the sidecar runs as in a pod
+is operator/objects/security.py; a world's ports and rank environment follow from its value,
+trainer_client/contract/layout.py's WorldLayout (`world_layout`).
 
 Pure: a JobSpec, a world epoch and the operator's settings in, plain dicts out.
 Called by the life cycle (`lifecycle`, which decides *when* a world starts) and by the tests,
@@ -16,22 +18,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from splitfeed.trainer_client.contract import wellknown, errors, membership, specs
+from splitfeed.trainer_client.contract import wellknown, errors, layout, membership, specs
 from splitfeed.trainer_client.transport import keys
 
-from . import policies
+from . import policies, security
 
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(wellknown.METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
 """On every pod, unless the trainer's template sets its own (its trainer's metrics, say)."""
-
-LOADER_GROUP = 65532
-"""The sidecar image's user and group (Dockerfile: USER 65532:65532); the pod's fsGroup
-when the template sets none (pod_security_context)."""
-IDENTITY_ENV_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_")
-"""The trainer's variables the sidecar gets too (with_trainer_identity): the families the
-object store lancedb reads through (object_store's AmazonS3, MicrosoftAzure and
-GoogleCloudStorage builders) and the clouds' SDKs take their identity and configuration from."""
 
 SidecarMode = Literal["native", "container"]
 
@@ -112,11 +106,11 @@ def pod_name_of(job: specs.JobSpec, world_epoch: int, replica: int) -> str:
     return pod_name(job.name, world_epoch, replica, job.in_place)
 
 
-def world_port(job: specs.JobSpec, base: int, world_epoch: int) -> int:
-    """A world's rendezvous or coordinator port: fixed, or alternating between consecutive
-    worlds in place (trainer_client.membership.world_port), so a kept pod's next world
-    never meets a store or coordinator its last one still holds open."""
-    return membership.world_port(base, world_epoch) if job.in_place else base
+def world_layout(job: specs.JobSpec, world_epoch: int) -> layout.WorldLayout:
+    """World `world_epoch` of `job`: replica 0 by its stable name under the headless Service,
+    on the job's ports (the other pair in odd worlds in place, layout.WorldLayout.at)."""
+    return layout.WorldLayout.at(world_epoch, replicas=job.replicas, gpus_per_replica=job.gpus_per_replica,
+                                 in_place=job.in_place, master_addr=f"{pod_name_of(job, world_epoch, 0)}.{job.name}")
 
 
 def config_map_name(job: str) -> str:
@@ -184,7 +178,7 @@ def keypair_of(secret: Mapping[str, Any]) -> keys.Keypair:
 
 
 KEYS_FILE_MODE = 0o440
-"""The keypair's files in a pod: read-only, to the pod's fsGroup (pod_security_context), which
+"""The keypair's files in a pod: read-only, to the pod's fsGroup (security.pod_security_context), which
 the sidecar's user and the trainer's share; nobody else on the node."""
 
 
@@ -221,9 +215,8 @@ def service(job: specs.JobSpec, owner: Owner) -> dict[str, Any]:
             "selector": job_selector(job.name),
             "publishNotReadyAddresses": True,
             "ports": [{"name": f"{name}{suffix}", "port": port, "targetPort": port}
-                      for suffix, epoch in ([("", 0), ("-odd", 1)] if job.in_place else [("", 0)])
-                      for name, port in (("rendezvous", world_port(job, wellknown.MASTER_PORT, epoch)),
-                                         ("coordinator", world_port(job, wellknown.COORDINATOR_PORT, epoch)))],
+                      for suffix, world in zip(("", "-odd"), world_layout(job, 0).alternating())
+                      for name, port in (("rendezvous", world.master_port), ("coordinator", world.coordinator_port))],
         },
     }
 
@@ -240,24 +233,12 @@ def _merge_env(existing: list[dict[str, Any]], ours: list[dict[str, str]]) -> li
 
 def pod_env(job: specs.JobSpec, world_epoch: int, replica: int) -> wellknown.Env:
     """Environment both containers get (docs/pod-contract.md, "Environment")."""
-    return wellknown.rank_env(
-        world_size=job.world_size, gpus_per_replica=job.gpus_per_replica, replica=replica, local_rank=0,
-        master_addr=f"{pod_name_of(job, world_epoch, 0)}.{job.name}",
-        master_port=world_port(job, wellknown.MASTER_PORT, world_epoch),
-        socket_dir=wellknown.SOCKET_DIR, world_epoch=world_epoch)
+    return world_layout(job, world_epoch).env(replica)
 
 
-def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> dict[str, str | int]:
-    env: dict[str, str | int] = {**pod_env(job, world_epoch, replica), wellknown.KEYS_DIR_ENV: wellknown.KEYS_DIR}
-    if job.gpus_per_replica > 1:  # torchrun's own variables; it spawns one process per GPU
-        env.update({
-            "PET_NNODES": job.replicas,
-            "PET_NPROC_PER_NODE": job.gpus_per_replica,
-            "PET_NODE_RANK": replica,
-            "PET_MASTER_ADDR": env[wellknown.MASTER_ADDR],
-            "PET_MASTER_PORT": env[wellknown.MASTER_PORT_ENV],
-        })
-    return env
+def trainer_env(job: specs.JobSpec, world_epoch: int, replica: int) -> wellknown.Env:
+    world = world_layout(job, world_epoch)
+    return {**world.env(replica), wellknown.KEYS_DIR_ENV: wellknown.KEYS_DIR, **world.torchrun_env(replica)}
 
 
 def _local_path(uri: str | None) -> str | None:
@@ -286,30 +267,18 @@ def shared_mounts(job: specs.JobSpec, trainer_mounts: list[dict[str, Any]]) -> l
     return out
 
 
-def coordinator_address(job: specs.JobSpec, world_epoch: int) -> str:
-    """SPLITFEED_COORDINATOR: replica 0's sidecar, by its stable name under the headless Service."""
-    return (f"tcp://{pod_name_of(job, world_epoch, 0)}.{job.name}:"
-            f"{world_port(job, wellknown.COORDINATOR_PORT, world_epoch)}")
-
-
-def coordinator_at(pod_ip: str, port: int = wellknown.COORDINATOR_PORT) -> str:
-    """The coordinator by replica 0's pod IP: what the operator dials (it may not resolve pod DNS)."""
-    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
-    return f"tcp://{host}:{port}"
-
-
 def coordinator_of(job: str, world_epoch: int, pods: Sequence[Mapping[str, Any]],
                    in_place: bool = False) -> str | None:
     """World `world_epoch`'s coordinator: replica 0's pod, found by its name (a kept pod's world
     label follows a change in place late), at that world's port; None while the pod has no IP
     or has stopped."""
     name = pod_name(job, world_epoch, 0, in_place)
-    port = membership.world_port(wellknown.COORDINATOR_PORT, world_epoch) if in_place else wellknown.COORDINATOR_PORT
+    world = layout.WorldLayout.at(world_epoch, in_place=in_place)  # its ports; its size does not matter here
     for p in pods:
         status = p.get("status") or {}
         if (p.get("metadata") or {}).get("name") == name and status.get("podIP") \
                 and status.get("phase") in ("Pending", "Running"):
-            return coordinator_at(str(status["podIP"]), port)
+            return world.coordinator_at(str(status["podIP"]))
     return None
 
 
@@ -334,10 +303,11 @@ def sidecar_container(
     mounts.append(keys_mount())
     mounts += [copy.deepcopy(m) for m in extra_mounts or []]
     args += ["--termination-log", wellknown.TERMINATION_LOG]
+    world = world_layout(job, world_epoch)
     env = {
-        **pod_env(job, world_epoch, replica),
+        **world.env(replica),
         **wellknown.sidecar_env(
-            coordinator=coordinator_address(job, world_epoch), job_uid=job_uid, resume_step=resume_step,
+            coordinator=world.coordinator, job_uid=job_uid, resume_step=resume_step,
             table_version=table_version, config_checksum=config_checksum(job)),
         wellknown.METRICS_PORT_ENV: str(wellknown.METRICS_PORT),
         wellknown.KEYS_DIR_ENV: wellknown.KEYS_DIR,
@@ -362,7 +332,7 @@ def sidecar_container(
         # an in-place scale-up asks the world to drain only then (operator/lifecycle/inplace.py).
         "readinessProbe": {"exec": {"command": trainers_waiting(job)}, "periodSeconds": 1,
                            "timeoutSeconds": 1},
-        "securityContext": sidecar_security_context(job),
+        "securityContext": security.sidecar_security_context(job),
     }
     if settings.sidecar_mode == "native":
         container["restartPolicy"] = "Always"
@@ -376,101 +346,6 @@ def trainers_waiting(job: specs.JobSpec) -> list[str]:
     for f in files[1:]:
         command += ["-a", "-e", f]
     return command
-
-
-def sidecar_security_context(job: specs.JobSpec) -> dict[str, Any]:
-    """The Pod Security "restricted" profile for the loader.
-
-    It writes only its memory emptyDir, the termination log and the checkpoint
-    store, so its root file system is read-only. It runs as its image's user
-    (65532) or the pod's runAsUser: both containers share the ring's files, so
-    the sidecar takes no user of its own. runAsNonRoot is left out only when the
-    template runs the pod as root (runAsUser 0), where it would stop the
-    sidecar from starting (and such a pod is not "restricted" anyway).
-    """
-    pod_security = ((job.trainer.template.get("spec") or {}).get("securityContext")) or {}
-    context: dict[str, Any] = {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-    if pod_security.get("runAsUser") != 0:
-        context["runAsNonRoot"] = True
-    return context
-
-
-def _projects_a_token(volume: Mapping[str, Any]) -> bool:
-    sources = (volume.get("projected") or {}).get("sources") or []
-    return any(isinstance(s, Mapping) and "serviceAccountToken" in s for s in sources)
-
-
-def with_trainer_identity(sidecar: Mapping[str, Any], trainer: Mapping[str, Any],
-                          pod_volumes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The sidecar given the cloud identity the user wrote on the trainer container.
-
-    A job without data.storageOptionsSecret reads through the pod's identity. Where a
-    webhook supplies it (EKS IRSA and Pod Identity, Azure workload identity) it injects
-    its variables and token volume into every container of the pod at admission, the
-    sidecar included, since the sidecar is in the pod the operator creates; GKE workload
-    identity answers from the metadata server and needs nothing in the pod. But where the
-    user wrote the identity on the trainer (a cluster without the webhook; a key file from
-    a Secret), the loader, which reads the same table and writes the checkpoints, must get
-    the same, or it would read anonymously or through the node's role. So it gets:
-
-    - every `AWS_*`, `AZURE_*` and `GOOGLE_*` variable of the trainer that it does not set
-      itself, as written: a valueFrom stays a reference, nothing secret is read or copied;
-    - the trainer's mounts of a projected service-account token, and of the file or
-      directory such a variable names (AWS_WEB_IDENTITY_TOKEN_FILE,
-      GOOGLE_APPLICATION_CREDENTIALS, AZURE_FEDERATED_TOKEN_FILE, ...), unless the sidecar
-      already mounts something at that path.
-
-    envFrom is not copied: it brings whole ConfigMaps or Secrets, not only identity. A
-    copied variable also stops a webhook from injecting its own into the sidecar, exactly
-    as it does for the trainer, so both containers keep one identity.
-    """
-    env = [copy.deepcopy(dict(e)) for e in sidecar.get("env") or []]
-    own = {e.get("name") for e in env}
-    copied = [copy.deepcopy(dict(e)) for e in trainer.get("env") or []
-              if isinstance(e, Mapping) and str(e.get("name", "")).startswith(IDENTITY_ENV_PREFIXES)
-              and e.get("name") not in own]
-    paths = [str(e["value"]).rstrip("/") for e in copied if str(e.get("value", "")).startswith("/")]
-    tokens = {v.get("name") for v in pod_volumes if isinstance(v, Mapping) and _projects_a_token(v)}
-    mounts = [copy.deepcopy(dict(m)) for m in sidecar.get("volumeMounts") or []]
-    taken = {str(m.get("mountPath", "")).rstrip("/") for m in mounts}
-    for m in trainer.get("volumeMounts") or []:
-        path = str(m.get("mountPath", "")).rstrip("/")
-        wanted = m.get("name") in tokens or any(p == path or p.startswith(path + "/") for p in paths)
-        if path and wanted and path not in taken:
-            mounts.append({k: m[k] for k in ("name", "mountPath", "subPath", "readOnly") if k in m})
-            taken.add(path)
-    return {**copy.deepcopy(dict(sidecar)), "env": env + copied, "volumeMounts": mounts}
-
-
-def pod_security_context(template_context: Mapping[str, Any]) -> dict[str, Any]:
-    """The pod's securityContext: the template's, with fsGroup 65532 where it sets none.
-
-    The sidecar runs as the pod's user or its image's (65532) and must read the projected
-    service-account token that a job without storageOptionsSecret reads through (IRSA's
-    aws-iam-token, Azure's azure-identity-token, or the template's own). The kubelet
-    writes that file with the volume's defaultMode (0644 unless it asks for less), but
-    0600 when the pod has fsGroup or one runAsUser for every container (then owned by that
-    user), and with fsGroup it makes the file group-readable (0640) by fsGroup, a group
-    every container of the pod has. Without fsGroup a strict defaultMode (0400, 0600), or
-    a kubelet before 1.19 (always 0600, root's), leaves uid 65532 unable to read it. The
-    template's own fsGroup is kept: its group reads the token just as well.
-
-    fsGroupChangePolicy OnRootMismatch (unless the template sets a policy) spares a large
-    persistent volume the recursive ownership walk at every world's start; the kubelet
-    ignores it for token, Secret, ConfigMap and emptyDir volumes, which it sets up
-    group-owned every time (a refreshed token too).
-    """
-    context = copy.deepcopy(dict(template_context))
-    if context.get("fsGroup") is None:
-        context["fsGroup"] = LOADER_GROUP
-        if context.get("fsGroupChangePolicy") is None:
-            context["fsGroupChangePolicy"] = "OnRootMismatch"
-    return context
 
 
 def network_policy(job: specs.JobSpec, owner: Owner, settings: policies.NetworkPolicy) -> dict[str, Any]:
@@ -559,7 +434,7 @@ def pod(
             ]
     if any(v.get("name") == wellknown.VOLUME_TRANSFORMS for v in spec.get("volumes") or []):
         shared = shared + [{"name": wellknown.VOLUME_TRANSFORMS, "mountPath": wellknown.TRANSFORMS_DIR, "readOnly": True}]
-    sidecar = with_trainer_identity(
+    sidecar = security.with_trainer_identity(
         sidecar_container(job, world_epoch, replica, settings, shared, resume_step, owner.uid, table_version),
         trainer, spec.get("volumes") or [])
     if settings.sidecar_mode == "native":
@@ -573,7 +448,7 @@ def pod(
     # serviceAccountName and automountServiceAccountToken stay the template's: the pod's
     # identity (IRSA, workload identity) is the job's way to read without a storage Secret.
     if isinstance(spec.get("securityContext") or {}, Mapping):
-        spec["securityContext"] = pod_security_context(spec.get("securityContext") or {})
+        spec["securityContext"] = security.pod_security_context(spec.get("securityContext") or {})
     # A world is replaced as a whole: a failed pod must show as Failed, not loop in place.
     spec.setdefault("restartPolicy", "Never")
     return {

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from splitfeed.trainer_client.contract import wellknown, errors, membership, specs
+from splitfeed.trainer_client.contract import wellknown, errors, layout, specs
 
 API_VERSION = "networking.k8s.io/v1"
 KIND = "NetworkPolicy"
@@ -147,9 +147,9 @@ def _ip_block(raw: Any, field: str) -> None:
 
 def coordinator_ports(job: specs.JobSpec) -> list[int]:
     """Every port a world of the job may bind its coordinator on: one, or the two that in-place
-    worlds alternate between (trainer_client.membership.world_port)."""
-    return sorted({membership.world_port(wellknown.COORDINATOR_PORT, epoch) if job.in_place
-                   else wellknown.COORDINATOR_PORT for epoch in (0, 1)})
+    worlds alternate between (layout.WorldLayout.alternating)."""
+    first = layout.WorldLayout.at(0, in_place=job.in_place)
+    return sorted({w.coordinator_port for w in first.alternating() if w.coordinator_port is not None})
 
 
 def metrics_ports(job: specs.JobSpec) -> list[int]:

@@ -8,7 +8,7 @@ import queue
 import time
 from collections.abc import Callable, Collection
 
-from splitfeed.trainer_client.contract import wellknown, errors, messages, topology
+from splitfeed.trainer_client.contract import wellknown, errors, messages, topology, versions
 from splitfeed.trainer_client.transport import ring
 from splitfeed.trainer_client.contract.messages import Bye, Checkpoint, Commit, Drain, Error, Hello, Wake
 
@@ -63,7 +63,7 @@ class Session:
 def _versions_note(trainer_package: str) -> str:
     """The trainer's splitfeed version where it is not the sidecar's (the protocol is the same,
     or decode had refused the hello): worth a word in the log, not a refusal."""
-    own = messages.package_version()
+    own = versions.package_version()
     if trainer_package == own:
         return ""
     said = f"splitfeed {trainer_package}" if trainer_package else "a splitfeed that does not say its version"
@@ -184,7 +184,7 @@ class Answers:
             instance=self._instance, rank=session.rank, world_size=self._world_size, ctl=str(control.path),
             resume_step=session.resume_step, next_step=wanted, total_steps=session.total_steps,
             steps_per_epoch=self._steps_per_epoch,
-            package=messages.package_version() if message.package else "", **self._data_parallel(session.rank)))
+            package=versions.package_version() if message.package else "", **self._data_parallel(session.rank)))
 
     def _data_parallel(self, rank: int) -> dict[str, int]:
         """What a welcome says of model-parallel groups: nothing in a plain job (Welcome.data_rank)."""

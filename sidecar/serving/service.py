@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from splitfeed.trainer_client.contract import wellknown, errors, messages, topology
+from splitfeed.trainer_client.contract import wellknown, errors, messages, topology, versions
 from splitfeed.trainer_client.transport import ring
 from splitfeed.trainer_client.contract.messages import Error, Hello
 
@@ -352,8 +352,8 @@ def refuse_version(sock: zmq.Socket[Any], complain: Callable[[bytes, str], None]
     reads whatever its version (messages, "Versions"), and one line in the log (at most one a
     second, however often it is said). A version no peer has gets a plain protocol error."""
     assert exc.peer_protocol is not None
-    text = messages.mismatch(trainer=(exc.peer_protocol, exc.peer_package),
-                             sidecar=(messages.PROTOCOL_VERSION, messages.package_version()))
+    text = versions.mismatch(trainer=(exc.peer_protocol, exc.peer_package),
+                             sidecar=(messages.PROTOCOL_VERSION, versions.package_version()))
     frame = messages.refusal(exc.peer_protocol, text)
     complain(peer, f"is refused: {text}" if frame is not None else f"sent a bad message: {exc}")
     if frame is None:

@@ -86,11 +86,11 @@ absent = [m for m in {NOT_FOR_THE_CLIENT!r} if importlib.util.find_spec(m) is no
 assert not absent, f"not a client-only venv: {{absent}} installed"
 import splitfeed.trainer_client
 from splitfeed.trainer_client import StreamClient
-from splitfeed.trainer_client.contract import messages
+from splitfeed.trainer_client.contract import versions
 for module in pkgutil.walk_packages(splitfeed.trainer_client.__path__, "splitfeed.trainer_client."):
     if not module.name.startswith("splitfeed.trainer_client.integrations."):  # each needs its framework
         importlib.import_module(module.name)
-print(messages.package_version(), StreamClient.__name__)
+print(versions.package_version(), StreamClient.__name__)
 """
     done = run([str(client_venv / "python"), "-c", script], cwd=client_venv)
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from splitfeed.operator.objects import admission, planning
+from splitfeed.operator.objects import admission, planning, security
 from splitfeed.trainer_client.contract import wellknown, specs
 from tests.operator import pss
 from tests.support.builders import OWNER, manifest
@@ -461,8 +461,8 @@ def can_read(pod, container, path):
     spec = pod["spec"]
     pod_sc = spec.get("securityContext") or {}
     sc = container.get("securityContext") or {}
-    uid = sc.get("runAsUser", pod_sc.get("runAsUser", planning.LOADER_GROUP))
-    groups = {sc.get("runAsGroup", pod_sc.get("runAsGroup", planning.LOADER_GROUP)),
+    uid = sc.get("runAsUser", pod_sc.get("runAsUser", security.LOADER_GROUP))
+    groups = {sc.get("runAsGroup", pod_sc.get("runAsGroup", security.LOADER_GROUP)),
               *([pod_sc["fsGroup"]] if "fsGroup" in pod_sc else []), *(pod_sc.get("supplementalGroups") or [])}
     mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
     owner, group, mode = token_file(pod, mount["name"])
@@ -616,7 +616,7 @@ def test_the_sidecar_keeps_its_own_variables_and_mount_paths_over_the_trainers()
                                  "readOnly": True, "mountPropagation": "None"},
                                 {"name": "scratch", "mountPath": "/scratch"}]}
     before = copy.deepcopy((sidecar, trainer))
-    out = planning.with_trainer_identity(sidecar, trainer, [])
+    out = security.with_trainer_identity(sidecar, trainer, [])
     assert (sidecar, trainer) == before  # pure
     assert out["env"] == [{"name": "AWS_REGION", "value": "ours"}, trainer["env"][1], trainer["env"][2],
                           trainer["env"][3]]
@@ -626,7 +626,7 @@ def test_the_sidecar_keeps_its_own_variables_and_mount_paths_over_the_trainers()
     assert "envFrom" not in out
     token_volume = {"name": "scratch", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}
     assert {"name": "scratch", "mountPath": "/scratch"} in \
-        planning.with_trainer_identity(sidecar, trainer, [token_volume])["volumeMounts"]
+        security.with_trainer_identity(sidecar, trainer, [token_volume])["volumeMounts"]
 
 
 # --- the credentials examples (docs/credentials.md) -------------------------------------------

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from splitfeed.trainer_client.contract import errors, messages
+from splitfeed.trainer_client.contract import errors, messages, versions
 from splitfeed.trainer_client.script.client import StreamClient
 from tests.streaming.harness import manifest, reference_batches
 
-OURS = messages.package_version()
+OURS = versions.package_version()
 TODAYS_HELLO = b'{"v":1,"type":"hello","local_rank":0,"pid":1,"next_step":null}'
 """The hello of a splitfeed whose hello did not say its version yet (the same protocol, 1)."""
 TODAYS_WELCOME_FIELDS = {"v", "type", "instance", "rank", "world_size", "ctl", "resume_step", "next_step",

@@ -21,6 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import wellknown, messages
+# The port arithmetic of in-place worlds lives with the world's value (layout.WorldLayout); it is
+# named here too for the callers that still do it by hand (sidecar/main.py, local/running.py).
+from .layout import WORLD_PORT_STRIDE as WORLD_PORT_STRIDE, base_port as base_port
+from .layout import next_port as next_port, world_port as world_port
 
 FILE = "world.json"
 
@@ -36,30 +40,12 @@ LOST = "lost"
 """World `epoch` lost member pods and ended without a drain: its trainers stop at once (their
 peers are gone) and a next world follows in place from the newest complete checkpoint."""
 
-WORLD_PORT_STRIDE = 10
-"""Consecutive worlds of an in-place job rendezvous on ports this far apart (MASTER_PORT,
-the coordinator's): a rank of world e+1 can never reach a store or coordinator that world
-e still holds open, and world e+2 reuses e's ports, long closed by then."""
-
-
-def world_port(base: int, epoch: int) -> int:
-    """The port of world `epoch` for a job whose even worlds use `base`."""
-    return base + WORLD_PORT_STRIDE * (epoch % 2)
-
-
-def base_port(port: int, epoch: int) -> int:
-    """The even worlds' port of a job whose world `epoch` uses `port` (world_port's inverse)."""
-    return port - WORLD_PORT_STRIDE * (epoch % 2)
-
-
-def next_port(port: int, epoch: int) -> int:
-    """World `epoch + 1`'s port, from world `epoch`'s (the inverse step of world_port)."""
-    return port + WORLD_PORT_STRIDE if epoch % 2 == 0 else port - WORLD_PORT_STRIDE
-
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """One world as this pod sees it (docs/pod-contract.md, "world.json")."""
+    """One world as this pod sees it (docs/pod-contract.md, "world.json"): its state and this
+    pod's rank in it, what the sidecar tells its trainer. The world's own shape, the same for
+    every pod, is a `layout.WorldLayout`."""
 
     epoch: int
     state: str

@@ -26,7 +26,8 @@ versions end their conversation at once with one error that names both: the enve
 (`v`, `type`), the `error` message's fields (`code`, `message`, `fatal`), and the name of
 the `package` field. A side that receives a frame of another version knows the peer's
 version from it (`decode` raises VersionMismatch), and the sidecar answers it with a
-fatal error in the *sender's* version (`refusal`), which the sender reads as its own.
+fatal error in the *sender's* version (`refusal`), which the sender reads as its own; the
+package version and the text that names both sides' are `versions`.
 
 `decode` validates everything a peer controls: the frame's size, the protocol
 version, the type, that every field is present with its declared type (a bool
@@ -40,7 +41,6 @@ class (`match message: case Hello(): ...`), never on a type string.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import types
 import typing
@@ -51,7 +51,6 @@ from .errors import ProtocolError, VersionMismatch
 
 PROTOCOL_VERSION = 1
 """The wire protocol's version: every frame's `v`; `splitfeed --version` prints it."""
-DISTRIBUTION = "splitfeed"
 VERSION_MISMATCH = "version"
 """Error.code of a refusal of a frame of another protocol version (`refusal`): fatal."""
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -133,7 +132,7 @@ def _wire(kind: str) -> typing.Callable[[type[M]], type[M]]:
 @dataclasses.dataclass(frozen=True)
 class Hello(Message):
     """A trainer (re)connects; `next_step` None: a new process, continue where the world is.
-    `package`: the trainer's splitfeed version (package_version); "" from a splitfeed whose
+    `package`: the trainer's splitfeed version (versions.package_version); "" from a splitfeed whose
     hello did not say it yet."""
 
     local_rank: int
@@ -499,34 +498,6 @@ def refusal(peer_protocol: int, text: str) -> bytes | None:
         return None
     return json.dumps({"v": peer_protocol, "type": "error", "code": VERSION_MISMATCH,
                        "message": text, "fatal": True}, separators=(",", ":")).encode()
-
-
-@functools.cache
-def package_version() -> str:
-    """This process's splitfeed version, from the installed distribution's metadata (read once)."""
-    from importlib import metadata  # not at import: the trainer's import stays lean
-
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:  # the sources on sys.path without an install
-        return "unknown"
-
-
-def version_line() -> str:
-    """What `splitfeed --version` prints: the package and the wire protocol."""
-    return f"splitfeed {package_version()} (wire protocol {PROTOCOL_VERSION})"
-
-
-def mismatch(*, trainer: tuple[int, str], sidecar: tuple[int, str]) -> str:
-    """The one text a version mismatch is told in: each side's (protocol, package) and the fix."""
-
-    def side(name: str, protocol: int, package: str) -> str:
-        return (f"{name} speaks wire protocol {protocol} "
-                f"({f'splitfeed {package}' if package else 'a splitfeed too old to say its version'})")
-
-    return (f"{side('the trainer', *trainer)} and {side('its sidecar', *sidecar)}: install the same "
-            "splitfeed version in the trainer image as in the sidecar image "
-            "(`splitfeed --version` in each prints both numbers)")
 
 
 def _validate(kind: str, schema: Mapping[str, tuple[type, ...]], fields: Mapping[str, Any],

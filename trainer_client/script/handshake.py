@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from ..contract import wellknown, membership, messages
+from ..contract import wellknown, membership, messages, versions
 from ..transport.channel import Channel
 from ..transport import ring
 from ..contract.errors import SidecarUnavailable, VersionMismatch
@@ -22,7 +22,7 @@ decode refuses a field it does not know): the same protocol version, but an olde
 def older_sidecar(refusal: str) -> str:
     """The sidecar refused this trainer's hello for the `package` field it does not know."""
     return (f"the sidecar refused this trainer's hello ({refusal}): it runs a splitfeed older than "
-            f"this trainer's splitfeed {messages.package_version()} (wire protocol "
+            f"this trainer's splitfeed {versions.package_version()} (wire protocol "
             f"{messages.PROTOCOL_VERSION}), one whose hello did not say its version yet; install the "
             "same splitfeed version in the trainer image as in the sidecar image "
             "(`splitfeed --version` in each prints both numbers)")
@@ -49,7 +49,7 @@ class Session:
 
     def say_hello(self) -> None:
         self._channel.send(messages.Hello(local_rank=self._local_rank, pid=os.getpid(),
-                                          next_step=self.next_step, package=messages.package_version()))
+                                          next_step=self.next_step, package=versions.package_version()))
 
     def hello(self, stale: str | None = None) -> messages.Welcome:
         """Send hello until a welcome arrives; the sidecar may be (re)starting. A welcome from
@@ -93,13 +93,13 @@ class Session:
                 raise SidecarUnavailable(
                     f"the sidecar at {self._dir} went away during the handshake") from None
             except ValueError as exc:  # a control block of another layout: another splitfeed
-                versions = messages.mismatch(trainer=(messages.PROTOCOL_VERSION, messages.package_version()),
-                                             sidecar=(messages.PROTOCOL_VERSION, message.package))
-                raise VersionMismatch(f"{exc}: {versions}") from None
-            if message.package != messages.package_version():
+                told = versions.mismatch(trainer=(messages.PROTOCOL_VERSION, versions.package_version()),
+                                         sidecar=(messages.PROTOCOL_VERSION, message.package))
+                raise VersionMismatch(f"{exc}: {told}") from None
+            if message.package != versions.package_version():
                 log.info("the sidecar runs %s, this trainer splitfeed %s (the same wire protocol %d)",
                          f"splitfeed {message.package}" if message.package else "a splitfeed that does not say its version",
-                         messages.package_version(), messages.PROTOCOL_VERSION)
+                         versions.package_version(), messages.PROTOCOL_VERSION)
             self.instance = message.instance
             self.control = opened = control  # the old one is unmapped with its last batch (they reference it)
         self.world_size = message.world_size

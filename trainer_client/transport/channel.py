@@ -14,7 +14,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import zmq
 
-from ..contract import messages
+from ..contract import messages, versions
 from ..contract.errors import CheckpointError, NotWelcomed, ProtocolError, SidecarFailed, VersionMismatch, WorldLost
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ Context: TypeAlias = "zmq.Context[Any]"
 def sidecar_mismatch(exc: VersionMismatch) -> str:
     """The sidecar's frame is of another protocol version (`exc`, from decode): say both."""
     assert exc.peer_protocol is not None
-    return messages.mismatch(trainer=(messages.PROTOCOL_VERSION, messages.package_version()),
+    return versions.mismatch(trainer=(messages.PROTOCOL_VERSION, versions.package_version()),
                              sidecar=(exc.peer_protocol, exc.peer_package))
 
 

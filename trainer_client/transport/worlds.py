@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def request_drain(address: str, token: str, reason: str, timeout_s: float = 1.0,
                   context: zmq.Context[Any] | None = None, not_before: int = 0,
                   replicas: int = 0, lost: list[int] | None = None, keys: Keypair | None = None) -> str | None:
-    """Ask the coordinator at `address` (planning.coordinator_at) to drain; its `drain_ack` state, or None without an answer.
+    """Ask the coordinator at `address` (layout.WorldLayout.coordinator_at) to drain; its `drain_ack` state, or None without an answer.
 
     A fresh DEALER per call with LINGER 0: nothing is left queued for a
     coordinator that is gone, and no socket outlives the call. The coordinator
