@@ -1,4 +1,4 @@
-"""The sidecar layer's subcommands: `plan`, `sidecar` and `local`.
+"""The sidecar layer's subcommands: `plan` and `sidecar` (`splitfeed local` is local/commands.py's).
 
 Each function configures its argparse sub-parser (see trainer_client/cli.py);
 heavy imports happen only when the command runs, so `splitfeed --help` stays fast.
@@ -231,34 +231,3 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 # -- local ---------------------------------------------------------------------
-
-
-def local(add_parser: AddParser, name: str) -> None:
-    cli.require_extra(EXTRA, *SERVING, "yaml", "tqdm")
-    p = add_parser(name, help="run a StreamingJob's ranks as local processes")
-    p.add_argument("-f", "--file", required=True, help=MANIFEST_HELP)
-    p.add_argument("--replicas", type=int, help="override spec.replicas")
-    p.add_argument("--resume", choices=wellknown.RESUMES, default=wellknown.RESUME_LATEST)
-    p.add_argument("--storage-options-dir", type=Path, help=STORAGE_OPTIONS_HELP)
-    p.add_argument("--quiet", action="store_true", help="no progress display")
-    p.add_argument("--scale-at", action="append", default=[], metavar="STEP:REPLICAS",
-                   help="rescale live once global step STEP is reached (repeatable)")
-    p.add_argument("--rescale", choices=specs.RESCALES, default=specs.RECREATE,
-                   help="how a rescale changes the world: new processes for every replica (recreate), "
-                        "or the ones that stay keep running (inPlace; trainers run under `splitfeed run`)")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="-- CMD ARGS... (default: the trainer container's command)")
-    p.set_defaults(func=_local)
-
-
-def _local(args: argparse.Namespace) -> int:
-    from splitfeed.local import running as launching
-
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    job = parse_job_file(args.file, args.replicas)
-    scale_at = [launching.parse_scale_at(text) for text in args.scale_at]
-    return launching.run(job, command=command or None, resume=args.resume,
-                         storage_options_dir=args.storage_options_dir, progress=not args.quiet,
-                         scale_at=scale_at, in_place=args.rescale == specs.IN_PLACE)

@@ -6,7 +6,6 @@ package a training script imports.
 
 from typing import TYPE_CHECKING, Any
 
-from .contract import membership  # the README's way to the world: `membership.init_process_group`
 from .contract.errors import (
     CheckpointError,
     ProtocolError,
@@ -25,8 +24,10 @@ __all__ = [
     "SidecarUnavailable",
     "SplitfeedError",
     "UserError",
-    "membership",
+    "init_process_group",
 ]
+
+from .script.groups import init_process_group  # torch on first call only
 
 if TYPE_CHECKING:
     from .script.client import Batch, StreamClient

@@ -34,9 +34,9 @@ def _all_reduce(client: StreamClient) -> Callable[[], None]:
     import torch
     import torch.distributed as dist
 
-    from splitfeed.trainer_client.contract import membership
+    from splitfeed.trainer_client import init_process_group
 
-    membership.init_process_group(client.world, "gloo")
+    init_process_group(client.world, "gloo")
     atexit.register(dist.destroy_process_group)  # a live gloo group aborts the interpreter's exit
     one = torch.zeros(1)
     return lambda: dist.all_reduce(one)

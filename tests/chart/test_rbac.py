@@ -132,7 +132,7 @@ async def test_the_recording_holds_kopfs_watch_and_the_operators_pod_deletes(rec
 
 
 def needed(recorded: set[Grant]) -> set[Grant]:
-    found = client_calls(ROOT / "operator" / "kube.py") | recorded
+    found = client_calls(ROOT / "operator" / "cluster" / "kube.py") | recorded
     owner_ref = next(o for o in planning.world(specs.parse_job(manifest()), 0, OWNER, planning.Settings())
                      if o["kind"] == "Pod")["metadata"]["ownerReferences"][0]
     if owner_ref.get("blockOwnerDeletion"):
@@ -203,7 +203,7 @@ def test_without_network_policies_the_chart_grants_nothing_on_them(recorded, clu
 
 
 def test_the_static_reading_of_kube_py_sees_every_call():
-    calls = client_calls(ROOT / "operator" / "kube.py")
+    calls = client_calls(ROOT / "operator" / "cluster" / "kube.py")
     assert ("", "pods", "create") in calls and (wellknown.GROUP, "streamingjobs/status", "patch") in calls
     assert ("coordination.k8s.io", "leases", "update") in calls
     assert ("authorization.k8s.io", "subjectaccessreviews", "create") in calls

@@ -82,9 +82,7 @@ import torch._dynamo  # noqa: E402,F401 - DDP's constructor imports it lazily (R
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from splitfeed.trainer_client.contract import membership
-from splitfeed.trainer_client.script.client import StreamClient
-from splitfeed.trainer_client.contract.errors import CheckpointError
+from splitfeed.trainer_client import CheckpointError, StreamClient, init_process_group
 
 CLASSES = 10  # the test table's labels are id % 10
 
@@ -127,7 +125,7 @@ def main() -> int:
     client = StreamClient(timeout_s=args.timeout_s)
     connected = time.time()
     if args.in_place:  # every world's group on a store of its own (README, "Rescaling in place")
-        membership.init_process_group(client.world, "gloo", timeout_s=args.timeout_s)
+        init_process_group(client.world, "gloo", timeout_s=args.timeout_s)
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     startup = {"imports": imported - STARTED, "client": connected - imported, "rendezvous": time.time() - connected}
@@ -150,7 +148,7 @@ def main() -> int:
             break
         dist.destroy_process_group()
         joined = time.time()
-        membership.init_process_group(world, "gloo", timeout_s=args.timeout_s)  # a store of its own
+        init_process_group(world, "gloo", timeout_s=args.timeout_s)  # a store of its own
         startup = {"rejoin": joined - began, "rendezvous": time.time() - joined}
     if not args.no_close:
         client.close()

@@ -152,13 +152,13 @@ async def test_closing_the_client_closes_its_connections():
 
 def test_no_client_method_is_called_around_the_timeout():
     """Every API call goes through Kube._call, which sets _request_timeout."""
-    tree = ast.parse((ROOT / "operator" / "kube.py").read_text())
+    tree = ast.parse((ROOT / "operator" / "cluster" / "kube.py").read_text())
     direct = [ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)
               and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Attribute)
               and isinstance(node.func.value.value, ast.Name) and node.func.value.value.id == "self"
               and node.func.value.attr in ("core", "custom", "policy", "authorization", "coordination")]
     assert direct == []
-    assert "_request_timeout=self.timeout" in (ROOT / "operator" / "kube.py").read_text()
+    assert "_request_timeout=self.timeout" in (ROOT / "operator" / "cluster" / "kube.py").read_text()
 
 
 @pytest.mark.asyncio
@@ -508,7 +508,7 @@ async def test_deletes_name_the_uid_that_was_seen():
 
 
 def test_decide_runs_off_the_event_loop():
-    src = (ROOT / "operator" / "reconciling.py").read_text()
+    src = (ROOT / "operator" / "cluster" / "reconciling.py").read_text()
     assert "asyncio.to_thread(_decide_now" in src
     assert datetime.timedelta  # keep the import honest
 

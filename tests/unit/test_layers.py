@@ -3,6 +3,7 @@ the tests' own rule (docs/testing.md): no test module imports another."""
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import types
@@ -74,6 +75,13 @@ def test_no_test_module_imports_another():
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
+PACKAGES = ("trainer_client", "sidecar", "operator", "local")
+
+
+def product_modules() -> list[Path]:
+    return [path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))]
+
+
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 60, 200
 """Rooms a newcomer can hold (issue 23): counted from `def`/`class` to the last line, decorators not."""
 
@@ -89,9 +97,7 @@ def oversized(source: str, where: str) -> list[str]:
 
 
 def test_no_function_over_60_lines_and_no_class_over_200_in_the_product():
-    found = [line for package in ("operator", "sidecar", "trainer_client", "local")
-             for path in sorted((ROOT / package).rglob("*.py"))
-             for line in oversized(path.read_text(), str(path.relative_to(ROOT)))]
+    found = [line for path in product_modules() for line in oversized(path.read_text(), str(path.relative_to(ROOT)))]
     assert found == []
 
 
@@ -99,3 +105,113 @@ def test_the_size_check_counts_what_it_says():
     body = "\n".join(f"    x{i} = {i}" for i in range(60))
     assert oversized(f"def f():\n{body}\n", "m.py") == ["m.py: f is 61 lines (at most 60)"]
     assert oversized(f"def f():\n{body[:body.rindex(chr(10))]}\n", "m.py") == []
+
+
+MAX_MODULE_LINES, MAX_MODULE_DEFINITIONS, MAX_FOLDER_MODULES = 600, 35, 12
+"""A module a reader can hold whole, and a floor they can scan (issue 36): lines of the file,
+functions and classes in the module's body, modules side by side in one folder."""
+
+
+def overfull(source: str, where: str) -> list[str]:
+    tree = ast.parse(source)
+    definitions = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for n in tree.body)
+    lines = len(source.splitlines())
+    return ([f"{where} is {lines} lines (at most {MAX_MODULE_LINES})"] if lines > MAX_MODULE_LINES else []) + (
+        [f"{where} defines {definitions} functions and classes (at most {MAX_MODULE_DEFINITIONS})"]
+        if definitions > MAX_MODULE_DEFINITIONS else [])
+
+
+def test_no_module_over_600_lines_or_35_definitions_in_the_product():
+    found = [line for path in product_modules() for line in overfull(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == []
+
+
+def test_the_module_check_counts_what_it_says():
+    defs = "".join(f"def f{i}():\n    pass\n" for i in range(35))
+    assert overfull(defs, "m.py") == []
+    assert overfull(defs + "class C:\n    pass\n", "m.py") == ["m.py defines 36 functions and classes (at most 35)"]
+    assert overfull("x = 1\n" * 601, "m.py") == ["m.py is 601 lines (at most 600)"]
+
+
+def test_no_folder_holds_more_than_12_modules_side_by_side():
+    folders = {path.parent for path in product_modules()}
+    crowded = {str(f.relative_to(ROOT)): n for f in folders
+               if (n := sum(1 for m in f.glob("*.py") if m.name != "__init__.py")) > MAX_FOLDER_MODULES}
+    assert crowded == {}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_counting_type_checking_imports():
+    """grimp (import-linter's graph) records imports under `if TYPE_CHECKING:` as imports too: a
+    cycle that only typing closes is still two modules that cannot be read one before the other."""
+    assert import_cycles(module_graph("splitfeed", VIEW)) == []
+
+
+def module_graph(package: str, path: Path) -> dict[str, set[str]]:
+    """Each module of `package` (found under `path`) and the package's modules it imports, as grimp reads them."""
+    import grimp
+
+    sys.path.insert(0, str(path))
+    try:
+        graph = grimp.build_graph(package, include_external_packages=False)
+    finally:
+        sys.path.remove(str(path))
+    return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+
+
+def test_the_cycle_check_finds_a_cycle_that_only_typing_closes(tmp_path):
+    (tmp_path / "typed").mkdir()
+    (tmp_path / "typed" / "__init__.py").write_text("")
+    (tmp_path / "typed" / "a.py").write_text("from . import b\n")
+    (tmp_path / "typed" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    (tmp_path / "typed" / "c.py").write_text("from . import a\n")
+    assert import_cycles(module_graph("typed", tmp_path)) == [["typed.a", "typed.b"]]
+    (tmp_path / "typed" / "b.py").write_text("")
+    assert import_cycles(module_graph("typed", tmp_path)) == []
+
+
+def drawn_floors() -> dict[str, set[str]]:
+    """docs/architecture.md's floors table: folder -> the modules its row names."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Layers"):]
+    section = section[:section.index("\n## ", 1)]
+    floors = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`") and cells[0].endswith("/`"):
+            floors[cells[0].strip("`").rstrip("/")] = set(re.findall(r"`(\w+)`", cells[1]))
+    return floors
+
+
+def test_the_architecture_draws_every_floor_with_its_modules():
+    folders = {str(path.parent.relative_to(ROOT)) for path in product_modules()}
+    actual = {folder: {m.stem for m in (ROOT / folder).glob("*.py") if m.name != "__init__.py"}
+              for folder in folders}
+    assert drawn_floors() == actual

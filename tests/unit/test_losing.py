@@ -99,7 +99,7 @@ SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
 from splitfeed.trainer_client.script import failures
-from splitfeed.trainer_client import membership
+from splitfeed.trainer_client.contract import membership
 d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
 epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
 if os.environ.get("HOW") == "launcher":  # torchrun's part: a worker process has the client
@@ -215,7 +215,7 @@ def test_the_next_worlds_interpreter_imports_once_the_script_said_hello(tmp_path
     membership.write(tmp_path, membership.World(0, membership.SERVING, 0, 2, 2, "h", 29500))
     script = tmp_path / "train.py"
     script.write_text("import os, sys, time\nfrom pathlib import Path\n"
-                      "from splitfeed.trainer_client import membership\n"
+                      "from splitfeed.trainer_client.contract import membership\n"
                       "time.sleep(0.5)\nmembership.mark_waiting(Path(sys.argv[1]), 0)  # what hello() does\n"
                       "time.sleep(2)\n")
     membership.mark_waiting(tmp_path, 0)  # the run before said hello long ago: not this run's

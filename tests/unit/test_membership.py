@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from splitfeed.trainer_client.contract import wellknown, membership
+from splitfeed.trainer_client.script import groups
 
 
 def world(epoch: int, state: str = membership.SERVING, size: int = 4, port: int = 29500) -> membership.World:
@@ -74,7 +75,7 @@ def test_a_trainer_of_a_world_that_changes_waits_for_the_next_one(tmp_path):
 SCRIPT = """
 import json, os, sys
 from pathlib import Path
-from splitfeed.trainer_client import membership
+from splitfeed.trainer_client.contract import membership
 d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
 with open(d / "runs.jsonl", "a") as f:
     f.write(json.dumps({k: os.environ[k] for k in ("WORLD_SIZE", "MASTER_PORT", "SPLITFEED_WORLD_EPOCH")}) + "\\n")
@@ -128,7 +129,7 @@ def test_the_agent_ends_with_the_scripts_failure_and_a_left_pod_ends_cleanly(tmp
 WARM_SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
-from splitfeed.trainer_client import membership
+from splitfeed.trainer_client.contract import membership
 d = Path(os.environ["SPLITFEED_SOCKET_DIR"])
 epoch = int(os.environ["SPLITFEED_WORLD_EPOCH"])
 started = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
@@ -228,7 +229,7 @@ def test_a_script_the_agent_runs_starts_with_torch_frozen_and_its_own_objects_ar
 
 
 def test_a_rank_waits_for_rank_0s_store_to_listen_then_connects_at_once_and_gives_up_at_its_timeout():
-    """TCPStore's own retry connected 0.15-0.68 s after its server was up (membership._wait_listening)."""
+    """TCPStore's own retry connected 0.15-0.68 s after its server was up (groups._wait_listening)."""
     import socket
 
     server = socket.socket()
@@ -244,11 +245,11 @@ def test_a_rank_waits_for_rank_0s_store_to_listen_then_connects_at_once_and_give
     opener = threading.Thread(target=listen_late)
     opener.start()
     try:
-        membership._wait_listening("127.0.0.1", port, timeout_s=30)
+        groups._wait_listening("127.0.0.1", port, timeout_s=30)
         assert listening.is_set()  # it returned once the port took connections, not before
     finally:
         opener.join()
         server.close()
     started = time.monotonic()
-    membership._wait_listening("127.0.0.1", port, timeout_s=0.2)  # nothing listens: TCPStore says so
+    groups._wait_listening("127.0.0.1", port, timeout_s=0.2)  # nothing listens: TCPStore says so
     assert time.monotonic() - started < 5

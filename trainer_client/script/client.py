@@ -207,7 +207,7 @@ class StreamClient(adapting.Adapting):
     @property
     def world(self) -> membership.World:
         """The world this process trains in, from its environment (which `rejoin` updates):
-        what `membership.init_process_group` makes the process group of."""
+        what `groups.init_process_group` makes the process group of."""
         return self._session.world()
 
     def rejoin(self, timeout_s: float = 300.0, *, failed: bool = False) -> membership.World | None:
