@@ -23,7 +23,7 @@ from typing import Any
 from splitfeed.trainer_client.contract import wellknown, errors, membership, messages, specs, topology
 from splitfeed.trainer_client.transport import keys, stranded
 
-from .world import agreement, checkpoints, commitments, identity
+from .world import agreement, checkpoints, commitments, identity, wire
 from .data import cgroups, plans, positions, reading
 from .serving import ending, metrics, service
 from .forks import forking, planner, workers
@@ -393,7 +393,7 @@ class Sidecar:
     failure: str | None
     permanent: bool = False
     """The failure is a DataError: the same data fails the same way in any world."""
-    coordinator: agreement.CoordinatorThread | None = None
+    coordinator: wire.CoordinatorThread | None = None
     """Replica 0's: the world's coordinator, alive as long as this sidecar."""
     table_version: int | None = None
     """The table version every worker of this world reads."""
@@ -418,7 +418,7 @@ class Carried:
     builder: planner.Planner | None
     plan: plans.Source | None
     metrics: metrics.SidecarMetrics | None
-    coordinator: agreement.CoordinatorThread | None
+    coordinator: wire.CoordinatorThread | None
     data: specs.DataSpec | None
     rows: int
     steps_per_epoch: int
@@ -453,8 +453,8 @@ class _Opening:
     steps_per_epoch: int = 1
     stores: list[checkpoints.Store] = dataclasses.field(default_factory=list)
     expect: dict[str, Any] = dataclasses.field(default_factory=dict)
-    coordinator: agreement.CoordinatorThread | None = None
-    member: agreement.Member | None = None
+    coordinator: wire.CoordinatorThread | None = None
+    member: wire.Member | None = None
     start_step: int = 0
     member_version: int | None = None
     """The table version the coordinator told this member to read."""
@@ -566,7 +566,7 @@ def _start_coordinator(o: _Opening, bind: str) -> str:
                  if o.data.drops_rows else None)
     before = o.carried.coordinator if o.carried is not None else None
     assert o.keypair is not None
-    o.coordinator = agreement.CoordinatorThread(
+    o.coordinator = wire.CoordinatorThread(
         agreement.Coordinator(replicas=replicas_of(o.settings), total_steps=o.total_steps,
                               resume_step=resume_step, table_version=int(o.data.version),
                               watermark=watermark, world_epoch=o.settings.world_epoch,
@@ -581,7 +581,7 @@ def _start_coordinator(o: _Opening, bind: str) -> str:
 def _join(o: _Opening, address: str, replica: int, instance: str) -> None:
     """Join the world's coordinator: its resume step, table version and size win."""
     assert o.keypair is not None
-    o.member = agreement.Member(address, replica, instance, keys=o.keypair)
+    o.member = wire.Member(address, replica, instance, keys=o.keypair)
     kept = commitments.load(o.settings.socket_dir, o.settings.world_epoch)
     if kept is not None:  # this pod's sidecar restarted during a drain it had committed to
         log.info("rejoining world %d committed to drain step %d", o.settings.world_epoch, kept[0])

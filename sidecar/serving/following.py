@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from splitfeed.trainer_client.contract import messages
 from splitfeed.trainer_client.contract.messages import CommitAt, Complete, Error, Freeze, WorldLost
 
-from ..world import agreement
+from ..world import agreement, wire
 from .lookahead import Assembled, WorldView
 from .publishing import Publisher
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 class Coordination:
     """The world's word as this sidecar knows it (docs/agreement.md); only the loop thread uses it."""
 
-    def __init__(self, *, member: agreement.Member | None, world_size: int, steps_per_epoch: int,
+    def __init__(self, *, member: wire.Member | None, world_size: int, steps_per_epoch: int,
                  skipping: bool, on_drain: Callable[[int, str, int], None] | None) -> None:
         self.member = member
         self._on_drain = on_drain

@@ -163,7 +163,7 @@ class _Current(Collector):
 
 class RejectedCollector(Collector):
     """splitfeed_coordinator_rejected_total: peers the world's coordinator turned away (no CURVE,
-    or not the job's key; agreement.CoordinatorThread counts them). Replica 0's sidecar only."""
+    or not the job's key; wire.CoordinatorThread counts them). Replica 0's sidecar only."""
 
     def __init__(self, rejected: Callable[[], int | None], labels: Labels) -> None:
         self._rejected = rejected
@@ -182,13 +182,13 @@ class RejectedCollector(Collector):
 
 
 TrafficCounts = tuple[dict[tuple[str, str], int], dict[str, int]]
-"""agreement.Traffic.snapshot(): messages by (direction, type), payload bytes by direction."""
+"""wire.Traffic.snapshot(): messages by (direction, type), payload bytes by direction."""
 
 
 class TrafficCollector(Collector):
     """splitfeed_coordinator_messages_total{direction, type} and
     splitfeed_coordinator_message_bytes_total{direction}: the control plane's load on replica 0's
-    sidecar (agreement.Traffic), which grows with the world's members. Replica 0's sidecar only."""
+    sidecar (wire.Traffic), which grows with the world's members. Replica 0's sidecar only."""
 
     def __init__(self, traffic: Callable[[], TrafficCounts | None], labels: Labels) -> None:
         self._traffic = traffic

@@ -35,7 +35,7 @@ from splitfeed.trainer_client.contract import wellknown, errors, messages, topol
 from splitfeed.trainer_client.transport import ring
 from splitfeed.trainer_client.contract.messages import Error, Hello
 
-from ..world import agreement
+from ..world import wire
 from .answering import END_LINGER_S as END_LINGER_S, Answers, Feed as Feed, Session as Session
 from .following import Coordination
 from .lookahead import (
@@ -82,7 +82,7 @@ class Sockets:
     publishing threads signal on, polled with the coordinator's (if any)."""
 
     def __init__(self, context: zmq.Context[Any], directory: Path, instance: str,
-                 member: agreement.Member | None) -> None:
+                 member: wire.Member | None) -> None:
         self._ctx = context
         self._path = directory / messages.SOCKET_NAME
         self.router = context.socket(zmq.ROUTER)
@@ -153,7 +153,7 @@ class Server:
                  start_step: int, resume_step: int, prefetch: int,
                  checkpoint: Callable[[int, int], str] | None = None,
                  commit: Callable[[int, int], None] | None = None,
-                 member: agreement.Member | None = None,
+                 member: wire.Member | None = None,
                  instance: str | None = None,
                  context: zmq.Context[Any] | None = None,
                  skipping: bool = False,

@@ -6,7 +6,7 @@ S stays dead, while its trainers can still reach S from the batches already in t
 world's coordinator (trainer_client.stranded), which writes the rank's record and commit
 marker at S through the job's store (`sidecar.main` wires the write), and counts the member as
 committed once every rank of it is. Pure: `StandIns` decides and remembers; the coordinator's
-thread (`agreement.CoordinatorThread`) writes and answers.
+thread (`wire.CoordinatorThread`) writes and answers.
 
 Accepted only where the coordinator knows the rank's position as well as its own sidecar did:
 the committed drain step of its own world, in a job that drops no rows (a plain job's ranks all

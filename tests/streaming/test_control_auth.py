@@ -15,7 +15,7 @@ import pytest
 import zmq
 from prometheus_client import generate_latest
 
-from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar.world import agreement, wire
 from splitfeed.sidecar import main as sidecar_main
 from splitfeed.sidecar.serving import metrics
 from splitfeed.trainer_client.contract import wellknown, errors, messages
@@ -48,7 +48,7 @@ def forged_ask(address: str, request: messages.Message, server_key: bytes | None
 LABELS = {"job": "j", "namespace": "ns", "world": "0", "replica": "0"}
 
 
-def coordinator_sample(thread: agreement.CoordinatorThread, name: str, **labels: str) -> float | None:
+def coordinator_sample(thread: wire.CoordinatorThread, name: str, **labels: str) -> float | None:
     """One splitfeed_coordinator_* sample as /metrics serves it."""
     observed = metrics.SidecarMetrics(metrics.Labels(job="j", namespace="ns", world=0, replica=0),
                                       rejected=lambda: thread.rejected, traffic=thread.traffic.snapshot)
@@ -56,7 +56,7 @@ def coordinator_sample(thread: agreement.CoordinatorThread, name: str, **labels:
     return observed.registry.get_sample_value(name, {**LABELS, **labels})
 
 
-def rejected_series(thread: agreement.CoordinatorThread) -> float:
+def rejected_series(thread: wire.CoordinatorThread) -> float:
     """splitfeed_coordinator_rejected_total as /metrics serves it."""
     found = coordinator_sample(thread, "splitfeed_coordinator_rejected_total")
     assert found is not None, "no splitfeed_coordinator_rejected_total series"
@@ -67,7 +67,7 @@ def test_only_the_jobs_keypair_gets_a_drain_request_through(caplog: pytest.LogCa
     job_keys = session_keypair()
     coordinator = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
     coordinator.on_join(b"m0", 0)
-    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), keys=job_keys)
+    thread = wire.CoordinatorThread(coordinator, ports.tcp_address(), keys=job_keys)
     caplog.set_level(logging.WARNING, logger="splitfeed.sidecar.world.agreement")
     try:
         forged = messages.DrainRequest(token="forged", reason="rescale", replicas=1)
@@ -104,8 +104,8 @@ def test_only_the_jobs_keypair_gets_a_drain_request_through(caplog: pytest.LogCa
 def test_a_member_with_another_keypair_never_joins() -> None:
     """A forged member: its `join` would make it count in every drain."""
     coordinator = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
-    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), keys=session_keypair())
-    member = agreement.Member(thread.address, 1, "forged", keys=keys.generate())  # another job's keypair
+    thread = wire.CoordinatorThread(coordinator, ports.tcp_address(), keys=session_keypair())
+    member = wire.Member(thread.address, 1, "forged", keys=keys.generate())  # another job's keypair
     try:
         with pytest.raises(errors.UserError, match="no coordinator answered"):
             member.join(published=-1, timeout_s=1)
@@ -117,7 +117,7 @@ def test_a_member_with_another_keypair_never_joins() -> None:
 
 
 def test_rejections_are_logged_at_most_once_a_minute() -> None:
-    seen = agreement.Rejections()
+    seen = wire.Rejections()
     assert seen.note("10.0.0.9:4000", "no key", now=100.0) == (
         "rejected a peer at 10.0.0.9:4000: no key; its messages are dropped")
     assert seen.note("10.0.0.9:4001", "no key", now=130.0) is None
@@ -202,10 +202,10 @@ def test_a_captured_request_replayed_to_the_coordinator_changes_nothing() -> Non
     job_keys = session_keypair()
     genuine = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
     genuine.on_join(b"m0", 0)
-    first = agreement.CoordinatorThread(genuine, ports.tcp_address(), keys=job_keys)
+    first = wire.CoordinatorThread(genuine, ports.tcp_address(), keys=job_keys)
     fresh = agreement.Coordinator(replicas=2, total_steps=40, resume_step=0)
     fresh.on_join(b"m0", 0)
-    second = agreement.CoordinatorThread(fresh, ports.tcp_address(), keys=job_keys)
+    second = wire.CoordinatorThread(fresh, ports.tcp_address(), keys=job_keys)
     try:
         relay = Recorder(first.address)
         assert worlds.request_drain(relay.address, "rescale-w0", "rescale", timeout_s=5, replicas=1,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
-from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar.world import agreement, wire
 from splitfeed.trainer_client.contract import messages
 from splitfeed.trainer_client.script.client import StreamClient
 from splitfeed.trainer_client.transport.worlds import request_drain
@@ -41,12 +41,12 @@ def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported
     again; the fresh watermark then holds what the first one held."""
     address = coordinator_address()
 
-    def coordinator() -> agreement.CoordinatorThread:
-        return agreement.CoordinatorThread(agreement.Coordinator(
+    def coordinator() -> wire.CoordinatorThread:
+        return wire.CoordinatorThread(agreement.Coordinator(
             replicas=1, total_steps=40, resume_step=0,
             watermark=agreement.Watermark(ranks=2, steps_per_epoch=20)), address, keys=session_keypair())
 
-    def rebound() -> agreement.CoordinatorThread | None:
+    def rebound() -> wire.CoordinatorThread | None:
         try:
             return coordinator()
         except zmq.ZMQError as exc:
@@ -54,12 +54,12 @@ def test_a_restarted_coordinator_learns_every_reach_and_end_its_members_reported
                 raise
             return None
 
-    def state(c: agreement.CoordinatorThread) -> tuple[int, dict[int, int]]:
+    def state(c: wire.CoordinatorThread) -> tuple[int, dict[int, int]]:
         assert c.coordinator.watermark is not None
         return c.coordinator.watermark.through, dict(c.coordinator.watermark.ends)
 
     first = coordinator()
-    member = agreement.Member(address, 0, "m", keys=session_keypair())
+    member = wire.Member(address, 0, "m", keys=session_keypair())
     try:
         member.join(published=-1, timeout_s=10)
         member.report_reach({0: (8, {0: 17}), 1: (6, {})})
@@ -112,12 +112,12 @@ def test_every_other_member_holds_an_agreed_before_the_coordinators_own_member_d
     already hold every `agreed` replica 0's member got, or the world deadlocks (CI: a rank got
     no batch for 60 s after the kill two steps before epoch 1's end)."""
     address = coordinator_address()
-    thread = agreement.CoordinatorThread(agreement.Coordinator(
+    thread = wire.CoordinatorThread(agreement.Coordinator(
         replicas=3, total_steps=40, resume_step=0,
         watermark=agreement.Watermark(ranks=3, steps_per_epoch=20)), address, keys=session_keypair())
     dying = KilledOnceItsOwnMemberIsTold(thread._sock, lambda: thread.coordinator.members.get(0))
     thread._sock = dying  # type: ignore[assignment]
-    members = [agreement.Member(address, replica, f"m{replica}", keys=session_keypair()) for replica in range(3)]
+    members = [wire.Member(address, replica, f"m{replica}", keys=session_keypair()) for replica in range(3)]
     told: dict[int, int] = {replica: -1 for replica in range(3)}
 
     def heard(replica: int) -> int:

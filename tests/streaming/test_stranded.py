@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar.world import agreement
+from splitfeed.sidecar.world import agreement, wire
 from splitfeed.sidecar import main as sidecar_main
 from splitfeed.trainer_client.contract import wellknown, messages
 from splitfeed.trainer_client.transport import ring, stranded, worlds
@@ -143,7 +143,7 @@ def test_the_coordinator_writes_what_it_accepts_and_refuses_the_rest_with_its_re
         written.append(request)
         return f"store/step-{request.step}/rank-{request.rank}"
 
-    thread = agreement.CoordinatorThread(coordinator, ports.tcp_address(), keys=session_keypair(),
+    thread = wire.CoordinatorThread(coordinator, ports.tcp_address(), keys=session_keypair(),
                                        stand_in=write, world_size=2)
     try:
         ask = messages.StandIn(rank=1, world_size=2, world_epoch=0, step=8)

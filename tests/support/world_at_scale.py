@@ -2,7 +2,7 @@
 
 The coordinator is the production one (agreement.Coordinator in a CoordinatorThread, a CURVE
 server with the job's keypair) in a process of its own, so that its CPU is that process's, its
-ZeroMQ I/O thread included. The members are production `agreement.Member`s, each with its own
+ZeroMQ I/O thread included. The members are production `wire.Member`s, each with its own
 DEALER and TCP connection as each sidecar has, spread over a few worker processes; each worker
 runs the sidecar's member side (`following.Coordination`) over its members in one loop, with
 the serving loop's heartbeat (`Member.heartbeat`, at most every LOOP_S) and a `progress` a member
@@ -114,12 +114,12 @@ AGREEMENT = ("drain_request", "drain_ack", "freeze", "frozen", "commit_at")
 
 def _coordinator(conn: Connection, keys_dir: str, replicas: int) -> None:
     """Child: the production coordinator on TCP; answers the parent's samples until 'stop'."""
-    from splitfeed.sidecar.world import agreement
+    from splitfeed.sidecar.world import agreement, wire
     from splitfeed.trainer_client.transport import keys
 
     raise_fd_limit(replicas + 256)
     coordinator = agreement.Coordinator(replicas=replicas, total_steps=TOTAL_STEPS, resume_step=0)
-    thread = agreement.CoordinatorThread(coordinator, "tcp://127.0.0.1:*", keys=keys.load(keys_dir))
+    thread = wire.CoordinatorThread(coordinator, "tcp://127.0.0.1:*", keys=keys.load(keys_dir))
     conn.send(thread.address)
     clock = time.pthread_getcpuclockid(thread._thread.ident or 0)
     while conn.recv() != "stop":
@@ -160,7 +160,7 @@ def _members(conn: Connection, address: str, keys_dir: str, replicas: list[int],
     """Child: `replicas`' members, joined, then served in one loop until 'stop'."""
     import zmq
 
-    from splitfeed.sidecar.world import agreement
+    from splitfeed.sidecar.world import wire
     from splitfeed.sidecar.serving import following
     from splitfeed.trainer_client.transport import keys
 
@@ -168,7 +168,7 @@ def _members(conn: Connection, address: str, keys_dir: str, replicas: list[int],
     keypair = keys.load(keys_dir)
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 4 * len(replicas) + 64)
-    members = [agreement.Member(address, r, f"bench-{r}", keys=keypair, context=ctx) for r in replicas]
+    members = [wire.Member(address, r, f"bench-{r}", keys=keypair, context=ctx) for r in replicas]
     for member in members:
         member.join(published=-1, timeout_s=START_S)
     sides = [following.Coordination(member=m, world_size=world, steps_per_epoch=1000, skipping=False,
@@ -218,7 +218,7 @@ def _serve(conn: Connection, members: list[Any], sides: list[Any], publishers: l
 
 
 def rest_window_s(members: int) -> float:
-    """A member's heartbeat period in a world of `members` (agreement.Member.heartbeat): a window
+    """A member's heartbeat period in a world of `members` (wire.Member.heartbeat): a window
     this long holds one heartbeat of each member and a whole number of progress periods."""
     from splitfeed.sidecar.world import agreement
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from splitfeed.operator.objects import planning
-from splitfeed.local import running
+from splitfeed.local import processes
 from splitfeed.trainer_client.script import client, counters
 from splitfeed.trainer_client.contract import wellknown, specs
 from splitfeed.trainer_client.contract.errors import ProtocolError
@@ -108,18 +108,18 @@ def test_the_crd_coordinates_are_the_crds():
 
 @pytest.mark.parametrize("gpus, replicas", [(1, 4), (2, 2), (4, 2)])
 def test_local_processes_get_the_pods_rank_variables(gpus, replicas, monkeypatch):
-    monkeypatch.setattr(running.os, "environ", {"KEEP": "1"})
+    monkeypatch.setattr(processes.os, "environ", {"KEEP": "1"})
     job = specs.parse_job(manifest(replicas=replicas, gpusPerReplica=gpus))
     for replica in range(replicas):
         pod = planning.pod_env(job, 3, replica)
-        here = running.rank_env(job, replica, 0, Path("/tmp/s"), 1234, 3)
+        here = processes.rank_env(job, replica, 0, Path("/tmp/s"), 1234, 3)
         machine_specific = {wellknown.MASTER_ADDR, wellknown.MASTER_PORT_ENV, wellknown.SOCKET_DIR_ENV}
         assert {k: v for k, v in here.items() if k in pod and k not in machine_specific} == {
             k: v for k, v in pod.items() if k not in machine_specific}
         assert here["KEEP"] == "1" and here[wellknown.JOB_UID_ENV] == wellknown.LOCAL_JOB_UID
         assert here[wellknown.MASTER_ADDR] == "127.0.0.1" and here[wellknown.MASTER_PORT_ENV] == "1234"
         assert pod[wellknown.MASTER_PORT_ENV] == str(wellknown.MASTER_PORT)
-        last = running.rank_env(job, replica, gpus - 1, Path("/tmp/s"), 1234, 3)
+        last = processes.rank_env(job, replica, gpus - 1, Path("/tmp/s"), 1234, 3)
         assert last[wellknown.RANK] == str(replica * gpus + gpus - 1)
 
 

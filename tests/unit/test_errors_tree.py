@@ -31,7 +31,7 @@ def error_classes() -> dict[str, type[BaseException]]:
 def test_the_search_finds_the_errors_of_every_package():
     names = set(error_classes())
     assert {"trainer_client.contract.errors.ProtocolError", "sidecar.world.checkpoints.StaleWorld",
-            "operator.cluster.kube.Conflict", "local.running._EndedFirst"} <= names, names
+            "operator.cluster.kube.Conflict", "local.rescaling._EndedFirst"} <= names, names
 
 
 def test_every_error_class_subclasses_the_root_and_is_drawn_in_its_docstring():

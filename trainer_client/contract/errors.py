@@ -28,7 +28,7 @@
     │   ├── operator.cluster.kube.Conflict                    a precondition no longer holds: re-read and decide again
     │   └── operator.cluster.kube.NotOwned                    the object's controller is not this job
     ├── operator.cluster.reconciling._Refused                 a pod creation the API refused (caught in that module)
-    └── local.running._EndedFirst                             a world ended before its in-place change was asked (caught there)
+    └── local.rescaling._EndedFirst                           a world ended before its in-place change was asked (caught there)
 
 Why one root here: the layers let the sidecar and the operator import
 trainer_client but never the other way round, so the root must live in the
