@@ -223,7 +223,7 @@ def sidecar(add_parser: AddParser, name: str) -> None:
 def _sidecar(args: argparse.Namespace) -> int:
     from . import main
 
-    settings = main.SidecarSettings.from_env(
+    settings = main.settings_from_env(
         config=args.config, socket_dir=args.socket_dir, podinfo_dir=args.podinfo_dir,
         storage_options_dir=args.storage_options_dir, termination_log=args.termination_log,
         resume=args.resume)

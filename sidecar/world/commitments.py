@@ -15,7 +15,12 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .checkpoints import Store
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +53,15 @@ def load(directory: Path, world_epoch: int) -> tuple[int, str, int] | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring %s: %s", Path(directory) / FILE, exc)
         return None
+
+
+def committed_ranks(store: Store, ranks: Iterable[int], step: int, world_size: int, world_epoch: int) -> set[int]:
+    """The `ranks` whose commit marker of `step` in world `world_epoch` the store holds (those
+    of a pod whose sidecar restarted after they committed); a flaky read counts as none (the
+    ranks are then served as usual)."""
+    try:
+        return {r for r in ranks if store.committed(global_step=step, rank=r, world_size=world_size,
+                                                   world_epoch=world_epoch)}
+    except Exception as exc:  # noqa: BLE001 - the sidecar serves them as usual and finds out
+        log.warning("cannot tell whether this pod's ranks committed drain step %d: %s", step, exc)
+        return set()

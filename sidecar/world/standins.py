@@ -4,7 +4,7 @@ A member's sidecar killed with `restartPolicy: Never` after the world committed 
 S stays dead, while its trainers can still reach S from the batches already in their rings
 (docs/agreement.md, "A sidecar that cannot restart"). Such a trainer sends `stand_in` to the
 world's coordinator (trainer_client.stranded), which writes the rank's record and commit
-marker at S through the job's store (`sidecar.main` wires the write), and counts the member as
+marker at S through the job's store (`sidecar.opening` wires the write), and counts the member as
 committed once every rank of it is. Pure: `StandIns` decides and remembers; the coordinator's
 thread (`wire.CoordinatorThread`) writes and answers.
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar import main as sidecar_main, opening
 from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.world.settings import SidecarSettings
 from splitfeed.trainer_client.contract import specs
 from tests.support import guards, keys, manifests, ports, tables
 
@@ -75,13 +76,13 @@ class Pod:
             self.env["SPLITFEED_COORDINATOR"] = coordinator
         if resume_step is not None:
             self.env["SPLITFEED_RESUME_STEP"] = str(resume_step)
-        self.settings = sidecar_main.SidecarSettings(
+        self.settings = SidecarSettings(
             config=self.config, socket_dir=self.socket_dir, rank=replica * gpus,
             world_size=replicas * gpus, local_world_size=gpus, resume=resume, replica=replica,
             coordinator=coordinator, resume_step=resume_step, job_uid=job_uid, world_epoch=world_epoch,
             podinfo_dir=self.podinfo, termination_log=self.termination_log, keys_dir=keys.session_dir())
         self._thread: threading.Thread | None = None
-        self._sidecar: sidecar_main.Sidecar | None = None
+        self._sidecar: opening.Sidecar | None = None
         self.exit_code: int | None = None
         self.process: subprocess.Popen | None = None
 
@@ -90,7 +91,7 @@ class Pod:
         ready = threading.Event()
 
         def run() -> None:
-            self._sidecar = sidecar_main.prepare(self.settings)
+            self._sidecar = opening.prepare(self.settings)
             ready.set()
             self.exit_code = sidecar_main.serve(self._sidecar)
 

@@ -17,8 +17,9 @@ import warnings
 from pathlib import Path
 
 from splitfeed.sidecar.forks import forkserver
-from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar import main as sidecar_main, opening
 from splitfeed.sidecar.serving import service
+from splitfeed.sidecar.world.settings import SidecarSettings
 from splitfeed.trainer_client.contract import messages
 
 
@@ -31,8 +32,8 @@ class LastAnswer(service.Server):
 def child(directory: Path) -> int:
     server = LastAnswer(directory=directory, ranks=[0], world_size=1, factory=lambda rank, first: iter(()),
                         steps_per_epoch=1, total_steps=1, start_step=0, resume_step=0, prefetch=1)
-    settings = sidecar_main.SidecarSettings(config=Path("unused"), socket_dir=directory)
-    return sidecar_main.serve_to_exit(sidecar_main.Sidecar(server, settings, 1, failure=None))
+    settings = SidecarSettings(config=Path("unused"), socket_dir=directory)
+    return sidecar_main.serve_to_exit(opening.Sidecar(server, settings, 1, failure=None))
 
 
 def main() -> int:

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar import main as sidecar_main, opening
 from splitfeed.sidecar.serving import service
+from splitfeed.sidecar.world.settings import SidecarSettings
 
 
 def size_of(mode: str, step: int) -> int:
@@ -47,8 +48,8 @@ def main() -> int:
     server = service.Server(directory=directory, ranks=[0], world_size=1, factory=factory,
                             steps_per_epoch=steps, total_steps=steps, start_step=0, resume_step=0,
                             prefetch=prefetch)
-    settings = sidecar_main.SidecarSettings(config=Path("unused"), socket_dir=directory)
-    return sidecar_main.serve(sidecar_main.Sidecar(server, settings, steps, failure=None))
+    settings = SidecarSettings(config=Path("unused"), socket_dir=directory)
+    return sidecar_main.serve(opening.Sidecar(server, settings, steps, failure=None))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import zmq
 from prometheus_client import generate_latest
 
 from splitfeed.sidecar.world import agreement, wire
-from splitfeed.sidecar import main as sidecar_main
+from splitfeed.sidecar import opening
+from splitfeed.sidecar.world.settings import SidecarSettings
 from splitfeed.sidecar.serving import metrics
 from splitfeed.trainer_client.contract import wellknown, errors, messages
 from splitfeed.trainer_client.transport import keys, worlds
@@ -128,9 +129,9 @@ def test_rejections_are_logged_at_most_once_a_minute() -> None:
 def test_no_coordinator_or_request_without_the_jobs_keypair(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """No insecure default: a sidecar or a request without SPLITFEED_KEYS_DIR is refused by name."""
-    settings = sidecar_main.SidecarSettings(config=tmp_path / "c.json", socket_dir=tmp_path)
+    settings = SidecarSettings(config=tmp_path / "c.json", socket_dir=tmp_path)
     with pytest.raises(errors.UserError, match=wellknown.KEYS_DIR_ENV):
-        sidecar_main.job_keys(settings)
+        opening.job_keys(settings)
     monkeypatch.delenv(wellknown.KEYS_DIR_ENV)
     with pytest.raises(errors.UserError, match=f"{wellknown.KEYS_DIR_ENV} is not set"):
         worlds.request_drain("tcp://127.0.0.1:1", "rescale-w0", "rescale")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from splitfeed.sidecar.world import agreement
-from splitfeed.sidecar import main
+from splitfeed.sidecar.world import transitions
+from splitfeed.sidecar.world.settings import SidecarSettings
 from splitfeed.trainer_client.script import agent
 from splitfeed.trainer_client.contract import wellknown, errors, membership, messages
 
@@ -60,21 +61,21 @@ def test_replica_0_or_a_replica_outside_the_world_cannot_be_lost(lost):
         coordinator().on_lost(b"op", "t", lost, 3)
 
 
-def settings(replica: int, **kw: object) -> main.SidecarSettings:
-    return main.SidecarSettings(config=Path("c.json"), socket_dir=Path("s"), rank=replica, world_size=3,
-                                replica=replica, coordinator="tcp://job-r0.job:29501", world_epoch=4,
+def settings(replica: int, **kw: object) -> SidecarSettings:
+    return SidecarSettings(config=Path("c.json"), socket_dir=Path("s"), rank=replica, world_size=3,
+                           replica=replica, coordinator="tcp://job-r0.job:29501", world_epoch=4,
                                 master_port=29500, resume_step=12, **kw)  # type: ignore[arg-type]
 
 
 def test_the_others_go_on_to_the_next_world_from_the_newest_complete_checkpoint_and_the_lost_one_ends():
     lost = messages.WorldLost(replicas=3, lost=[2])
-    nxt = main.lost_world_next(settings(1), lost, table_version=7)
+    nxt = transitions.lost_world_next(settings(1), lost, table_version=7)
     assert nxt is not None
     assert (nxt.world_epoch, nxt.world_size, nxt.coordinator, nxt.master_port) == (
         5, 3, "tcp://job-r0.job:29511", 29510)  # the other port of the pair
     assert (nxt.resume_step, nxt.resume, nxt.table_version, nxt.after_loss) == (
         None, wellknown.RESUME_LATEST, 7, True)
-    assert main.lost_world_next(settings(2), lost, table_version=7) is None
+    assert transitions.lost_world_next(settings(2), lost, table_version=7) is None
 
 
 def world(epoch: int, state: str, *, after_loss: bool = False) -> membership.World:

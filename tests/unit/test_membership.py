@@ -171,7 +171,8 @@ def test_a_python_script_runs_next_in_an_interpreter_that_imported_torch_while_t
 
 
 def test_a_restarted_sidecar_joins_the_world_its_pod_is_in_not_the_one_it_was_created_for(tmp_path):
-    from splitfeed.sidecar.main import SidecarSettings, adopt_world
+    from splitfeed.sidecar.world.settings import SidecarSettings
+    from splitfeed.sidecar.world.transitions import adopt_world
 
     created = SidecarSettings(config=tmp_path / "c.json", socket_dir=tmp_path, rank=2, world_size=4, world_epoch=1,
                               coordinator="tcp://job-r0.job:29511", master_port=29510, resume_step=7)

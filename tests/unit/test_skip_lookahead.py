@@ -64,12 +64,12 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
     trainer's checkpoint but the epoch's length. The ledger keeps the newest KEEP steps it
     read, so an epoch that lost more than KEEP steps for the world (but not for this rank)
     evicts step E - 1: the checkpoint of step E fails ("holds no split positions")."""
-    from splitfeed.sidecar import main
     from splitfeed.sidecar.data import reading
+    from splitfeed.sidecar.data.ledgers import Ledger, SkipLedgers
 
-    keep = main.SkipLedgers.KEEP
+    keep = SkipLedgers.KEEP
     spe = keep + 200
-    ledger = main.Ledger(keep)
+    ledger = Ledger(keep)
     batch = pa.record_batch({"x": [0]})
 
     def read(last: int):  # what workers.iter_rank_batches does: the ledger at read time
@@ -105,14 +105,14 @@ def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_
     checkpoints less often than every KEEP steps (KEEP = 4096; every 5000 steps is common)
     cannot resume its restarted trainer: the rank fails with "holds no split positions", where
     raise/fill jobs resume. The positions of W - 1 were written to the store at checkpoint()."""
-    from splitfeed.sidecar import main
     from splitfeed.sidecar.data import reading
+    from splitfeed.sidecar.data.ledgers import SkipLedgers
     from splitfeed.trainer_client.contract import specs
 
     data = specs.DataSpec(uri="unused", table="t", num_splits=2, global_batch_size=2,
                           transform="tests.transforms:fragile", on_transform_error="skip")
     spe = 100_000
-    ledgers = main.SkipLedgers(data, spe, start_step=0, resume_state=None)
+    ledgers = SkipLedgers(data, spe, start_step=0, resume_state=None)
     ledger = ledgers.ledger(0)
     assert ledger is not None
     checkpoint_step = 1000  # the trainer checkpointed (and the world committed) step 1000 ...
@@ -125,5 +125,5 @@ def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_
     start, state = ledgers.resume_from(0, checkpoint_step)  # the restarted trainer's publisher
     assert (start, state) == (checkpoint_step, saved)
     # A step neither the ledger nor a checkpoint knows: read again from the epoch's start.
-    ledgers2 = main.SkipLedgers(data, spe, start_step=0, resume_state=None)
+    ledgers2 = SkipLedgers(data, spe, start_step=0, resume_state=None)
     assert ledgers2.resume_from(0, 7) == (0, None)

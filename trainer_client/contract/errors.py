@@ -18,7 +18,7 @@
     ├── SidecarFailed                                         the sidecar reported a fatal error (e.g. missing table)
     ├── CheckpointError                                       a checkpoint could not be written or read
     ├── WorldLost                                             (also RuntimeError) this world lost a member pod: rejoin
-    ├── sidecar.main.NotInWorld                               this pod is not in its world any more (an in-place scale-down)
+    ├── sidecar.opening.NotInWorld                            this pod is not in its world any more (an in-place scale-down)
     ├── trainer_client.contract.fields.SpecError              (also ValueError) a manifest field is invalid; names it
     ├── trainer_client.contract.topology.TopologyError        (also ValueError) splits, ranks and batches do not fit
     ├── sidecar.data.positions.IncompatibleState              (also ValueError) a checkpoint state this job cannot continue

@@ -8,7 +8,7 @@ same for every rank, so the world's coordinator (replica 0's sidecar) can write 
 record and commit marker instead (`messages.StandIn`; docs/agreement.md, "A sidecar that
 cannot restart"), and the world still ends at S with nothing redone.
 
-Two files in the socket directory, written by the sidecar (`sidecar.main`):
+Two files in the socket directory, written by the sidecar (`sidecar.main`, `sidecar.opening`):
 - `sidecar.lock`, which the sidecar process holds locked (a POSIX lock, which the kernel drops
   when the process dies, SIGKILL included, and which its forked workers do not inherit): a
   trainer that can lock it knows no sidecar runs there now (`gone`);
