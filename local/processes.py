@@ -25,8 +25,10 @@ from typing import IO, Any
 from splitfeed.trainer_client.contract import wellknown, errors, membership, specs
 from splitfeed.trainer_client.transport import keys
 
-from splitfeed.sidecar.forks import forkserver
+from splitfeed.sidecar.forks import forking
 from splitfeed.sidecar.serving import metrics
+
+from . import forkserver
 
 STOP_GRACE_S = 10.0
 
@@ -109,7 +111,7 @@ class Process:
             return
         with warnings.catch_warnings():
             # The parent may have imported lancedb (plan, checkpoints); exec follows the fork at once.
-            warnings.filterwarnings("ignore", message=forkserver.FORK_WARNING, category=RuntimeWarning)
+            warnings.filterwarnings("ignore", message=forking.FORK_WARNING, category=RuntimeWarning)
             self.popen = subprocess.Popen(list(argv), env=env, stdout=self._log,
                                           stderr=subprocess.STDOUT, start_new_session=True,
                                           preexec_fn=die_with_parent)

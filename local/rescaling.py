@@ -16,7 +16,7 @@ from pathlib import Path
 from splitfeed.trainer_client.contract import errors, membership, specs
 from splitfeed.trainer_client.transport import worlds
 
-from splitfeed.sidecar.forks import forkserver
+from . import forkserver
 
 from .console import Progress, Rescale
 from .processes import World, new_world, read_json, start_sidecars, start_trainers, stats_file, stop_all

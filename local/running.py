@@ -30,7 +30,7 @@ from typing import IO
 
 from splitfeed.trainer_client.contract import errors, specs
 
-from splitfeed.sidecar.forks import forkserver
+from . import forkserver
 
 from . import rescaling
 from .console import PREFIX, Progress, Rescale, summary

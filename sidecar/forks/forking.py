@@ -6,7 +6,7 @@ that child waited for a fresh interpreter to import lancedb again: 2 s of CPU (4
 on a loaded 2-core machine), on the path to the first batch of every cold start. The
 sidecar has done those imports already, and at its start it has run nothing: no lancedb
 call, no thread but lancedb's idle event loop. A fork then is as safe as
-sidecar/forks/forkserver.py's, so `start` forks a helper there; the helper stays
+local/forkserver.py's, so `start` forks a helper there; the helper stays
 single-threaded and idle, forks one child per `run` and hands back what the child sent.
 
 Not for the sidecar's loader workers: they keep multiprocessing's forkserver (its
@@ -28,7 +28,9 @@ from typing import Any
 
 from splitfeed.trainer_client.contract import errors
 
-from .forkserver import FORK_WARNING
+FORK_WARNING = "lancedb fork support is experimental"
+"""What lancedb warns at every fork of a process that imported it (silenced where nothing runs yet)."""
+
 
 Target = Callable[..., None]
 """A child's function: called with a Connection to send its one result over, then `args`."""

@@ -16,7 +16,7 @@ sidecar that imports this module (lancedb, and torch through lancedb.streaming f
 it reads)
 and runs nothing, then forks each worker. A spawned worker spent seconds of CPU
 on those imports, per worker and per world; a forked one starts at once. Forking
-after imports alone is safe for the reason sidecar/forks/forkserver.py gives. Blocks
+after imports alone is safe for the reason local/forkserver.py gives. Blocks
 travel as Arrow IPC bytes over a one-way Pipe: self-describing, no pickle of
 user data, and the pipe's small buffer keeps each worker about one step ahead.
 """
@@ -41,7 +41,7 @@ import pyarrow as pa
 from splitfeed.trainer_client.contract import errors, specs, topology
 
 from ..data import batching, plans, reading
-from .forkserver import FORK_WARNING
+from .forking import FORK_WARNING
 
 log = logging.getLogger(__name__)
 

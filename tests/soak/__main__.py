@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitfeed.sidecar.forks import forkserver
+from splitfeed.sidecar.forks import forking
 from splitfeed.trainer_client.contract import topology
 from tests.soak import invariants, probe, schedule as sched
 from tests.soak.runner import SLEEP_S, Soak, Violation
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe.become_subreaper()
     signal.signal(signal.SIGTERM, _interrupted)  # stopped from outside: the runs stop first (finally)
     # The soak writes to the table (lancedb) and then starts processes; they exec at once.
-    warnings.filterwarnings("ignore", message=forkserver.FORK_WARNING, category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message=forking.FORK_WARNING, category=RuntimeWarning)
     results: list[dict[str, Any]] = []
     started = time.monotonic()
     for seed in range(args.seed, args.seed + args.seeds):

@@ -16,7 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from splitfeed.sidecar.forks import forkserver
+from splitfeed.sidecar.forks import forking
 from splitfeed.sidecar import main as sidecar_main, opening
 from splitfeed.sidecar.serving import service
 from splitfeed.sidecar.world.settings import SidecarSettings
@@ -38,7 +38,7 @@ def child(directory: Path) -> int:
 
 def main() -> int:
     root, count = Path(sys.argv[1]), int(sys.argv[2])
-    warnings.filterwarnings("ignore", message=forkserver.FORK_WARNING, category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message=forking.FORK_WARNING, category=RuntimeWarning)
     for i in range(count):
         sys.stdout.flush()
         pid = os.fork()

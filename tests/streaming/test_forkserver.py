@@ -1,4 +1,4 @@
-"""`splitfeed local`'s sidecar fork server (sidecar/forks/forkserver.py), as a real process."""
+"""`splitfeed local`'s sidecar fork server (local/forkserver.py), as a real process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from splitfeed.sidecar.forks import forkserver
+from splitfeed.local import forkserver
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -31,7 +31,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-FORK_WARNING = "lancedb fork support is experimental"
+from splitfeed.sidecar.forks.forking import FORK_WARNING
+
 STREAMING_ENV = "SPLITFEED_FORKSERVER_STREAMING"
 """Set to 1 when the job is read through StreamingDataset: its children import torch then."""
 
@@ -97,7 +98,7 @@ def serve(inp: IO[str], out: IO[str]) -> int:
     from splitfeed.trainer_client import cli  # noqa: F401
 
     if os.environ.get(STREAMING_ENV) == "1":
-        from ..data import reading
+        from splitfeed.sidecar.data import reading
 
         reading.import_streaming()  # and torch: the jobs StreamingDataset reads
 
@@ -167,7 +168,7 @@ class Server:
 
         self._log = open(log, "wb")
         env = {**os.environ, STREAMING_ENV: "1" if streaming else "0"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitfeed.sidecar.forks.forkserver"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitfeed.local.forkserver"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, start_new_session=True, preexec_fn=preexec_fn, env=env)
         self.changed = threading.Condition()
