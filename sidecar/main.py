@@ -24,7 +24,7 @@ from splitfeed.trainer_client.contract import wellknown, errors, membership, mes
 from splitfeed.trainer_client.transport import keys, stranded
 
 from .world import agreement, checkpoints, commitments, identity
-from .data import cgroups, plans, positions, reading
+from .data import cgroups, planning, positions, reading, skipping, streaming
 from .serving import ending, metrics, service
 from .forks import forking, planner, workers
 from .data.storage_options import read_storage_options as read_storage_options
@@ -236,7 +236,7 @@ def choose_resume_step(job: specs.JobSpec, data: specs.DataSpec, settings: Sidec
         return settings.resume_step
     if settings.resume == wellknown.RESUME_NONE or not stores:
         return 0
-    found = checkpoints.newest(stores, reading.merge_states, expect=expect,
+    found = checkpoints.newest(stores, streaming.merge_states, expect=expect,
                                accept=lambda s: positions.position_from_state(data, s))
     if found is None:
         log.info("no complete checkpoint under %s: starting at step 0", job.checkpoint.uri)
@@ -255,7 +255,7 @@ def check_resume_step(data: specs.DataSpec, stores: list[checkpoints.Store], ste
     if not stores:
         raise errors.UserError(
             f"the world resumes at global step {step} but the job has no spec.checkpoint.uri")
-    merged = checkpoints.load(stores, step, reading.merge_states, expect=expect)
+    merged = checkpoints.load(stores, step, streaming.merge_states, expect=expect)
     position = positions.position_from_state(data, merged)
     if position.epoch * steps_per_epoch + position.step != step:
         raise errors.UserError(
@@ -264,7 +264,7 @@ def check_resume_step(data: specs.DataSpec, stores: list[checkpoints.Store], ste
     return merged
 
 
-class Ledger(dict[int, reading.Passed]):
+class Ledger(dict[int, skipping.Passed]):
     """global step -> what it passed (split positions after it), for one rank.
 
     Kept: the newest `keep` steps published, and every step read past the newest
@@ -345,7 +345,7 @@ class SkipLedgers:
         ledger = self._ledgers.get(rank)
         passed = None if ledger is None else ledger.get(step)
         if passed is not None:
-            reading.SKIPPED_ROWS[0] += passed.skipped
+            skipping.SKIPPED_ROWS[0] += passed.skipped
         if ledger is not None:
             ledger.published(step)
 
@@ -400,7 +400,7 @@ class Sidecar:
     metrics: metrics.SidecarMetrics | None = None
     builder: planner.Planner | None = None
     """Builds this job's epoch plans (replica 0's, or every sidecar's without a store)."""
-    plan: plans.Source | None = None
+    plan: planning.Source | None = None
     data: specs.DataSpec | None = None
     """The job's data at the pinned table version (None when it could not be opened)."""
     rows: int = 0
@@ -416,7 +416,7 @@ class Carried:
     version, and the old world's coordinator until the new one is bound."""
 
     builder: planner.Planner | None
-    plan: plans.Source | None
+    plan: planning.Source | None
     metrics: metrics.SidecarMetrics | None
     coordinator: agreement.CoordinatorThread | None
     data: specs.DataSpec | None
@@ -460,7 +460,7 @@ class _Opening:
     """The table version the coordinator told this member to read."""
     resume_state: dict[str, Any] | None = None
     builder: planner.Planner | None = None
-    plan: plans.Source | None = None
+    plan: planning.Source | None = None
     keypair: keys.Keypair | None = None
     """The job's CURVE keypair, for the coordinator (replica 0) and the member alike."""
 
@@ -634,7 +634,7 @@ def _start_plans(o: _Opening, builds: bool) -> None:
     where = planner.location(o.data, o.stores[0].where if o.stores else None,
                              checkpoints.store_options(o.job, o.storage_options))
     kept = o.carried.plan if o.carried is not None else None
-    o.plan = kept if kept is not None and kept.location.uri == where.uri else plans.Source(where)
+    o.plan = kept if kept is not None and kept.location.uri == where.uri else planning.Source(where)
     if not builds:
         return
     epoch = min(o.start_step // o.steps_per_epoch, o.data.epochs - 1)
@@ -750,7 +750,7 @@ def serve_world(sidecar: Sidecar) -> tuple[int, wellknown.Report]:
             reporter = metrics.ProgressReporter(
                 server, sidecar.steps_per_epoch,
                 row_counts=lambda: {"filled_rows": reading.FILLED_ROWS[0],
-                                    "skipped_rows": reading.SKIPPED_ROWS[0]})
+                                    "skipped_rows": skipping.SKIPPED_ROWS[0]})
 
             def tick() -> None:
                 watcher()
@@ -781,7 +781,7 @@ def serve_world(sidecar: Sidecar) -> tuple[int, wellknown.Report]:
                 (sidecar.permanent and failure == sidecar.failure)
                 or any(f.session.permanent and f.session.failure == failure for f in server.feeds)),
             "filledRows": reading.FILLED_ROWS[0],
-            "skippedRows": reading.SKIPPED_ROWS[0],
+            "skippedRows": skipping.SKIPPED_ROWS[0],
         }
         server.close()
     return (2 if failure else 0), report
@@ -1024,7 +1024,7 @@ def _set_up_process(settings: SidecarSettings) -> SidecarSettings:
     service.tune_interpreter()
     # lancedb's permutation builder, sized once before any thread reads the environment
     # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
-    plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
+    planning.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
     # A sidecar the kubelet restarted in a pod kept through in-place changes has the environment
     # of the world the pod was created for; the world file (in the pod's emptyDir) says which
     # world the pod is in now. Otherwise a predecessor's word is not ours.

@@ -65,7 +65,7 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
     read, so an epoch that lost more than KEEP steps for the world (but not for this rank)
     evicts step E - 1: the checkpoint of step E fails ("holds no split positions")."""
     from splitfeed.sidecar import main
-    from splitfeed.sidecar.data import reading
+    from splitfeed.sidecar.data import skipping
 
     keep = main.SkipLedgers.KEEP
     spe = keep + 200
@@ -74,7 +74,7 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
 
     def read(last: int):  # what workers.iter_rank_batches does: the ledger at read time
         for step in range(last):
-            ledger[step] = reading.Passed({0: step + 1}, 0)
+            ledger[step] = skipping.Passed({0: step + 1}, 0)
             yield step, batch
 
     world = service.WorldView(spe)
@@ -106,7 +106,7 @@ def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_
     cannot resume its restarted trainer: the rank fails with "holds no split positions", where
     raise/fill jobs resume. The positions of W - 1 were written to the store at checkpoint()."""
     from splitfeed.sidecar import main
-    from splitfeed.sidecar.data import reading
+    from splitfeed.sidecar.data import skipping
     from splitfeed.trainer_client.contract import specs
 
     data = specs.DataSpec(uri="unused", table="t", num_splits=2, global_batch_size=2,
@@ -116,10 +116,10 @@ def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_
     ledger = ledgers.ledger(0)
     assert ledger is not None
     checkpoint_step = 1000  # the trainer checkpointed (and the world committed) step 1000 ...
-    ledger[checkpoint_step - 1] = reading.Passed({0: checkpoint_step, 1: checkpoint_step}, 0)
+    ledger[checkpoint_step - 1] = skipping.Passed({0: checkpoint_step, 1: checkpoint_step}, 0)
     saved = ledgers.state(0, checkpoint_step)  # ... with the positions the ledger held then
     for step in range(checkpoint_step, checkpoint_step + 10_000):  # then trained 10,000 more steps
-        ledger[step] = reading.Passed({0: step + 1, 1: step + 1}, 0)
+        ledger[step] = skipping.Passed({0: step + 1, 1: step + 1}, 0)
         ledgers.published(0, step)
     assert checkpoint_step - 1 not in ledger  # forgotten by now: the checkpoint's state serves
     start, state = ledgers.resume_from(0, checkpoint_step)  # the restarted trainer's publisher
