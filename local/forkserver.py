@@ -98,9 +98,9 @@ def serve(inp: IO[str], out: IO[str]) -> int:
     from splitfeed.trainer_client import cli  # noqa: F401
 
     if os.environ.get(STREAMING_ENV) == "1":
-        from splitfeed.sidecar.data import reading
+        from splitfeed.sidecar.data import streaming
 
-        reading.import_streaming()  # and torch: the jobs StreamingDataset reads
+        streaming.import_streaming()  # and torch: the jobs StreamingDataset reads
 
     warnings.filterwarnings("ignore", message=FORK_WARNING, category=RuntimeWarning)
     out.write(json.dumps({"ready": os.getpid()}) + "\n")

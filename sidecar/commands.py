@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from splitfeed.trainer_client import cli
-from splitfeed.trainer_client.contract import wellknown, errors, specs, topology
+from splitfeed.trainer_client.contract import wellknown, errors, geometry, specs
 
 if TYPE_CHECKING:
     from .data import plans
@@ -96,7 +96,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _layout_lines(job: specs.JobSpec) -> list[str]:
     """The world, its valid sizes, and each rank's splits and batch: topology math alone."""
     w, data = job.world_size, job.data
-    dp = data.groups.size(w)
+    dp, shape = data.groups.size(w), geometry.Geometry.of(job.data)
     ranks = "rank" if dp == w else "data-parallel rank"
     lines = [
         f"job {job.name}: {job.replicas} replicas x {job.gpus_per_replica} GPUs = world size {w}",
@@ -110,12 +110,11 @@ def _layout_lines(job: specs.JobSpec) -> list[str]:
         f"{data.num_splits // dp} splits per {ranks}, "
         f"{data.num_splits // (dp * data.num_workers)} per worker",
         f"batch: {data.global_batch_size} rows per global step, "
-        f"{topology.rank_batch_size(data.global_batch_size, dp)} per {ranks}, "
-        f"{topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)} per split",
+        f"{shape.rank_batch_size(dp)} per {ranks}, {shape.rows_per_split_per_step} per split",
     ]
     for rank in range(w):
         d = data.groups.rank(rank, w)
-        splits = topology.rank_splits(d, dp, data.num_splits)
+        splits = shape.rank_splits(d, dp)
         lines.append(f"  rank {rank}: splits {splits.start}..{splits.stop - 1}"
                      + (f" (data-parallel rank {d})" if dp != w else ""))
     return lines
@@ -143,7 +142,7 @@ def _preprocessing_lines(data: specs.DataSpec) -> list[str]:
 def _print_table_plan(job: specs.JobSpec, storage_options_dir: Path | None) -> None:
     """What only the table says (rows, steps, read cost, packed blocks), printed as each is learnt."""
     from . import main
-    from .data import reading
+    from .data import reading, streaming
 
     data = job.data
     options = plan_storage_options(data.uri, main.read_storage_options(storage_options_dir))
@@ -167,7 +166,7 @@ def _print_table_plan(job: specs.JobSpec, storage_options_dir: Path | None) -> N
             print(line)
     pack = data.pack_sequences
     if pack is not None:
-        print(f"packing: {reading.blocks_per_epoch(table, data)} blocks per epoch"
+        print(f"packing: {streaming.blocks_per_epoch(table, data)} blocks per epoch"
               f"{' (auto: estimated by lancedb from epoch 0, fixed for the job)' if pack.blocks_per_epoch == 'auto' else ''}")
 
 

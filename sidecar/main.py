@@ -22,7 +22,7 @@ from splitfeed.trainer_client.transport import stranded
 
 from .world import commitments, identity, transitions
 from .world.settings import SidecarSettings, local_ranks, replica_of
-from .data import cgroups, plans, reading
+from .data import cgroups, planning, reading, skipping
 from .serving import ending, metrics, service, watching
 from .forks import forking, planner
 from .opening import Carried, NotInWorld, Sidecar, job_stores, load_job, prepare, write_world
@@ -82,7 +82,7 @@ def serve_world(sidecar: Sidecar) -> tuple[int, wellknown.Report]:
             reporter = metrics.ProgressReporter(
                 server, sidecar.steps_per_epoch,
                 row_counts=lambda: {"filled_rows": reading.FILLED_ROWS[0],
-                                    "skipped_rows": reading.SKIPPED_ROWS[0]})
+                                    "skipped_rows": skipping.SKIPPED_ROWS[0]})
 
             def tick() -> None:
                 watcher()
@@ -113,7 +113,7 @@ def serve_world(sidecar: Sidecar) -> tuple[int, wellknown.Report]:
                 (sidecar.permanent and failure == sidecar.failure)
                 or any(f.session.permanent and f.session.failure == failure for f in server.feeds)),
             "filledRows": reading.FILLED_ROWS[0],
-            "skippedRows": reading.SKIPPED_ROWS[0],
+            "skippedRows": skipping.SKIPPED_ROWS[0],
         }
         server.close()
     return (2 if failure else 0), report
@@ -270,7 +270,7 @@ def _set_up_process(settings: SidecarSettings) -> SidecarSettings:
     service.tune_interpreter()
     # lancedb's permutation builder, sized once before any thread reads the environment
     # (builds in this process are of at most planner.IN_PROCESS_ROWS rows).
-    plans.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
+    planning.size_pool(planner.IN_PROCESS_ROWS, cgroups.free_memory()[0])
     # A sidecar the kubelet restarted in a pod kept through in-place changes has the environment
     # of the world the pod was created for; the world file (in the pod's emptyDir) says which
     # world the pod is in now. Otherwise a predecessor's word is not ours.

@@ -18,7 +18,7 @@ from splitfeed.trainer_client.transport import keys, stranded
 
 from .world import agreement, checkpoints, commitments, identity, wire
 from .world.settings import SidecarSettings, coordinator_addresses, local_ranks, replica_of, replicas_of
-from .data import plans, positions, reading, resuming
+from .data import planning, positions, reading, resuming
 from .data.ledgers import SkipLedgers, iter_from
 from .data.storage_options import read_storage_options
 from .serving import metrics, service
@@ -78,7 +78,7 @@ class Sidecar:
     metrics: metrics.SidecarMetrics | None = None
     builder: planner.Planner | None = None
     """Builds this job's epoch plans (replica 0's, or every sidecar's without a store)."""
-    plan: plans.Source | None = None
+    plan: planning.Source | None = None
     data: specs.DataSpec | None = None
     """The job's data at the pinned table version (None when it could not be opened)."""
     rows: int = 0
@@ -94,7 +94,7 @@ class Carried:
     version, and the old world's coordinator until the new one is bound."""
 
     builder: planner.Planner | None
-    plan: plans.Source | None
+    plan: planning.Source | None
     metrics: metrics.SidecarMetrics | None
     coordinator: wire.CoordinatorThread | None
     data: specs.DataSpec | None
@@ -138,7 +138,7 @@ class _Opening:
     """The table version the coordinator told this member to read."""
     resume_state: dict[str, Any] | None = None
     builder: planner.Planner | None = None
-    plan: plans.Source | None = None
+    plan: planning.Source | None = None
     keypair: keys.Keypair | None = None
     """The job's CURVE keypair, for the coordinator (replica 0) and the member alike."""
 
@@ -302,7 +302,7 @@ def _start_plans(o: _Opening, builds: bool) -> None:
     where = planner.location(o.data, o.stores[0].where if o.stores else None,
                              checkpoints.store_options(o.job, o.storage_options))
     kept = o.carried.plan if o.carried is not None else None
-    o.plan = kept if kept is not None and kept.location.uri == where.uri else plans.Source(where)
+    o.plan = kept if kept is not None and kept.location.uri == where.uri else planning.Source(where)
     if not builds:
         return
     epoch = min(o.start_step // o.steps_per_epoch, o.data.epochs - 1)

@@ -12,10 +12,10 @@ from typing import Any
 
 from splitfeed.trainer_client.contract import errors, specs
 
-from . import positions, reading
+from . import positions, skipping
 
 
-class Ledger(dict[int, reading.Passed]):
+class Ledger(dict[int, skipping.Passed]):
     """global step -> what it passed (split positions after it), for one rank.
 
     Kept: the newest `keep` steps published, and every step read past the newest
@@ -96,7 +96,7 @@ class SkipLedgers:
         ledger = self._ledgers.get(rank)
         passed = None if ledger is None else ledger.get(step)
         if passed is not None:
-            reading.SKIPPED_ROWS[0] += passed.skipped
+            skipping.SKIPPED_ROWS[0] += passed.skipped
         if ledger is not None:
             ledger.published(step)
 

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from splitfeed.trainer_client.contract import errors, specs, topology
+from splitfeed.trainer_client.contract import errors, geometry, specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +34,7 @@ def position_of(global_step: int, steps_per_epoch: int) -> Position:
 
 def state_dict(data: specs.DataSpec, position: Position) -> dict[str, Any]:
     """The StreamingDataset state after every step before `position` was consumed."""
-    consumed = position.step * topology.rows_per_split_per_step(
-        data.global_batch_size, data.num_splits
-    )
+    consumed = position.step * geometry.Geometry.of(data).rows_per_split_per_step
     return {
         "shuffle_seed": data.shuffle_seed,
         "num_splits": data.num_splits,
@@ -82,7 +80,7 @@ def position_from_state(data: specs.DataSpec, state: Mapping[str, Any]) -> Posit
             "checkpoint is not at a global step boundary "
             f"(samples_consumed_per_split={samples[:8]}...)"
         )
-    per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    per_step = geometry.Geometry.of(data).rows_per_split_per_step
     consumed = samples[0]
     if consumed % per_step:
         raise IncompatibleState(

@@ -6,38 +6,35 @@ yields one Python dict per row, and it builds the whole permutation and opens
 each split at O(table rows) in every process: fine for thousands of rows, minutes
 and gigabytes for 10^7-10^9. So a plain job reads each epoch's permutation from a
 plan file (sidecar/data/plans.py: built once, by lancedb's own builder with
-StreamingDataset's arguments), loads only its splits' row ids, and takes rows by
-id in the reference order, several takes in flight (sidecar/data/takes.py). Jobs with a
-transform, packing or onTransformError=skip/warn still read through
-StreamingDataset itself, up to MAX_PREPROCESSED_ROWS. Tests compare every batch
-with StreamingDataset's own in-process iteration, which catches any drift of the
-pinned lancedb.
+StreamingDataset's arguments, sidecar/data/planning.py), loads only its splits' row ids, and
+takes rows by id in the reference order, several takes in flight (sidecar/data/takes.py). Jobs
+with a transform, packing or onTransformError=skip/warn still read through StreamingDataset
+itself (sidecar/data/streaming.py; a skip job's positions: sidecar/data/skipping.py), up to
+MAX_PREPROCESSED_ROWS. Tests compare every batch with StreamingDataset's own in-process
+iteration, which catches any drift of the pinned lancedb. Here: opening and pinning the
+table, sizing its epochs (`layout`, which builds the job's `geometry.Geometry`), and the
+rank reader `iter_blocks`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import typing
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import lancedb
 import numpy as np
 import pyarrow as pa
 from lancedb.permutation import Permutation, Transforms
 
-from splitfeed.trainer_client.contract import errors, specs, topology
+from splitfeed.trainer_client.contract import errors, geometry, specs, topology
 
-if TYPE_CHECKING:
-    from lancedb.streaming import StreamingDataset
-
-from . import batching, cgroups, plans, positions, preprocessing, storage_errors, takes
+from . import cgroups, planning, plans, positions, preprocessing, skipping, storage_errors, streaming, takes
 
 log = logging.getLogger(__name__)
 
@@ -155,35 +152,21 @@ def _version_guard(table: Any, data: specs.DataSpec) -> Iterator[None]:
         raise
 
 
-def reference_dataset(
-    table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int
-) -> StreamingDataset:
-    """The StreamingDataset whose in-process order is the determinism contract."""
-    from lancedb.streaming import StreamingDataset  # torch, 180 MiB: only for the jobs it reads
-
-    return StreamingDataset(table, epoch=epoch, rank=rank, world_size=world_size, **_order_arguments(data))
-
-
-def _order_arguments(data: specs.DataSpec) -> dict[str, Any]:
-    """The spec's fields that fix StreamingDataset's order, as its keyword arguments."""
-    return dict(
-        num_splits=data.num_splits,
-        shuffle=data.shuffle,
-        shuffle_seed=data.shuffle_seed,
-        columns=list(data.columns) if data.columns else None,
-        filter=data.filter,
-        shuffle_clump_size=data.shuffle_clump_size or None,
-        read_batch_size=data.read_batch_size,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The size of every epoch, from a row count: each epoch permutes the same rows."""
 
     rows: int
     split_size: int
-    steps_per_epoch: int
+    geometry: geometry.Geometry
+    """The job's geometry, sized: its steps_per_epoch is set."""
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole global steps in every epoch."""
+        steps = self.geometry.steps_per_epoch
+        assert steps is not None  # built from a row count (`_layout`)
+        return steps
 
 
 def layout(table: Any, data: specs.DataSpec) -> Layout:
@@ -210,16 +193,16 @@ def _layout(table: Any, data: specs.DataSpec) -> Layout:
             f"spec.data.numSplits={data.num_splits}; loosen the filter or use fewer splits"
         )
     split_size = topology.split_size(num_rows, data.num_splits)
-    steps = topology.steps_per_epoch(num_rows, data.num_splits, data.global_batch_size)
+    sized = geometry.Geometry.of(data, rows=num_rows)
     if data.pack_sequences is not None:
-        steps = _packed_steps(table, data)
-    if steps < 1:
+        sized = _packed_geometry(table, data)
+    if sized.steps_per_epoch is None or sized.steps_per_epoch < 1:
         raise errors.DataError(
             f"table {data.table!r} has {num_rows} rows{where}: {data.num_splits} splits of "
             f"{split_size} rows cannot fill one global step of "
             f"spec.data.globalBatchSize={data.global_batch_size} rows"
         )
-    return Layout(num_rows, split_size, steps)
+    return Layout(num_rows, split_size, sized)
 
 
 MAX_PREPROCESSED_ROWS = 10_000_000
@@ -253,11 +236,6 @@ def sample_row_bytes(table: Any, data: specs.DataSpec, sample: int = 256) -> tup
     return rows.num_columns, rows.nbytes / max(1, rows.num_rows)
 
 
-def import_streaming() -> None:
-    """Import lancedb.streaming (and torch) now: a fork server does it once for its children."""
-    import lancedb.streaming  # noqa: F401
-
-
 def remote(uri: str) -> bool:
     """An object store (s3://, gs://, az://, ...): its reads wait on the network, not a CPU."""
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
@@ -282,7 +260,7 @@ def iter_blocks(
     start_global_step: int,
     stop_global_step: int | None = None,
     resume_state: Mapping[str, Any] | None = None,
-    plan: plans.Source | None = None,
+    plan: planning.Source | None = None,
 ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
     """Yield (global_step, block) for `splits`: G/N cycles over them, reference order.
 
@@ -292,7 +270,7 @@ def iter_blocks(
     Plain jobs read the row ids of `splits` from each epoch's `plan` (without one, this
     reader builds the plans it needs itself); transform, packing and skip jobs read
     through StreamingDataset. Under onTransformError=skip/warn an epoch may end early
-    (see `_iter_skipping`), each block carries its splits' positions (`take_positions`),
+    (see `_iter_skipping`), each block carries its splits' positions (`skipping.take_positions`),
     and a resume mid-epoch needs the checkpoint's merged `resume_state`.
     """
     with _version_guard(table, data):
@@ -304,7 +282,7 @@ def iter_blocks(
         else:
             if not isinstance(data.version, int):  # a caller that did not pin: this reader's version
                 data = dataclasses.replace(data, version=table_version(table))
-            source = plan or plans.Source(plans.location_for(data, None), builds=True)
+            source = plan or planning.Source(plans.location_for(data, None), builds=True)
             yield from _iter_planned(table, data, splits, start_global_step, stop_global_step, source)
 
 
@@ -315,12 +293,12 @@ def step_order(ids: np.ndarray, first: int, steps: int, per_step: int) -> np.nda
     return block.reshape(len(ids), steps, per_step).transpose(1, 2, 0).ravel()
 
 
-def _epochs_ids(table: Any, data: specs.DataSpec, plan: plans.Source, splits: Sequence[int], rows: int,
+def _epochs_ids(table: Any, data: specs.DataSpec, plan: planning.Source, splits: Sequence[int], rows: int,
                 epochs: range) -> Generator[tuple[int, np.ndarray] | takes.Barrier, None, None]:
     """(epoch, row ids of `splits`) of each of `epochs`: the first loaded here, each next one
-    in a thread while the one before is read (plans.Ahead), with a Barrier before one whose
+    in a thread while the one before is read (planning.Ahead), with a Barrier before one whose
     plan is not there yet (the planner builds it once a step of the epoch before is published)."""
-    ahead: plans.Ahead | None = None
+    ahead: planning.Ahead | None = None
     try:
         for epoch in epochs:
             if ahead is None:
@@ -340,7 +318,7 @@ def _epochs_ids(table: Any, data: specs.DataSpec, plan: plans.Source, splits: Se
 
 def _iter_planned(
     table: Any, data: specs.DataSpec, splits: Sequence[int], start_global_step: int,
-    stop_global_step: int | None, plan: plans.Source,
+    stop_global_step: int | None, plan: planning.Source,
 ) -> Generator[tuple[int, pa.RecordBatch], None, None]:
     """iter_blocks for a plain job: takes by row id from the epoch's plan, several in flight.
 
@@ -349,13 +327,13 @@ def _iter_planned(
     steps' blocks as they are (fewer steps once rows are known to be large: a take
     stays under takes.TAKE_BYTES). Takes run ahead across steps and epochs up to
     spec.data.readAheadBytes (takes.Takes); the next epoch's row ids are loaded in the
-    background once an epoch's are (plans.Ahead), so two epochs' ids are held. The
+    background once an epoch's are (planning.Ahead), so two epochs' ids are held. The
     planner builds the next epochs' plans once a step of epoch e is published, so reads
     run ahead into an epoch whose plan is not there yet only once it arrives
     (takes.Barrier).
     """
     sized = layout(table, data)
-    per_step = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    per_step = sized.geometry.rows_per_split_per_step
     spe = sized.steps_per_epoch
     steps_per_take = max(1, -(-data.read_batch_size // per_step))
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
@@ -398,70 +376,17 @@ def _iter_planned(
 # --- transforms and packing: lancedb's StreamingDataset does the work ---------------
 
 
-def blocks_per_epoch(table: Any, data: specs.DataSpec) -> int:
-    """packSequences.blocksPerEpoch, with "auto" estimated by lancedb from epoch 0.
-
-    lancedb re-estimates "auto" for each epoch's permutation; splitfeed fixes the
-    epoch-0 estimate for the whole job, so that every epoch has the same number
-    of steps and a global step maps to one (epoch, step).
-    """
-    pack = data.pack_sequences
-    if pack is None:
-        raise ValueError("the job does not pack sequences")
-    if pack.blocks_per_epoch != "auto":
-        return int(pack.blocks_per_epoch)
-    dataset = _streaming_dataset(table, data, epoch=0, rank=0, world_size=1, transform=None,
-                                 blocks="auto")
-    return int(cast(int, dataset._blocks_per_epoch))  # lancedb's __init__ resolved "auto"
-
-
-def _packed_steps(table: Any, data: specs.DataSpec) -> int:
-    blocks = blocks_per_epoch(table, data)
-    steps = (blocks // data.num_splits) // topology.rows_per_split_per_step(
-        data.global_batch_size, data.num_splits
-    )
-    if steps < 1:
+def _packed_geometry(table: Any, data: specs.DataSpec) -> geometry.Geometry:
+    """A packing job's geometry: its epochs are of packed blocks (`streaming.blocks_per_epoch`)."""
+    blocks = streaming.blocks_per_epoch(table, data)
+    sized = geometry.Geometry.of(data, rows=blocks)
+    if sized.steps_per_epoch is None or sized.steps_per_epoch < 1:
         raise errors.DataError(
             f"spec.data.packSequences.blocksPerEpoch={blocks}: {blocks // data.num_splits} "
             f"blocks per split cannot fill one global step of spec.data.globalBatchSize="
             f"{data.global_batch_size} blocks"
         )
-    return steps
-
-
-def transform_parallelism(data: specs.DataSpec, cpus: int) -> int:
-    """spec.data.transformParallelism, or the `cpus` this sidecar may use shared among its
-    numWorkers loader processes (each runs its own StreamingDataset and thread pool)."""
-    if data.transform_parallelism is not None:
-        return data.transform_parallelism
-    return max(1, -(-cpus // data.num_workers))
-
-
-def _streaming_dataset(
-    table: Any, data: specs.DataSpec, *, epoch: int, rank: int, world_size: int,
-    transform: Any, blocks: int | str | None,
-) -> StreamingDataset:
-    """reference_dataset plus the job's transform or packing."""
-    pack = data.pack_sequences
-    arguments = _order_arguments(data)
-    if pack is not None:
-        arguments.update(columns=[pack.column], pack_sequences=pack.block_size, eos_id=pack.eos_id,
-                         pad_id=pack.pad_id, blocks_per_epoch=blocks)
-    try:
-        from lancedb.streaming import StreamingDataset
-
-        return StreamingDataset(
-            table,
-            epoch=epoch,
-            rank=rank,
-            world_size=world_size,
-            transform=transform,
-            transform_parallelism=transform_parallelism(data, cgroups.process_cpus()),
-            transform_queue_depth=data.transform_queue_depth,
-            **arguments,
-        )
-    except ValueError as exc:  # lancedb's checks of packing arguments against the table
-        raise errors.DataError(f"spec.data.packSequences: {exc}") from exc
+    return sized
 
 
 def _iter_preprocessed(
@@ -478,19 +403,18 @@ def _iter_preprocessed(
     epoch's packing up to it (packing state is token buffers, not a position).
     """
     m = len(splits)
-    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
-    per_step = cycles * m
     name = data.transform or ""
     guarded = (
         preprocessing.Guarded(preprocessing.load_transform(data), name) if data.transform else None
     )
-    blocks = blocks_per_epoch(table, data) if data.pack_sequences is not None else None
-    spe = preprocessed_layout(table, data).steps_per_epoch
+    blocks = streaming.blocks_per_epoch(table, data) if data.pack_sequences is not None else None
+    sized = preprocessed_layout(table, data)
+    spe, per_step = sized.steps_per_epoch, sized.geometry.rows_per_split_per_step * m
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
     global_step = start_global_step
     while global_step < end:
         pos = positions.position_of(global_step, spe)
-        dataset = _streaming_dataset(
+        dataset = streaming.streaming_dataset(
             table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
             transform=guarded, blocks=blocks,
         )
@@ -512,7 +436,8 @@ def _iter_preprocessed(
                     )
                 if guarded is not None:
                     rows = _settle_failures(table, data, Epoch(pos.epoch, dataset._perm_table),
-                                            splits, guarded, rows, step=step, global_step=global_step)
+                                            splits, guarded, rows, step=step, global_step=global_step,
+                                            cycles=sized.geometry.rows_per_split_per_step)
                 yield global_step, preprocessing.collate(rows, name or "packSequences")
                 global_step += 1
         finally:
@@ -534,15 +459,14 @@ FILLED_ROWS = [0]
 
 def _settle_failures(
     table: Any, data: specs.DataSpec, layout: Epoch, splits: Sequence[int],
-    guarded: preprocessing.Guarded, rows: list[Any], *, step: int, global_step: int,
+    guarded: preprocessing.Guarded, rows: list[Any], *, step: int, global_step: int, cycles: int,
 ) -> list[Any]:
     """Raise for a failed row (raise), or replace it by its substitute (fill).
 
     Row j of a step is cycle j // m of split splits[j % m], which sits at
-    position step*G/N + j // m of its split (no row is ever dropped).
+    position step*G/N + j // m of its split (no row is ever dropped); `cycles` is G/N.
     """
     m = len(splits)
-    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     for j, row in enumerate(rows):
         if not isinstance(row, preprocessing.Failed):
             continue
@@ -586,75 +510,7 @@ def _substitute(
     )
 
 
-def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """lancedb's own merge of per-rank states into one topology-free state.
-
-    A plain job's ranks all write the same state at a step (positions.state_dict), which
-    lancedb's merge returns as it is (tests/reading/test_checkpoints.py checks that);
-    not importing lancedb.streaming for it keeps torch (180 MiB) out of such sidecars.
-    """
-    if states and all(state == states[0] for state in states[1:]):
-        return dict(states[0])
-    from lancedb.streaming import StreamingDataset
-
-    return StreamingDataset.merge_state_dicts(states)
-
-
 # --- onTransformError=skip / warn ------------------------------------------------------
-
-SKIPPED_ROWS = [0]
-"""Rows dropped by onTransformError=skip/warn before the rows of the steps this sidecar
-published (counted by the sidecar as it publishes, from each step's `Passed.skipped`)."""
-
-POSITIONS_KEY = b"splitfeed.positions"
-"""Schema metadata of a skip job's block: JSON {"at": [[split, position], ...], "skipped": n},
-each split's permutation position after the block's last row (lancedb's
-positions_consumed_per_split) and the failing rows dropped in between. Only between the
-reader and the sidecar: `take_positions` strips it before the ring."""
-
-
-class Passed(typing.NamedTuple):
-    """What a skip job's step passed: its splits' positions after it, and the rows dropped."""
-
-    at: dict[int, int]
-    skipped: int
-
-
-def take_positions(block: pa.RecordBatch) -> tuple[pa.RecordBatch, Passed | None]:
-    """A block without its positions metadata, and what it passed (None for other jobs)."""
-    metadata = block.schema.metadata or {}
-    if POSITIONS_KEY not in metadata:
-        return block, None
-    found = json.loads(metadata[POSITIONS_KEY])
-    rest = {k: v for k, v in metadata.items() if k != POSITIONS_KEY}
-    passed = Passed({int(s): int(p) for s, p in found["at"]}, int(found["skipped"]))
-    return block.replace_schema_metadata(rest or None), passed
-
-
-def _put_positions(block: pa.RecordBatch, passed: Passed) -> pa.RecordBatch:
-    """`block` carrying what its step passed in its POSITIONS_KEY metadata (`take_positions` reads it)."""
-    found = {"at": sorted(passed.at.items()), "skipped": passed.skipped}
-    metadata = {**(block.schema.metadata or {}), POSITIONS_KEY: json.dumps(found).encode()}
-    return block.replace_schema_metadata(metadata)
-
-
-def split_starts(data: specs.DataSpec, splits: Sequence[int], pos: positions.Position,
-                 state: Mapping[str, Any] | None) -> list[int]:
-    """Where each split of `splits` resumes in the epoch of `pos` under skip: 0 at an epoch
-    start, else the checkpoint's per-split positions (a step no longer fixes them)."""
-    if pos.step == 0:
-        return [0] * len(splits)
-    if state is None:
-        raise errors.UserError(
-            f"onTransformError={data.on_transform_error}: resuming at step {pos.step} of epoch "
-            f"{pos.epoch} needs the checkpoint's per-split positions, and none was given")
-    found = positions.position_from_state(data, state)
-    if found != pos:
-        raise errors.UserError(
-            f"the checkpoint holds epoch {found.epoch} step {found.step}, not epoch {pos.epoch} "
-            f"step {pos.step}")
-    at = list(state["positions_consumed_per_split"])
-    return [int(at[s]) for s in splits]
 
 
 def _iter_skipping(
@@ -673,23 +529,22 @@ def _iter_skipping(
     simply absent. The world stops each epoch at the smallest end of all its ranks
     (agreement.py's watermark), which is a prefix of what this yields.
     """
-    m = len(splits)
-    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
     name = data.transform or ""
     guarded = preprocessing.Guarded(preprocessing.load_transform(data), name)
-    spe = preprocessed_layout(table, data).steps_per_epoch
+    sized = preprocessed_layout(table, data)
+    spe, cycles = sized.steps_per_epoch, sized.geometry.rows_per_split_per_step
     end = data.epochs * spe if stop_global_step is None else min(stop_global_step, data.epochs * spe)
     global_step = start_global_step
     state = resume_state
     while global_step < end:
         pos = positions.position_of(global_step, spe)
-        starts = split_starts(data, splits, pos, state)
+        starts = skipping.split_starts(data, splits, pos, state)
         state = None  # only the first epoch resumes mid-way
         floor = min(starts, default=0)
-        rows_iter = _skipping_rows(table, data, splits, pos, floor, guarded)
+        rows_iter = skipping.guarded_rows(table, data, splits, pos, floor, guarded)
         try:
-            epoch_steps = _skipping_epoch(rows_iter, data, splits, starts, cycles, pos.epoch,
-                                          name, floor)
+            epoch_steps = skipping.epoch_steps(rows_iter, data, splits, starts, cycles, pos.epoch,
+                                               name, floor)
             for step in range(pos.step, spe):
                 if global_step >= end:
                     return
@@ -697,86 +552,11 @@ def _iter_skipping(
                 if taken is None:
                     break  # a split of these ran dry: this epoch ends here
                 rows, at, skipped = taken
-                yield global_step, _put_positions(preprocessing.collate(rows, name), Passed(at, skipped))
+                yield global_step, skipping.put_positions(preprocessing.collate(rows, name),
+                                                          skipping.Passed(at, skipped))
                 global_step += 1
             global_step = (pos.epoch + 1) * spe
         finally:
             close = getattr(rows_iter, "close", None)
             if close is not None:
                 close()
-
-
-def _skipping_rows(
-    table: Any, data: specs.DataSpec, splits: Sequence[int], pos: positions.Position, floor: int,
-    guarded: preprocessing.Guarded,
-) -> Iterator[Any]:
-    """lancedb's guarded rows of these splits in the epoch of `pos`, every split from `floor`.
-
-    lancedb's round-robin stops at the first split that runs dry, and under Guarded
-    that is the first whose rows run out: resumed at unequal positions, a split
-    started early would lose its last rows. Every split resumes at the lowest of
-    their positions, `floor` (rows before a split's own are read again and passed
-    over), so they still run out together.
-    """
-    m = len(splits)
-    dataset = _streaming_dataset(
-        table, data, epoch=pos.epoch, rank=splits[0] // m, world_size=data.num_splits // m,
-        transform=guarded, blocks=None,
-    )
-    if pos.step:
-        dataset.load_state_dict(_skip_state(data, pos, splits, [floor] * m))
-    return iter(dataset)
-
-
-def _skip_state(data: specs.DataSpec, pos: positions.Position, splits: Sequence[int],
-                starts: Sequence[int]) -> dict[str, Any]:
-    """What lancedb resumes these splits from: the uniform row count of `pos`, and each
-    split's own position (later than the count by its skipped rows)."""
-    return positions.state_after(data, pos, dict(zip(splits, starts)))
-
-
-def _skipping_epoch(
-    rows_iter: Iterator[Any], data: specs.DataSpec, splits: Sequence[int], starts: Sequence[int],
-    cycles: int, epoch: int, name: str, first: int = 0,
-) -> Iterator[tuple[list[Any], dict[int, int], int]]:
-    """Each step's rows (reference order), the splits' positions after it and the rows it
-    dropped, until a split cannot give `cycles` more surviving rows. `rows_iter` starts
-    every split at position `first`; split i's rows before `starts[i]` were consumed already."""
-    m = len(splits)
-    ready: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in splits]
-    failed: list[collections.deque[tuple[int, preprocessing.Failed]]] = [
-        collections.deque() for _ in splits]
-    next_position = [first] * m
-    after = list(starts)
-    exhausted = False
-    while True:
-        while not exhausted and any(len(q) < cycles for q in ready):
-            cycle = list(itertools.islice(rows_iter, m))
-            if len(cycle) < m:
-                exhausted = True  # Guarded drops nothing, so the splits end together
-                break
-            for i, row in enumerate(cycle):
-                if next_position[i] >= starts[i]:
-                    where = failed[i] if isinstance(row, preprocessing.Failed) else ready[i]
-                    where.append((next_position[i], row))
-                next_position[i] += 1
-        if any(len(q) < cycles for q in ready):
-            return
-        taken = [[ready[i].popleft() for _ in range(cycles)] for i in range(m)]
-        skipped = 0
-        for i in range(m):
-            after[i] = taken[i][-1][0] + 1
-            while failed[i] and failed[i][0][0] < after[i]:
-                position, row = failed[i].popleft()
-                _skipped(data, name, epoch, splits[i], position, row)
-                skipped += 1
-        rows = [taken[i][c][1] for c in range(cycles) for i in range(m)]
-        yield rows, {splits[i]: after[i] for i in range(m)}, skipped
-
-
-def _skipped(data: specs.DataSpec, name: str, epoch: int, split: int, position: int,
-             row: preprocessing.Failed) -> None:
-    if data.on_transform_error == "warn":
-        log.warning(
-            "spec.data.transform=%r failed on position %d of split %d in epoch %d (%s: %s); "
-            "row skipped", name, position, split, epoch, type(row.error).__name__, row.error)

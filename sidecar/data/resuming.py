@@ -12,7 +12,7 @@ from typing import Any
 from splitfeed.trainer_client.contract import wellknown, errors, specs
 
 from ..world import checkpoints
-from . import positions, reading
+from . import positions, streaming
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def choose_resume_step(data: specs.DataSpec, stores: list[checkpoints.Store], ex
         return recorded
     if resume == wellknown.RESUME_NONE or not stores:
         return 0
-    found = checkpoints.newest(stores, reading.merge_states, expect=expect,
+    found = checkpoints.newest(stores, streaming.merge_states, expect=expect,
                                accept=lambda s: positions.position_from_state(data, s))
     if found is None:
         log.info("no complete checkpoint under %s: starting at step 0", uri)
@@ -57,7 +57,7 @@ def check_resume_step(data: specs.DataSpec, stores: list[checkpoints.Store], ste
     if not stores:
         raise errors.UserError(
             f"the world resumes at global step {step} but the job has no spec.checkpoint.uri")
-    merged = checkpoints.load(stores, step, reading.merge_states, expect=expect)
+    merged = checkpoints.load(stores, step, streaming.merge_states, expect=expect)
     position = positions.position_from_state(data, merged)
     if position.epoch * steps_per_epoch + position.step != step:
         raise errors.UserError(

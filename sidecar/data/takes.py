@@ -262,7 +262,7 @@ class Barrier:
     built) until `opened()` says it will not. Until then Takes hands back every result
     asked before it, then asks for more only when the consumer asks for the next result:
     a plan built once a step before it is published must never wait for reads that wait
-    for it. Once `opened()` (the plan arrived: `plans.Ahead`), reads run on past it, so
+    for it. Once `opened()` (the plan arrived: `planning.Ahead`), reads run on past it, so
     the next epoch's first rows are taken before its first step is asked for."""
 
     opened: Callable[[], bool] = _never

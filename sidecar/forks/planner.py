@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from splitfeed.trainer_client.contract import errors, specs
 
-from ..data import cgroups, plans, reading
+from ..data import cgroups, planning, plans, reading
 from . import forking, workers
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,11 @@ def _build_main(conn: multiprocessing.connection.Connection, data: specs.DataSpe
                 rows: int) -> None:
     """In the child: open the pinned table, build and publish the plan, say how it went."""
     workers.exit_with_parent()
-    plans.size_pool(rows, cgroups.free_memory()[0])  # before lancedb's threads read the environment
+    planning.size_pool(rows, cgroups.free_memory()[0])  # before lancedb's threads read the environment
     kind, text = _OK, ""
     try:
         table = reading.open_table(data, storage_options)
-        plans.build_and_publish(table, data, location, epoch, rows=rows)
+        planning.build_and_publish(table, data, location, epoch, rows=rows)
     except errors.DataError as exc:
         kind, text = _DATA_ERROR, str(exc)
     except errors.UserError as exc:
@@ -163,7 +163,7 @@ class Planner:
                 if self.rows <= IN_PROCESS_ROWS:
                     if self._table is None:
                         self._table = reading.open_table(self.data, self._options)
-                    plans.build_and_publish(self._table, self.data, self.location, epoch, rows=self.rows)
+                    planning.build_and_publish(self._table, self.data, self.location, epoch, rows=self.rows)
                 else:
                     build_in_child(self.data, self._options, self.location, epoch, self.rows)
             except Exception as exc:

@@ -38,9 +38,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from splitfeed.trainer_client.contract import errors, specs, topology
+from splitfeed.trainer_client.contract import errors, geometry, specs, topology
 
-from ..data import batching, plans, reading
+from ..data import batching, planning, plans, reading, skipping
 from .forking import FORK_WARNING
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ def iter_rank_batches(
     start_global_step: int,
     stop_global_step: int | None = None,
     resume_state: Mapping[str, Any] | None = None,
-    ledger: MutableMapping[int, reading.Passed] | None = None,
-    plan: plans.Source | None = None,
+    ledger: MutableMapping[int, skipping.Passed] | None = None,
+    plan: planning.Source | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Yield (global_step, batch) for `rank`: G/W rows per step, in reference order.
 
@@ -101,7 +101,7 @@ def iter_rank_batches(
     if plan is None and reading.reads_plans(data) and isinstance(data.version, int):
         # Nobody builds for these readers: they build into this process's own directory
         # (workers too, so that it goes when this process exits).
-        plan = plans.Source(plans.location_for(data, None), builds=True)
+        plan = planning.Source(plans.location_for(data, None), builds=True)
     if data.num_workers == 1:
         return _iter_in_process(data, options, rank, world_size, start_global_step, stop_global_step,
                                 state, ledger, plan)
@@ -120,8 +120,8 @@ def _iter_in_process(
     start: int,
     stop: int | None,
     state: dict[str, Any] | None = None,
-    ledger: MutableMapping[int, reading.Passed] | None = None,
-    plan: plans.Source | None = None,
+    ledger: MutableMapping[int, skipping.Passed] | None = None,
+    plan: planning.Source | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Read in the caller's thread.
 
@@ -130,12 +130,12 @@ def _iter_in_process(
     added GIL switches.
     """
     table = reading.open_table(data, storage_options)
-    splits = topology.rank_splits(rank, world_size, data.num_splits)
+    splits = geometry.Geometry.of(data).rank_splits(rank, world_size)
     blocks = reading.iter_blocks(table, data, splits, start_global_step=start, stop_global_step=stop,
                                  resume_state=state, plan=plan)
     with contextlib.closing(blocks):
         for step, block in blocks:
-            block, passed = reading.take_positions(block)
+            block, passed = skipping.take_positions(block)
             if ledger is not None and passed is not None:
                 ledger[step] = passed
             yield step, block
@@ -202,13 +202,13 @@ def _worker_main(
     start: int,
     stop: int | None,
     state: dict[str, Any] | None = None,
-    plan: plans.Source | None = None,
+    plan: planning.Source | None = None,
 ) -> None:
     """Entry point of loader worker `worker`: stream its sub-block's steps to the parent."""
     exit_with_parent()
     try:
         table = reading.open_table(data, storage_options)
-        splits = topology.worker_splits(rank, world_size, data.num_splits, data.num_workers, worker)
+        splits = geometry.Geometry.of(data).worker_splits(rank, world_size, worker)
         for step, block in reading.iter_blocks(
             table, data, splits, start_global_step=start, stop_global_step=stop, resume_state=state,
             plan=plan,
@@ -301,8 +301,8 @@ def _iter_in_processes(
     start: int,
     stop: int | None,
     state: dict[str, Any] | None = None,
-    ledger: MutableMapping[int, reading.Passed] | None = None,
-    plan: plans.Source | None = None,
+    ledger: MutableMapping[int, skipping.Passed] | None = None,
+    plan: planning.Source | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Start K workers, then merge their step-k blocks into the rank's batch k.
 
@@ -311,7 +311,7 @@ def _iter_in_processes(
     only end where the next epoch starts, so aligning on the highest step is exact).
     """
     context = fork_context(data)
-    cycles = topology.rows_per_split_per_step(data.global_batch_size, data.num_splits)
+    cycles = geometry.Geometry.of(data).rows_per_split_per_step
     conns: list[multiprocessing.connection.Connection] = []
     processes: list[multiprocessing.process.BaseProcess] = []
     filled_seen: dict[int, int] = {}
@@ -387,14 +387,14 @@ def _frames_step(frames: list[tuple[int, int, memoryview]], expected: int, skipp
 
 
 def _merge(frames: list[tuple[int, int, memoryview]],
-           cycles: int) -> tuple[pa.RecordBatch, reading.Passed | None]:
+           cycles: int) -> tuple[pa.RecordBatch, skipping.Passed | None]:
     """One step's worker blocks as the rank's batch (batching.interleave), and what their
     splits passed together (None but under skip)."""
     blocks, at, skipped = [], {}, 0
     for _, _, payload in frames:
-        block, passed = reading.take_positions(_from_ipc(payload))
+        block, passed = skipping.take_positions(_from_ipc(payload))
         blocks.append(block)
         if passed is not None:
             at.update(passed.at)
             skipped += passed.skipped
-    return batching.interleave(blocks, cycles), (reading.Passed(at, skipped) if at else None)
+    return batching.interleave(blocks, cycles), (skipping.Passed(at, skipped) if at else None)

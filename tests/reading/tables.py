@@ -1,6 +1,6 @@
 """Tables for the data-plane read tests, and StreamingDataset's own order for them.
 
-The oracle is always `reading.reference_dataset(...)` (a plain
+The oracle is always `streaming.reference_dataset(...)` (a plain
 `lancedb.streaming.StreamingDataset`) iterated in-process, never splitfeed's own
 output, so a drift of the pinned lancedb, of the split assignment or of the
 columnar reader shows up as a mismatch.
@@ -17,7 +17,7 @@ import lancedb
 import numpy as np
 import pyarrow as pa
 
-from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.data import streaming
 from splitfeed.trainer_client.contract import specs
 from tests.support import s3, tables
 
@@ -69,7 +69,7 @@ def reference_rows(
     trainer would; `limit` stops after that many rows.
     """
     table = open_reference_table(data, storage_options)
-    dataset = reading.reference_dataset(table, data, epoch=epoch, rank=rank, world_size=world_size)
+    dataset = streaming.reference_dataset(table, data, epoch=epoch, rank=rank, world_size=world_size)
     if state is not None:
         dataset.load_state_dict(state)
     with contextlib.closing(iter(dataset)) as rows:

@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from splitfeed.sidecar.world import blobs, checkpoints, identity
-from splitfeed.sidecar.data import positions, reading
+from splitfeed.sidecar.data import positions, reading, streaming
 from splitfeed.trainer_client.contract import errors, specs, topology
 from tests.reading.tables import (
     CREDENTIALS,
@@ -80,7 +80,7 @@ def save(store: Store, step: int, world_size: int, *, commit: Iterator[int] | ra
 
 
 def newest_step(store: Store, **kwargs: Any) -> int | None:
-    found = store.newest(reading.merge_states, expect=expect(), **kwargs)
+    found = store.newest(streaming.merge_states, expect=expect(), **kwargs)
     return None if found is None else found.step
 
 
@@ -97,7 +97,7 @@ def test_a_committed_step_resumes_exactly_on_another_world_size_after_the_table_
     save(store, 13, 2, data=data)
     reading.open_table(data_spec(table_uri)).add(frames(300))  # written after the checkpoint
 
-    merged = store.load(13, reading.merge_states, expect=checkpoints.provenance(
+    merged = store.load(13, streaming.merge_states, expect=checkpoints.provenance(
         data, table_version=1, job_uid=UID, world_epoch=1))
     position = positions.position_from_state(data, merged)
     assert position == positions.Position(0, 13)
@@ -115,10 +115,10 @@ def test_a_prepared_step_is_not_resumed_until_every_rank_committed(target: Targe
     save(store, 7, 2, commit=[0])
     assert newest_step(store) == 3
     with pytest.raises(errors.UserError, match="step 7 .* is not complete"):
-        store.load(7, reading.merge_states, expect=expect())
+        store.load(7, streaming.merge_states, expect=expect())
     store.commit(global_step=7, rank=1, world_size=2)
     assert newest_step(store) == 7
-    assert store.load(7, reading.merge_states, expect=expect()) == positions.state_dict(
+    assert store.load(7, streaming.merge_states, expect=expect()) == positions.state_dict(
         pinned_data(), positions.Position(0, 7))
 
 
@@ -158,8 +158,8 @@ def test_a_changed_order_field_is_refused_naming_it(target: Target, change: dict
     save(store, 5, 2)
     changed = dataclasses.replace(pinned_data(), **change)
     wanted = expect(changed, table_version=int(changed.version or 1))
-    for attempt in (lambda: store.newest(reading.merge_states, expect=wanted),
-                    lambda: store.load(5, reading.merge_states, expect=wanted)):
+    for attempt in (lambda: store.newest(streaming.merge_states, expect=wanted),
+                    lambda: store.load(5, streaming.merge_states, expect=wanted)):
         with pytest.raises(checkpoints.ProvenanceMismatch) as info:
             attempt()
         assert len(info.value.fields) == 1 and field in str(info.value)
@@ -170,10 +170,10 @@ def test_every_differing_field_is_named_and_epochs_may_change(target: Target) ->
     store = target.store()
     save(store, 5, 2)
     more_epochs = dataclasses.replace(pinned_data(), epochs=5)
-    assert store.newest(reading.merge_states, expect=expect(more_epochs)) is not None
+    assert store.newest(streaming.merge_states, expect=expect(more_epochs)) is not None
     changed = dataclasses.replace(pinned_data(), global_batch_size=96, shuffle_seed=1)
     with pytest.raises(checkpoints.ProvenanceMismatch) as info:
-        store.newest(reading.merge_states, expect=expect(changed))
+        store.newest(streaming.merge_states, expect=expect(changed))
     assert info.value.fields == ["shuffleSeed", "globalBatchSize"]
     assert "spec.data.shuffleSeed: the checkpoint has 7, this job has 1" in str(info.value)
     assert isinstance(info.value, errors.DataError)  # the operator fails the job at once
@@ -197,24 +197,24 @@ def job_spec(target: Target, resume_from: specs.ResumeFrom | None = None) -> spe
 def test_a_re_created_job_starts_at_0_unless_it_names_the_old_ones(target: Target) -> None:
     save(target.store(uid=UID), 9, 2)
     recreated = checkpoints.stores(job_spec(target), uid=OTHER_UID, storage_options=target.options)
-    assert checkpoints.newest(recreated, reading.merge_states, expect=expect(uid=OTHER_UID)) is None
+    assert checkpoints.newest(recreated, streaming.merge_states, expect=expect(uid=OTHER_UID)) is None
 
     named = checkpoints.stores(job_spec(target, specs.ResumeFrom(uid=UID)), uid=OTHER_UID,
                                storage_options=target.options, provenance=expect(uid=OTHER_UID))
-    found = checkpoints.newest(named, reading.merge_states, expect=expect(uid=OTHER_UID))
+    found = checkpoints.newest(named, streaming.merge_states, expect=expect(uid=OTHER_UID))
     assert found is not None and (found.step, found.world_size) == (9, 2)
-    assert checkpoints.load(named, 9, reading.merge_states, expect=expect(uid=OTHER_UID)) == found.state
+    assert checkpoints.load(named, 9, streaming.merge_states, expect=expect(uid=OTHER_UID)) == found.state
     assert named[1].pinned_version() is None  # no world markers in this test
 
     with pytest.raises(checkpoints.ProvenanceMismatch, match="globalBatchSize"):  # checked in full
-        checkpoints.newest(named, reading.merge_states,
+        checkpoints.newest(named, streaming.merge_states,
                            expect=expect(dataclasses.replace(pinned_data(), global_batch_size=96), uid=OTHER_UID))
 
     # Once the new job has a checkpoint of its own, that one is resumed.
     for store in named:
         store.blobs.backoff_s = 0.001
     save(named[0], 4, 3)
-    found = checkpoints.newest(named, reading.merge_states, expect=expect(uid=OTHER_UID))
+    found = checkpoints.newest(named, streaming.merge_states, expect=expect(uid=OTHER_UID))
     assert found is not None and (found.step, found.world_size) == (4, 3)
 
 
@@ -222,7 +222,7 @@ def test_resume_from_another_name(target: Target) -> None:
     save(target.store(uid=UID, job="old-job"), 6, 2)
     named = checkpoints.stores(job_spec(target, specs.ResumeFrom(uid=UID, name="old-job")), uid=OTHER_UID,
                                storage_options=target.options)
-    found = checkpoints.newest(named, reading.merge_states, expect=expect())
+    found = checkpoints.newest(named, streaming.merge_states, expect=expect())
     assert found is not None and found.step == 6
 
 
@@ -231,7 +231,7 @@ def test_a_record_claiming_another_job_is_refused(target: Target) -> None:
         **expect(uid=OTHER_UID), "worldEpoch": 0})
     save(impostor, 2, 1)
     with pytest.raises(checkpoints.ProvenanceMismatch, match="jobUid"):
-        target.store().newest(reading.merge_states, expect=expect())
+        target.store().newest(streaming.merge_states, expect=expect())
 
 
 # --- fencing ----------------------------------------------------------------------
@@ -252,14 +252,14 @@ def test_a_stale_world_can_neither_outrank_nor_overwrite_the_new_one(target: Tar
     save(world1, 16, 2)
     assert newest_step(world2) == 10
     with pytest.raises(errors.UserError, match="not complete"):
-        world2.load(14, reading.merge_states, expect=expect())
+        world2.load(14, streaming.merge_states, expect=expect())
     with pytest.raises(checkpoints.StaleWorld, match="world 2 of this job has started"):
         world1.start_world(resume_step=14)
 
     # World 2 (same world size) writes steps 12 and 16: its own files, newest world used.
     save(world2, 12, 2)
     save(world2, 16, 2)
-    found = world2.newest(reading.merge_states, expect=expect())
+    found = world2.newest(streaming.merge_states, expect=expect())
     assert found is not None and (found.step, found.world_epoch) == (16, 2)
     names = sorted(i.base_name for i in world2.blobs.fs.get_file_info(
         pafs.FileSelector(world2.record_path(16, 0, 2).rsplit("/", 1)[0])))
@@ -315,7 +315,7 @@ def test_transient_read_errors_are_retried_not_skipped(
         assert newest_step(reader) == 7  # never the older step 3
     assert reader.blobs.fs.failures == 0 and "retry 1 of 4" in caplog.text
     reader.blobs.fs.failures = 3
-    assert reader.load(7, reading.merge_states, expect=expect())["epoch"] == 0
+    assert reader.load(7, streaming.merge_states, expect=expect())["epoch"] == 0
 
 
 def test_a_store_that_keeps_failing_is_an_error_not_an_older_step(target: Target) -> None:
@@ -327,7 +327,7 @@ def test_a_store_that_keeps_failing_is_an_error_not_an_older_step(target: Target
     with pytest.raises(blobs.StoreUnavailable, match="failed 5 times"):
         newest_step(reader)
     with pytest.raises(blobs.StoreUnavailable):
-        reader.load(7, reading.merge_states, expect=expect())
+        reader.load(7, streaming.merge_states, expect=expect())
 
 
 # --- the pod's identity ---------------------------------------------------------------
@@ -354,17 +354,17 @@ def test_a_bad_identity_names_the_variable(env: dict[str, str], words: str) -> N
 
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_identical_rank_states_merge_as_lancedb_merges_them(ranks: int) -> None:
-    """reading.merge_states skips lancedb for a plain job's identical states: its answer is
+    """streaming.merge_states skips lancedb for a plain job's identical states: its answer is
     lancedb's own, and unequal states still go to lancedb."""
     from lancedb.streaming import StreamingDataset
 
     data = specs.DataSpec(uri="x", table="t", num_splits=6, global_batch_size=12)
     state = positions.state_dict(data, positions.Position(1, 4))
     states = [dict(state) for _ in range(ranks)]
-    assert reading.merge_states(states) == StreamingDataset.merge_state_dicts(states)
+    assert streaming.merge_states(states) == StreamingDataset.merge_state_dicts(states)
     skipped = positions.state_after(data, positions.Position(1, 4), {2: 11})
-    assert reading.merge_states([state, skipped]) == StreamingDataset.merge_state_dicts([state, skipped])
-    assert reading.merge_states([state, skipped])["positions_consumed_per_split"][2] == 11
+    assert streaming.merge_states([state, skipped]) == StreamingDataset.merge_state_dicts([state, skipped])
+    assert streaming.merge_states([state, skipped])["positions_consumed_per_split"][2] == 11
 
 
 def test_a_store_on_the_tables_kind_of_store_gets_its_endpoint() -> None:

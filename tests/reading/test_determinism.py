@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar.data import positions, reading
+from splitfeed.sidecar.data import positions, streaming
 from splitfeed.sidecar.forks import workers
 from splitfeed.trainer_client.contract import errors, specs, topology
 
@@ -251,7 +251,7 @@ def reference_state(data: specs.DataSpec, *, epoch: int, rank: int, world_size: 
                     step: int) -> dict[str, Any]:
     """StreamingDataset.state_dict() after rank `rank` consumed `step` whole batches."""
     table = open_reference_table(data)
-    dataset = reading.reference_dataset(table, data, epoch=epoch, rank=rank, world_size=world_size)
+    dataset = streaming.reference_dataset(table, data, epoch=epoch, rank=rank, world_size=world_size)
     batch_size = data.global_batch_size // world_size
     with contextlib.closing(iter(dataset)) as rows:
         consumed = sum(1 for _ in itertools.islice(rows, step * batch_size))

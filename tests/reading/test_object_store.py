@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from splitfeed.sidecar.world import checkpoints
-from splitfeed.sidecar.data import plans, positions, reading
+from splitfeed.sidecar.data import planning, plans, positions, reading, streaming
 from splitfeed.sidecar.forks import workers
 from splitfeed.trainer_client.contract import errors
 from tests.reading.tables import data_spec, ids_of, reference_rows, whole_batches, write_table
@@ -94,10 +94,10 @@ def test_plans_are_stored_and_read_through_the_object_store(store: tuple[S3Endpo
     table, data = reading.pin(remote_spec(endpoint), CREDENTIALS)
     location = plans.location_for(data, f"s3://{BUCKET}/ckpt/test/job/uid", endpoint.storage_options())
     rows = reading.layout(table, data).rows
-    whole = plans.Source(location, builds=True).ids(table, data, 0, range(24), rows)
+    whole = planning.Source(location, builds=True).ids(table, data, 0, range(24), rows)
     assert (Path(store[1]).parent / "ckpt/test/job/uid/plans").is_dir()
     endpoint.reset_counters()
-    part = plans.Source(location).ids(table, data, 0, range(12, 18), rows)
+    part = planning.Source(location).ids(table, data, 0, range(12, 18), rows)
     assert (part == whole[12:18]).all()
     assert endpoint.requests["GET"] <= 4  # the footer, then one ranged read of six splits
 
@@ -115,7 +115,7 @@ def test_a_checkpoint_write_retries_a_failing_store_and_loses_nothing(store: tup
     store_.write(global_step=3, rank=0, world_size=1, state=state)
     store_.commit(global_step=3, rank=0, world_size=1)
     assert endpoint.statuses[503] == 6
-    found = store_.find(3, reading.merge_states, expect=mine)
+    found = store_.find(3, streaming.merge_states, expect=mine)
     assert found is not None and found.state == state
 
 
@@ -127,7 +127,7 @@ def test_the_world_start_check_of_a_stored_plan_reads_its_footer_alone(store: tu
     root = "ckpt/test/job/verify"
     location = plans.location_for(data, f"s3://{BUCKET}/{root}", endpoint.storage_options())
     rows = reading.layout(table, data).rows
-    plans.Source(location, builds=True).ids(table, data, 0, range(24), rows)
+    planning.Source(location, builds=True).ids(table, data, 0, range(24), rows)
     key = plans.PlanKey.of(data)
     endpoint.reset_counters()
     footer = plans.verify(location, key, 0)
@@ -139,7 +139,7 @@ def test_the_world_start_check_of_a_stored_plan_reads_its_footer_alone(store: tu
     path.write_bytes(bytes(raw))
     assert plans.verify(location, key, 0) is not None  # nobody has read split 5 yet
     with pytest.raises(errors.UserError, match="split 5 fails its CRC") as info:
-        plans.Source(location, timeout_s=0).ids(table, data, 0, range(4, 6), rows)
+        planning.Source(location, timeout_s=0).ids(table, data, 0, range(4, 6), rows)
     assert not isinstance(info.value, errors.DataError)  # a restart cures it
     assert path.with_name(path.name + plans.DAMAGED).is_file()  # marked through the store
     assert plans.verify(location, key, 0) is None  # the next world's builder builds it again

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from splitfeed.sidecar.data import cgroups, plans, reading, takes
+from splitfeed.sidecar.data import cgroups, planning, plans, reading, streaming, takes
 from splitfeed.sidecar.forks import planner, workers
 from splitfeed.trainer_client.contract import errors, specs, topology
 from tests.reading.tables import data_spec, ids_of, open_reference_table, reference_rows
@@ -42,7 +42,7 @@ def pinned(uri: str, **overrides: object) -> tuple[object, specs.DataSpec]:
 
 def plan_ids(table: object, data: specs.DataSpec, epoch: int, location: plans.Location) -> np.ndarray:
     rows = reading.layout(table, data).rows
-    return plans.Source(location, builds=True).ids(table, data, epoch, range(data.num_splits), rows)
+    return planning.Source(location, builds=True).ids(table, data, epoch, range(data.num_splits), rows)
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -62,7 +62,7 @@ def test_a_plan_exported_in_batches_that_cut_splits_keeps_every_splits_rows_and_
         db_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """lancedb's export batches need not end where a split does: each split's CRC is folded
     over the pieces of it that each batch holds (a wrong fold fails the readers' CRC check)."""
-    monkeypatch.setattr(plans, "EXPORT_BATCH_ROWS", 37)
+    monkeypatch.setattr(planning, "EXPORT_BATCH_ROWS", 37)
     table, data = pinned(db_uri)
     location = plans.location_for(data, str(tmp_path))
     ids = plan_ids(table, data, 0, location)
@@ -77,7 +77,7 @@ def test_a_reader_learns_of_a_plan_at_most_a_tenth_of_its_wait_late() -> None:
     again is 5 ms locally, 50 ms on an object store."""
     for local, first, most in ((True, 0.005, 0.1), (False, 0.05, 1.0)):
         for waited in (0.0, 0.004, 0.06, 0.15, 2.0, 9.0, 600.0):
-            assert 0 < plans.next_poll_s(waited, local) <= min(most, max(first, waited / 10)) + 1e-12
+            assert 0 < planning.next_poll_s(waited, local) <= min(most, max(first, waited / 10)) + 1e-12
 
 
 def test_a_rank_loads_only_its_splits_and_they_are_the_plans_rows(db_uri: str, tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_a_reader_of_a_stored_plan_serves_every_world_size_exactly(db_uri: str, 
     location = plans.location_for(data, str(tmp_path))
     plan_ids(table, data, 0, location)
     plan_ids(table, data, 1, location)
-    reader = plans.Source(location, builds=False, timeout_s=0)
+    reader = planning.Source(location, builds=False, timeout_s=0)
     per_rank = data.global_batch_size // 3
     for rank in range(3):
         expected = [r["id"] for r in reference_rows(data, epoch=1, rank=rank, world_size=3)]
@@ -134,7 +134,7 @@ def test_a_reader_waits_for_a_missing_plan_then_says_who_builds_it(db_uri: str, 
     table, data = pinned(db_uri)
     location = plans.location_for(data, str(tmp_path))
     with pytest.raises(errors.UserError, match="replica 0's sidecar builds it"):
-        plans.Source(location, timeout_s=0.2).ids(table, data, 0, range(4), 1000)
+        planning.Source(location, timeout_s=0.2).ids(table, data, 0, range(4), 1000)
 
 
 def test_a_builders_failure_reaches_the_readers_waiting_for_it(db_uri: str, tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_a_builders_failure_reaches_the_readers_waiting_for_it(db_uri: str, tmp_
     location = plans.location_for(data, str(tmp_path))
     plans.mark_failed(location, 0, "building the permutation of 1,000 rows needs about 9 MiB")
     with pytest.raises(plans.PlanError, match="could not be built: building the permutation"):
-        plans.Source(location, timeout_s=30).ids(table, data, 0, range(4), 1000)
+        planning.Source(location, timeout_s=30).ids(table, data, 0, range(4), 1000)
 
 
 def _plan_file(db_uri: str, tmp_path: Path) -> tuple[object, specs.DataSpec, plans.Location, Path]:
@@ -195,7 +195,7 @@ def test_a_damaged_split_is_refused_by_its_reader_and_rebuilt_by_the_builder(db_
     assert plans.damaged(location, 0) == "is damaged (split 5 fails its CRC)"
     # a reader waiting for the builder refuses it the same way, never returns its ids
     with pytest.raises(errors.UserError, match="split 5 fails its CRC"):
-        plans.Source(location, timeout_s=0).ids(table, data, 0, range(4, 8), 1000)
+        planning.Source(location, timeout_s=0).ids(table, data, 0, range(4, 8), 1000)
     assert plans.verify(location, key, 0) is None  # the reader's report: build it again
     builder = planner.Planner(data, {}, location, rows=1000)
     builder.ensure(0)
@@ -207,7 +207,7 @@ def test_a_damaged_split_is_refused_by_its_reader_and_rebuilt_by_the_builder(db_
 def test_a_reader_that_builds_for_itself_rebuilds_a_damaged_plan(db_uri: str, tmp_path: Path) -> None:
     table, data, location, path = _plan_file(db_uri, tmp_path)
     good = _damage_split_5(path)
-    ids = plans.Source(location, builds=True).ids(table, data, 0, range(4, 8), 1000)
+    ids = planning.Source(location, builds=True).ids(table, data, 0, range(4, 8), 1000)
     assert path.read_bytes() == good
     assert np.array_equal(ids, plans.read_splits(location, plans.PlanKey.of(data), 0, range(4, 8)))
 
@@ -260,20 +260,20 @@ def test_a_job_whose_plans_another_lancedb_built_refuses_to_build_more(db_uri: s
 
 
 def test_the_builder_pool_is_sized_from_the_container_not_lancedbs_default() -> None:
-    assert plans.builder_pool_bytes(20_000_000, None) == plans.MIN_POOL
+    assert planning.builder_pool_bytes(20_000_000, None) == planning.MIN_POOL
     gib = 1 << 30
     # 8 GiB free: half of it, less the 320 MB permutation lancedb holds
-    assert plans.builder_pool_bytes(20_000_000, 8 * gib) == 4 * gib - 20_000_000 * 16
-    assert plans.builder_pool_bytes(10**9, 1000 * gib) == plans.MAX_POOL
-    assert plans.builder_pool_bytes(10**9, 2 * gib) == plans.MIN_POOL  # spills to disk
-    assert plans.builder_pool_bytes(1, 1) == plans.MIN_POOL
+    assert planning.builder_pool_bytes(20_000_000, 8 * gib) == 4 * gib - 20_000_000 * 16
+    assert planning.builder_pool_bytes(10**9, 1000 * gib) == planning.MAX_POOL
+    assert planning.builder_pool_bytes(10**9, 2 * gib) == planning.MIN_POOL  # spills to disk
+    assert planning.builder_pool_bytes(1, 1) == planning.MIN_POOL
 
 
 def test_a_build_that_cannot_fit_names_the_field_and_the_size() -> None:
-    plans.check_fits(10_000_000, 1 << 30, limited=True)  # 160 MB + pool fit 1 GiB
-    plans.check_fits(10**9, 1 << 30, limited=False)  # no limit known: lancedb spills
+    planning.check_fits(10_000_000, 1 << 30, limited=True)  # 160 MB + pool fit 1 GiB
+    planning.check_fits(10**9, 1 << 30, limited=False)  # no limit known: lancedb spills
     with pytest.raises(plans.PlanError) as info:
-        plans.check_fits(10**9, 1 << 30, limited=True)
+        planning.check_fits(10**9, 1 << 30, limited=True)
     message = str(info.value)
     assert "spec.sidecar.resources.limits.memory" in message and "15,515 MiB" in message
     assert "\n" not in message
@@ -326,7 +326,7 @@ def test_a_4m_row_plan_matches_lancedb_on_sampled_splits(
     builder.ensure(0)  # in a child process, as a sidecar builds it
     # The reference: StreamingDataset in-process, with its builder given the memory
     # it needs (at lancedb's default it fails on this table).
-    monkeypatch.setenv(plans.MEMORY_ENV, str(1 << 30))
+    monkeypatch.setenv(planning.MEMORY_ENV, str(1 << 30))
     for split in (0, 31):
         expected = [r["id"] for r in reference_rows(data, epoch=0, rank=split, world_size=48, limit=500)]
         ids = plans.read_splits(location, plans.PlanKey.of(data), 0, [split])[0][:500]
@@ -339,9 +339,9 @@ def test_first_steps_of_a_4m_row_job_are_lancedbs(
     data = data_spec(big_table, num_splits=4, global_batch_size=400)
     got = list(itertools.islice(
         workers.iter_rank_batches(data, None, rank=1, world_size=2, start_global_step=0), 3))
-    monkeypatch.setenv(plans.MEMORY_ENV, str(1 << 30))
+    monkeypatch.setenv(planning.MEMORY_ENV, str(1 << 30))
     table = open_reference_table(data)
-    dataset = reading.reference_dataset(table, data, epoch=0, rank=1, world_size=2)
+    dataset = streaming.reference_dataset(table, data, epoch=0, rank=1, world_size=2)
     per_rank = topology.rows_per_split_per_step(400, 4) * 2
     with contextlib.closing(iter(dataset)) as rows:
         expected = [r["id"] for r in itertools.islice(rows, 3 * per_rank)]
@@ -352,7 +352,7 @@ def test_first_steps_of_a_4m_row_job_are_lancedbs(
 def test_the_epoch_seed_step_is_lancedbs() -> None:
     from lancedb.streaming import _EPOCH_PRIME
 
-    assert plans.EPOCH_PRIME == _EPOCH_PRIME
+    assert planning.EPOCH_PRIME == _EPOCH_PRIME
 
 
 def test_takes_in_flight_fit_the_budget_with_what_a_take_holds_while_it_decodes() -> None:
@@ -528,11 +528,11 @@ def test_a_plan_loaded_ahead_arrives_once_published_with_lancedbs_rows(db_uri: s
     each split's rows are lancedb's."""
     table, data = pinned(db_uri)
     location = plans.location_for(data, str(tmp_path))
-    ahead = plans.Source(location).ahead(table, data, 1, range(4, 8), 1000)
+    ahead = planning.Source(location).ahead(table, data, 1, range(4, 8), 1000)
     try:
         time.sleep(0.05)
         assert not ahead.arrived()
-        plans.build_and_publish(table, data, location, 1, rows=reading.layout(table, data).rows)
+        planning.build_and_publish(table, data, location, 1, rows=reading.layout(table, data).rows)
         assert _wait_until(ahead.arrived)
         ids = ahead.ids()
     finally:
@@ -547,7 +547,7 @@ def test_a_plan_loaded_ahead_times_out_only_once_the_reads_need_it(db_uri: str, 
     the wait's clock starts when the reads get there."""
     table, data = pinned(db_uri)
     location = plans.location_for(data, str(tmp_path))
-    ahead = plans.Source(location, timeout_s=0.05).ahead(table, data, 1, range(4), 1000)
+    ahead = planning.Source(location, timeout_s=0.05).ahead(table, data, 1, range(4), 1000)
     try:
         time.sleep(0.3)
         assert not ahead.arrived()
@@ -563,7 +563,7 @@ def test_reads_that_end_stop_the_next_epochs_load(db_uri: str, tmp_path: Path) -
     table, data = pinned(db_uri, epochs=3)
     location = plans.location_for(data, str(tmp_path))
     plan_ids(table, data, 0, location)  # epoch 1's plan is never built
-    blocks = reading.iter_blocks(table, data, range(data.num_splits), start_global_step=0, plan=plans.Source(location))
+    blocks = reading.iter_blocks(table, data, range(data.num_splits), start_global_step=0, plan=planning.Source(location))
     next(blocks)
     assert _wait_until(lambda: any(t.name == "splitfeed-plan-ahead-1" for t in threading.enumerate()))
     loader = next(t for t in threading.enumerate() if t.name == "splitfeed-plan-ahead-1")
@@ -573,13 +573,13 @@ def test_reads_that_end_stop_the_next_epochs_load(db_uri: str, tmp_path: Path) -
 
 
 def test_the_pool_is_set_once_for_the_process_and_a_users_own_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(plans.MEMORY_ENV, raising=False)
-    monkeypatch.delenv(plans.OURS_ENV, raising=False)
-    plans.size_pool(20_000_000, 8 << 30)
-    assert int(os.environ[plans.MEMORY_ENV]) == plans.builder_pool_bytes(20_000_000, 8 << 30)
-    plans.size_pool(1_000, 8 << 30)  # ours: sized again (a build's child, for its rows)
-    assert int(os.environ[plans.MEMORY_ENV]) == plans.builder_pool_bytes(1_000, 8 << 30)
-    monkeypatch.setenv(plans.MEMORY_ENV, "12345")
-    monkeypatch.delenv(plans.OURS_ENV)
-    plans.size_pool(1_000, 8 << 30)  # the user's
-    assert os.environ[plans.MEMORY_ENV] == "12345"
+    monkeypatch.delenv(planning.MEMORY_ENV, raising=False)
+    monkeypatch.delenv(planning.OURS_ENV, raising=False)
+    planning.size_pool(20_000_000, 8 << 30)
+    assert int(os.environ[planning.MEMORY_ENV]) == planning.builder_pool_bytes(20_000_000, 8 << 30)
+    planning.size_pool(1_000, 8 << 30)  # ours: sized again (a build's child, for its rows)
+    assert int(os.environ[planning.MEMORY_ENV]) == planning.builder_pool_bytes(1_000, 8 << 30)
+    monkeypatch.setenv(planning.MEMORY_ENV, "12345")
+    monkeypatch.delenv(planning.OURS_ENV)
+    planning.size_pool(1_000, 8 << 30)  # the user's
+    assert os.environ[planning.MEMORY_ENV] == "12345"

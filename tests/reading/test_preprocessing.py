@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar.data import cgroups, reading
+from splitfeed.sidecar.data import cgroups, reading, streaming
 from splitfeed.sidecar.forks import workers
 from splitfeed.trainer_client.contract import errors, specs
 
@@ -164,10 +164,10 @@ def test_default_transform_threads_are_the_cpus_the_sidecar_may_use_shared_among
     assert cgroups.usable_cpus(64, 2.0) == 2  # a 2-CPU pod on a 64-CPU node
     assert cgroups.usable_cpus(64, 1.5) == 2 and cgroups.usable_cpus(64, 0.5) == 1
     assert cgroups.usable_cpus(4, 16.0) == 4 and cgroups.usable_cpus(8, None) == 8
-    assert reading.transform_parallelism(transform_job(db_uri), 8) == 8
-    assert reading.transform_parallelism(transform_job(db_uri, num_workers=2), 8) == 4
-    assert reading.transform_parallelism(transform_job(db_uri, num_workers=4), 2) == 1
-    assert reading.transform_parallelism(transform_job(db_uri, transform_parallelism=3), 8) == 3
+    assert streaming.transform_parallelism(transform_job(db_uri), 8) == 8
+    assert streaming.transform_parallelism(transform_job(db_uri, num_workers=2), 8) == 4
+    assert streaming.transform_parallelism(transform_job(db_uri, num_workers=4), 2) == 1
+    assert streaming.transform_parallelism(transform_job(db_uri, transform_parallelism=3), 8) == 3
 
 
 def test_elastic_resume_4_then_2_then_3_mid_epoch_gives_every_global_step_once(
@@ -379,7 +379,7 @@ def test_packing_auto_budget_is_lancedbs_epoch_0_estimate(token_uri: str) -> Non
         estimate = StreamingDataset(table, num_splits=12, shuffle_seed=5, epoch=0, columns=["tokens"],
                                     pack_sequences=BLOCK, eos_id=EOS, pad_id=PAD,
                                     blocks_per_epoch="auto")._blocks_per_epoch
-        assert reading.blocks_per_epoch(reading.open_table(data), data) == estimate
+        assert streaming.blocks_per_epoch(reading.open_table(data), data) == estimate
         assert reading.layout(reading.open_table(data), data).steps_per_epoch == estimate // 24
 
 

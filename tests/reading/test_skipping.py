@@ -21,7 +21,7 @@ import pyarrow as pa
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar.data import positions, reading
+from splitfeed.sidecar.data import positions, reading, skipping, streaming
 from splitfeed.sidecar.forks import workers
 from splitfeed.trainer_client.contract import specs
 
@@ -108,7 +108,7 @@ def test_skip_yields_lancedb_skip_rows_for_every_rank_up_to_the_world_end(
     spe = reading.layout(reading.open_table(data), data).steps_per_epoch
     per_step = G // world_size
     for rank in range(world_size):
-        ledger: dict[int, reading.Passed] = {}
+        ledger: dict[int, skipping.Passed] = {}
         ours = dict(workers.iter_rank_batches(data, {}, rank=rank, world_size=world_size,
                                               start_global_step=0, ledger=ledger))
         for epoch, end in enumerate(ends):
@@ -133,7 +133,7 @@ def test_checkpoint_positions_are_lancedbs_and_resume_is_exact_on_another_world_
     cut = 10
     states, steps = [], {}
     for rank in range(2):
-        ledger: dict[int, reading.Passed] = {}
+        ledger: dict[int, skipping.Passed] = {}
         for step, batch in workers.iter_rank_batches(data, {}, rank=rank, world_size=2,
                                                      start_global_step=0, stop_global_step=cut, ledger=ledger):
             steps.setdefault(step, []).extend(as_features(batch))
@@ -151,7 +151,7 @@ def test_checkpoint_positions_are_lancedbs_and_resume_is_exact_on_another_world_
         assert [mine["positions_consumed_per_split"][s] for s in own] == \
                [theirs["positions_consumed_per_split"][s] for s in own]
         assert mine["samples_consumed_per_split"] == theirs["samples_consumed_per_split"]
-    merged = reading.merge_states(states)
+    merged = streaming.merge_states(states)
     assert merged["positions_consumed_per_split"][3] > merged["samples_consumed_per_split"][3]
     for rank in range(3):
         for step, batch in workers.iter_rank_batches(data, {}, rank=rank, world_size=3,
@@ -167,8 +167,8 @@ def test_warn_logs_each_skipped_row_with_its_split_and_position_and_counts_it(
     db_uri: str, bad_ids: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
     data = skip_job(db_uri, bad_ids, "warn")
-    ledger: dict[int, reading.Passed] = {}
-    with caplog.at_level(logging.WARNING, logger="splitfeed.sidecar.data.reading"):
+    ledger: dict[int, skipping.Passed] = {}
+    with caplog.at_level(logging.WARNING, logger="splitfeed.sidecar.data.skipping"):
         out = list(workers.iter_rank_batches(data, {}, rank=3, world_size=24, start_global_step=0,
                                              stop_global_step=12, ledger=ledger))
     assert len(out) == 12
@@ -194,7 +194,7 @@ def test_a_resume_at_unequal_split_positions_still_reaches_the_scarcest_splits_l
     end = world_end(data0, 0, set(bad))
     assert end == (len(five) - 4) // CYCLES and (len(four) - 3) // CYCLES >= end  # split 5 decides
     world, rank, cut, per_rank = 12, 2, 4, G // 12
-    ledger: dict[int, reading.Passed] = {}
+    ledger: dict[int, skipping.Passed] = {}
     for _ in workers.iter_rank_batches(data, {}, rank=rank, world_size=world, start_global_step=0,
                                        stop_global_step=cut, ledger=ledger):
         pass

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from splitfeed.sidecar import main as sidecar_main, opening
-from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.data import reading, skipping
 from splitfeed.sidecar.world.settings import SidecarSettings
 from splitfeed.trainer_client.contract import specs
 from tests.support import guards, keys, manifests, ports, tables
@@ -154,7 +154,7 @@ def pods(socket_root: Path):
 
     A sidecar's row counts (filledRows, skippedRows) are its process's: pods started as
     threads of this process share them, so each test starts them at zero."""
-    reading.FILLED_ROWS[0] = reading.SKIPPED_ROWS[0] = 0
+    reading.FILLED_ROWS[0] = skipping.SKIPPED_ROWS[0] = 0
     made: list[Pod] = []
 
     def make(name: str, job_manifest: dict, **kwargs: object) -> Pod:

@@ -367,7 +367,7 @@ def test_a_4m_row_job_delivers_its_first_steps_as_lancedb_orders_them(tmp_path, 
     import numpy as np
     import pyarrow as pa
 
-    from splitfeed.sidecar.data import plans, reading
+    from splitfeed.sidecar.data import planning, reading, streaming
     from splitfeed.trainer_client.contract import specs
 
     uri, rows = str(tmp_path / "db"), 4_000_000
@@ -380,12 +380,12 @@ def test_a_4m_row_job_delivers_its_first_steps_as_lancedb_orders_them(tmp_path, 
                      sys.executable, str(SCRIPT), str(tmp_path / "ids.jsonl"), "--stop-after", "3", timeout=300)
     assert done.returncode == 0, done.stderr
     assert "trainers stopped at global step 3 of 10000" in done.stderr, done.stderr
-    monkeypatch.setenv(plans.MEMORY_ENV, str(1 << 30))  # the reference's builder needs it too
+    monkeypatch.setenv(planning.MEMORY_ENV, str(1 << 30))  # the reference's builder needs it too
     data = specs.parse_job(job, check_replicas=False).data
     table = reading.open_table(data)
     expected: dict[int, list[list[int]]] = {0: [], 1: [], 2: []}  # step -> both ranks' batches
     for rank in range(2):
-        dataset = reading.reference_dataset(table, data, epoch=0, rank=rank, world_size=2)
+        dataset = streaming.reference_dataset(table, data, epoch=0, rank=rank, world_size=2)
         with contextlib.closing(iter(dataset)) as it:
             ids = [r["id"] for r in itertools.islice(it, 600)]
         for k in range(3):

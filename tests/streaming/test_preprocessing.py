@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.data import reading, streaming
 from splitfeed.trainer_client.contract import errors, specs, topology
 from splitfeed.trainer_client.transport import worlds
 from splitfeed.trainer_client.script.client import StreamClient
@@ -35,7 +35,7 @@ IMAGE = {"transform": "tests.support.transforms:image", "transformArgs": '{"scal
 def reference(uri: str, data_overrides: dict, world: int, rank: int) -> list[list[dict]]:
     data = specs.parse_job(manifest(uri, **data_overrides), check_replicas=False).data
     table = reading.open_table(data)
-    dataset = reading.reference_dataset(table, data, epoch=0, rank=rank, world_size=world)
+    dataset = streaming.reference_dataset(table, data, epoch=0, rank=rank, world_size=world)
     dataset._transform = functools.partial(transforms.image, **data.transform_kwargs)
     rows = list(dataset)
     b = topology.rank_batch_size(data.global_batch_size, world)
@@ -70,7 +70,7 @@ def test_transformed_columns_arrive_as_tensors_in_the_reference_order(pods, tabl
 def test_a_failing_row_under_raise_fails_the_trainer_and_the_report_naming_it(pods, table_uri):
     data = specs.parse_job(manifest(table_uri), check_replicas=False).data
     table = reading.open_table(data)
-    bad = list(reading.reference_dataset(table, data, epoch=0, rank=0, world_size=1))[100]["id"]
+    bad = list(streaming.reference_dataset(table, data, epoch=0, rank=0, world_size=1))[100]["id"]
     job = manifest(table_uri, transform="tests.support.transforms:image_fragile",
                    transformArgs=json.dumps({"bad": bad}))
     pod = pods("pod", job, replicas=1, replica=0).start_process()
@@ -88,7 +88,7 @@ def test_a_failing_row_under_raise_fails_the_trainer_and_the_report_naming_it(po
 def test_fill_counts_substituted_rows_in_the_live_status_and_the_report(pods, table_uri):
     data = specs.parse_job(manifest(table_uri), check_replicas=False).data
     table = reading.open_table(data)
-    bad = list(reading.reference_dataset(table, data, epoch=0, rank=0, world_size=1))[5]["id"]
+    bad = list(streaming.reference_dataset(table, data, epoch=0, rank=0, world_size=1))[5]["id"]
     job = manifest(table_uri, transform="tests.support.transforms:image_fragile",
                    transformArgs=json.dumps({"bad": bad}), onTransformError="fill", numWorkers=2)
     address = coordinator_address()

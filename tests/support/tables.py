@@ -2,7 +2,7 @@
 
 One writer: `frames` is the table every tier reads (int64 `id` = row number, int32
 `label` = id % 10, float32[dim] `vec`). Expected batches always come from lancedb's
-own `StreamingDataset` iterated in-process (`reading.reference_dataset`), never
+own `StreamingDataset` iterated in-process (`streaming.reference_dataset`), never
 from splitfeed's output, so a drift of the pinned lancedb shows up as a mismatch.
 """
 
@@ -15,7 +15,7 @@ import lancedb
 import numpy as np
 import pyarrow as pa
 
-from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.data import reading, streaming
 from splitfeed.trainer_client.contract import specs, topology
 from tests.support import exactness
 from tests.support.manifests import data_manifest
@@ -72,7 +72,7 @@ def reference_batches(uri: str, data_overrides: dict, world: int, rank: int) -> 
     b = topology.rank_batch_size(data.global_batch_size, world)
     out: list[list[int]] = []
     for epoch in range(data.epochs):
-        ids = [row["id"] for row in reading.reference_dataset(
+        ids = [row["id"] for row in streaming.reference_dataset(
             table, data, epoch=epoch, rank=rank, world_size=world)]
         out.extend(ids[k * b:(k + 1) * b] for k in range(len(ids) // b))
     return out

@@ -145,7 +145,7 @@ CITED_NAME = re.compile(r"(?<![\w./-])([a-z_]\w*)\.([A-Za-z_]\w*)")
 """`module.name` inside backticks, as in `ring.futex_wait` or `client.checkpoint()`."""
 
 CITED_IN_FILE = re.compile(r"\b([\w/]+\.py): `?([A-Za-z_]\w*)")
-"""`path.py: name`, as in `sidecar/data/reading.py: reference_dataset`."""
+"""`path.py: name`, as in `sidecar/data/streaming.py: reference_dataset`."""
 
 ALIASES = {"client": [("trainer_client/script/client.py", "StreamClient"), ("trainer_client/script/adapting.py", "Adapting")]}
 """Names the docs use for an object rather than a module: the README's `client = StreamClient(...)`
@@ -234,7 +234,7 @@ def test_every_module_function_a_page_cites_exists(page):
 def test_the_doc_checks_catch_what_drifts():
     text = ("`operator/worlds.py` beside sidecar/serving/service.py; `ring.futex_wait`, `ring.no_such_thing`, "
             "`client.checkpoint()`, `client.no_such_method()`, `metrics.serviceMonitor.enabled`, "
-            "`metrics.noSuchValue`; `sidecar/data/reading.py: reference_dataset`, `sidecar/data/reading.py: gone`")
+            "`metrics.noSuchValue`; `sidecar/data/reading.py: open_table`, `sidecar/data/reading.py: gone`")
     assert cited_paths(text) == {"operator/worlds.py", "sidecar/serving/service.py", "sidecar/data/reading.py"}
     assert [p for p in cited_paths(text) if not (ROOT / p).exists()] == ["operator/worlds.py"]
     assert unresolved_names(text) == ["ring.no_such_thing", "client.no_such_method", "metrics.noSuchValue",

@@ -64,7 +64,7 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
     trainer's checkpoint but the epoch's length. The ledger keeps the newest KEEP steps it
     read, so an epoch that lost more than KEEP steps for the world (but not for this rank)
     evicts step E - 1: the checkpoint of step E fails ("holds no split positions")."""
-    from splitfeed.sidecar.data import reading
+    from splitfeed.sidecar.data import skipping
     from splitfeed.sidecar.data.ledgers import Ledger, SkipLedgers
 
     keep = SkipLedgers.KEEP
@@ -74,7 +74,7 @@ def test_the_positions_of_the_last_step_before_an_epochs_end_outlive_the_steps_t
 
     def read(last: int):  # what workers.iter_rank_batches does: the ledger at read time
         for step in range(last):
-            ledger[step] = reading.Passed({0: step + 1}, 0)
+            ledger[step] = skipping.Passed({0: step + 1}, 0)
             yield step, batch
 
     world = service.WorldView(spe)
@@ -105,7 +105,7 @@ def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_
     checkpoints less often than every KEEP steps (KEEP = 4096; every 5000 steps is common)
     cannot resume its restarted trainer: the rank fails with "holds no split positions", where
     raise/fill jobs resume. The positions of W - 1 were written to the store at checkpoint()."""
-    from splitfeed.sidecar.data import reading
+    from splitfeed.sidecar.data import skipping
     from splitfeed.sidecar.data.ledgers import SkipLedgers
     from splitfeed.trainer_client.contract import specs
 
@@ -116,10 +116,10 @@ def test_a_trainer_restarted_in_place_resumes_a_skip_job_at_the_worlds_complete_
     ledger = ledgers.ledger(0)
     assert ledger is not None
     checkpoint_step = 1000  # the trainer checkpointed (and the world committed) step 1000 ...
-    ledger[checkpoint_step - 1] = reading.Passed({0: checkpoint_step, 1: checkpoint_step}, 0)
+    ledger[checkpoint_step - 1] = skipping.Passed({0: checkpoint_step, 1: checkpoint_step}, 0)
     saved = ledgers.state(0, checkpoint_step)  # ... with the positions the ledger held then
     for step in range(checkpoint_step, checkpoint_step + 10_000):  # then trained 10,000 more steps
-        ledger[step] = reading.Passed({0: step + 1, 1: step + 1}, 0)
+        ledger[step] = skipping.Passed({0: step + 1, 1: step + 1}, 0)
         ledgers.published(0, step)
     assert checkpoint_step - 1 not in ledger  # forgotten by now: the checkpoint's state serves
     start, state = ledgers.resume_from(0, checkpoint_step)  # the restarted trainer's publisher

@@ -114,7 +114,7 @@ class DataSpec:
         default=None, metadata=fields.rule("int", 1, MAX_TRANSFORM_PARALLELISM))
     """Transform threads per loader process (lancedb's transform_parallelism). None: the
     CPUs the sidecar may use (affinity and cgroup quota), shared among numWorkers
-    processes (reading.transform_parallelism, docs/preprocessing.md)."""
+    processes (streaming.transform_parallelism, docs/preprocessing.md)."""
     transform_queue_depth: int = dataclasses.field(
         default=DEFAULT_TRANSFORM_QUEUE_DEPTH, metadata=fields.rule("int", 1, MAX_TRANSFORM_QUEUE_DEPTH))
     """Transformed read batches a split may hold ahead of the step being assembled
