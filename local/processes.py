@@ -177,7 +177,7 @@ def first_world_epoch(job: specs.JobSpec, storage_options_dir: Path | None) -> i
     if not job.checkpoint.uri:
         return 0
     from splitfeed.sidecar.world import checkpoints
-    from splitfeed.sidecar.data import storage_options
+    from splitfeed.sidecar.table import storage_options
 
     options = checkpoints.store_options(job, storage_options.read_storage_options(storage_options_dir))
     store = checkpoints.Store(job.checkpoint.uri, job.namespace, job.name, options, uid=LOCAL_JOB_UID)

@@ -17,7 +17,7 @@ from splitfeed.trainer_client import cli
 from splitfeed.trainer_client.contract import wellknown, errors, geometry, specs
 
 if TYPE_CHECKING:
-    from .data import plans
+    from .table import plans
 
 AddParser = Callable[..., argparse.ArgumentParser]
 
@@ -157,7 +157,7 @@ def _print_table_plan(job: specs.JobSpec, storage_options_dir: Path | None) -> N
           f"{layout.split_size} per split, {layout.steps_per_epoch} steps per epoch, "
           f"{layout.steps_per_epoch * data.epochs} steps in {data.epochs} epoch(s)")
     if reading.reads_plans(data):
-        from .data import plans
+        from .table import plans
 
         columns, row_bytes = reading.sample_row_bytes(table, data)
         cost = plans.cost(layout.rows, data.num_splits, data.groups.size(job.world_size), data.shuffle_clump_size,

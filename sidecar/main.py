@@ -22,11 +22,12 @@ from splitfeed.trainer_client.transport import stranded
 
 from .world import commitments, identity, transitions
 from .world.settings import SidecarSettings, local_ranks, replica_of
-from .data import cgroups, planning, reading, skipping
+from .data import reading, skipping
+from .table import cgroups, planning
 from .serving import ending, metrics, service, watching
 from .forks import forking, planner
 from .opening import Carried, NotInWorld, Sidecar, job_stores, load_job, prepare, write_world
-from .data.storage_options import read_storage_options as read_storage_options
+from .table.storage_options import read_storage_options as read_storage_options
 
 log = logging.getLogger(__name__)
 

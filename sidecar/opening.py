@@ -18,9 +18,10 @@ from splitfeed.trainer_client.transport import keys, stranded
 
 from .world import agreement, checkpoints, commitments, identity, wire
 from .world.settings import SidecarSettings, coordinator_addresses, local_ranks, replica_of, replicas_of
-from .data import planning, positions, reading, resuming
+from .data import positions, reading, resuming
+from .table import planning
 from .data.ledgers import SkipLedgers, iter_from
-from .data.storage_options import read_storage_options
+from .table.storage_options import read_storage_options
 from .serving import metrics, service
 from .forks import planner, workers
 

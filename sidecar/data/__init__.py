@@ -1,2 +1,2 @@
-"""The sidecar's data: the table, its plans, the reads that follow StreamingDataset's order, and
-positions in it. The only code that imports lancedb (reading, plans)."""
+"""The sidecar's data in the reference order: StreamingDataset's order and state, a rank's reads
+(reading), the skips and their ledgers, positions, the resume choice, transforms and batches."""

@@ -5,9 +5,9 @@ its rank/worker split assignment, one row per split per cycle. Iterating it
 yields one Python dict per row, and it builds the whole permutation and opens
 each split at O(table rows) in every process: fine for thousands of rows, minutes
 and gigabytes for 10^7-10^9. So a plain job reads each epoch's permutation from a
-plan file (sidecar/data/plans.py: built once, by lancedb's own builder with
-StreamingDataset's arguments, sidecar/data/planning.py), loads only its splits' row ids, and
-takes rows by id in the reference order, several takes in flight (sidecar/data/takes.py). Jobs
+plan file (sidecar/table/plans.py: built once, by lancedb's own builder with
+StreamingDataset's arguments, sidecar/table/planning.py), loads only its splits' row ids, and
+takes rows by id in the reference order, several takes in flight (sidecar/table/takes.py). Jobs
 with a transform, packing or onTransformError=skip/warn still read through StreamingDataset
 itself (sidecar/data/streaming.py; a skip job's positions: sidecar/data/skipping.py), up to
 MAX_PREPROCESSED_ROWS. Tests compare every batch with StreamingDataset's own in-process
@@ -34,7 +34,8 @@ from lancedb.permutation import Permutation, Transforms
 
 from splitfeed.trainer_client.contract import errors, geometry, specs, topology
 
-from . import cgroups, planning, plans, positions, preprocessing, skipping, storage_errors, streaming, takes
+from . import positions, preprocessing, skipping, streaming
+from ..table import cgroups, planning, plans, storage_errors, takes
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from splitfeed.trainer_client.contract import errors, specs
 if TYPE_CHECKING:
     from lancedb.streaming import StreamingDataset
 
-from . import cgroups
+from ..table import cgroups
 
 
 def reference_dataset(

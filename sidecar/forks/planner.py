@@ -21,7 +21,8 @@ from typing import Any, cast
 
 from splitfeed.trainer_client.contract import errors, specs
 
-from ..data import cgroups, planning, plans, reading
+from ..data import reading
+from ..table import cgroups, planning, plans
 from . import forking, workers
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,8 @@ import pyarrow as pa
 
 from splitfeed.trainer_client.contract import errors, geometry, specs, topology
 
-from ..data import batching, planning, plans, reading, skipping
+from ..data import batching, reading, skipping
+from ..table import planning, plans
 from .forking import FORK_WARNING
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ the goal 300 MiB + 2.2 x its splits' row ids (8 B a row) + readAheadBytes. Rows/
 is what a trainer receives after its first batch, over --steps batches; steady rows/s, which
 issue 19's goal compares (50M against 1M), over --steady-steps batches of every narrow table
 (the 1M table runs as many epochs as that takes): a reader of a large local table gathers
-~2.5M rows a rank with one scan of the table (sidecar/data/takes.py: scan_rows, one at a time),
+~2.5M rows a rank with one scan of the table (sidecar/table/takes.py: scan_rows, one at a time),
 so its first window arrives ~0.3-0.6 s after the first batch, which 300 steps (720k rows a
 rank) cannot amortize.
 

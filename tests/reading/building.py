@@ -27,7 +27,8 @@ def main(argv: list[str]) -> int:
     from multiprocessing import forkserver
 
     from splitfeed.sidecar.forks import planner
-    from splitfeed.sidecar.data import plans, reading
+    from splitfeed.sidecar.data import reading
+    from splitfeed.sidecar.table import plans
     from tests.reading import dying
     from tests.reading.tables import data_spec
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from splitfeed.sidecar.data import plans, reading, takes
+from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.table import plans, takes
 from tests.reading.tables import data_spec, ids_of, reference_rows
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from splitfeed.sidecar.world import checkpoints
-from splitfeed.sidecar.data import planning, plans, positions, reading, streaming
+from splitfeed.sidecar.data import positions, reading, streaming
+from splitfeed.sidecar.table import planning, plans
 from splitfeed.sidecar.forks import workers
 from splitfeed.trainer_client.contract import errors
 from tests.reading.tables import data_spec, ids_of, reference_rows, whole_batches, write_table

@@ -1,4 +1,4 @@
-"""Epoch plans (sidecar/data/plans.py) against lancedb's own order, and plans that must not be used.
+"""Epoch plans (sidecar/table/plans.py) against lancedb's own order, and plans that must not be used.
 
 The oracle is StreamingDataset iterated in-process: a world of N ranks over N splits
 gives each split's rows in lancedb's order, so split s of a plan, taken by row id,
@@ -23,7 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from splitfeed.sidecar.data import cgroups, planning, plans, reading, streaming, takes
+from splitfeed.sidecar.data import reading, streaming
+from splitfeed.sidecar.table import cgroups, planning, plans, takes
 from splitfeed.sidecar.forks import planner, workers
 from splitfeed.trainer_client.contract import errors, specs, topology
 from tests.reading.tables import data_spec, ids_of, open_reference_table, reference_rows

@@ -23,7 +23,8 @@ import pyarrow as pa
 import pytest
 from lancedb.streaming import StreamingDataset
 
-from splitfeed.sidecar.data import cgroups, reading, streaming
+from splitfeed.sidecar.data import reading, streaming
+from splitfeed.sidecar.table import cgroups
 from splitfeed.sidecar.forks import workers
 from splitfeed.trainer_client.contract import errors, specs
 

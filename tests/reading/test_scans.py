@@ -22,7 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from splitfeed.sidecar.data import reading, scans, takes
+from splitfeed.sidecar.data import reading
+from splitfeed.sidecar.table import scans, takes
 from splitfeed.trainer_client.contract import errors
 from tests.reading.tables import data_spec, ids_of, reference_rows
 

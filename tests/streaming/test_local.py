@@ -367,7 +367,8 @@ def test_a_4m_row_job_delivers_its_first_steps_as_lancedb_orders_them(tmp_path, 
     import numpy as np
     import pyarrow as pa
 
-    from splitfeed.sidecar.data import planning, reading, streaming
+    from splitfeed.sidecar.data import reading, streaming
+    from splitfeed.sidecar.table import planning
     from splitfeed.trainer_client.contract import specs
 
     uri, rows = str(tmp_path / "db"), 4_000_000

@@ -205,8 +205,8 @@ def drawn_floors() -> dict[str, set[str]]:
     floors = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 3 and cells[0].startswith("`") and cells[0].endswith("/`"):
-            floors[cells[0].strip("`").rstrip("/")] = set(re.findall(r"`(\w+)`", cells[1]))
+        if len(cells) >= 3 and (folder := re.fullmatch(r"`([\w/]+)/`", cells[0])) and cells[1]:
+            floors[folder.group(1)] = set(re.findall(r"`(\w+)`", cells[1]))
     return floors
 
 

@@ -5,7 +5,7 @@
     │   ├── DataError                                         the table, its columns or the filter cannot feed this job:
     │   │   │                                                 restarting cannot help (the operator fails the job at once)
     │   │   ├── sidecar.world.checkpoints.ProvenanceMismatch  checkpoints of other data or another order
-    │   │   └── sidecar.data.plans.PlanError                  a plan that cannot be built, or is damaged or foreign
+    │   │   └── sidecar.table.plans.PlanError                 a plan that cannot be built, or is damaged or foreign
     │   ├── sidecar.world.checkpoints.StaleWorld              a newer world replaced this pod's
     │   ├── sidecar.world.blobs.StoreUnavailable              the checkpoint store kept failing; a restart may help
     │   ├── MissingExtra                                      (also ImportError) a command's optional dependencies are not

@@ -20,7 +20,7 @@ the size and its own splits' CRCs, and marks a damaged plan for its builder to b
 again (`refuse_damaged`): a foreign or damaged plan is never used.
 
 This module is the file and its place; building one and waiting for one is
-sidecar/data/planning.py.
+sidecar/table/planning.py.
 
 Where plans live: with spec.checkpoint.uri, next to the job's checkpoints
 (`<job uid>/plans/<key digest>/`), built by the world's coordinator and read by

@@ -1,7 +1,7 @@
 """Getting an epoch's plan: building it with lancedb's permutation builder, or waiting for it.
 
 The plan file itself (its format, key, where it lives, its damage and failure marks) is
-sidecar/data/plans.py. Here: `build` runs lancedb's builder with StreamingDataset's arguments
+sidecar/table/plans.py. Here: `build` runs lancedb's builder with StreamingDataset's arguments
 in a memory pool sized for the container (`size_pool`) and streams the permutation into a
 plan file, `build_and_publish` puts it at its place, and a reader's `Source` loads its
 splits' row ids, waiting at a growing pace (`Pace`) for the builder's plan or building a
