@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from splitfeed.trainer_client.contract import wellknown, errors, membership, specs
+from splitfeed.trainer_client.contract import wellknown, errors, layout, specs
 from splitfeed.trainer_client.transport import keys
 
 from splitfeed.sidecar.forks import forking
@@ -41,14 +41,14 @@ def free_port() -> int:
 
 def free_port_pair() -> int:
     """A free port P whose partner P + WORLD_PORT_STRIDE is free too: the even and odd worlds
-    of an in-place run (trainer_client.membership.world_port)."""
+    of an in-place run (WorldLayout.at)."""
     for _ in range(100):
         port = free_port()
-        if port + membership.WORLD_PORT_STRIDE > 65535:
+        if port + layout.WORLD_PORT_STRIDE > 65535:
             continue
         with socket.socket() as s:
             try:
-                s.bind((wellknown.LOOPBACK, port + membership.WORLD_PORT_STRIDE))
+                s.bind((wellknown.LOOPBACK, port + layout.WORLD_PORT_STRIDE))
             except OSError:
                 continue
         return port
@@ -254,11 +254,12 @@ def start_world(job: specs.JobSpec, epoch: int, argv: list[str], work: Path, log
 
 
 def new_world(job: specs.JobSpec, epoch: int, ports: tuple[int, int] | None) -> World:
-    """World `epoch`, no processes yet: in place on the pair of `ports` (membership.world_port),
-    else on fresh ports of its own."""
+    """World `epoch`, no processes yet: in place on the pair of `ports` (WorldLayout.at), else on
+    fresh ports of its own."""
     if ports is not None:
-        master_port = membership.world_port(ports[0], epoch)
-        coordinator = f"tcp://{wellknown.LOOPBACK}:{membership.world_port(ports[1], epoch)}"
+        at = layout.WorldLayout.at(epoch, replicas=job.replicas, gpus_per_replica=job.gpus_per_replica,
+                                   in_place=True, ports=ports)
+        master_port, coordinator = at.master_port, at.coordinator
     else:
         master_port, coordinator = free_port(), f"tcp://{wellknown.LOOPBACK}:{free_port()}"
     return World(epoch, job, coordinator, [], [], [], [], time.monotonic(), None, master_port, ports=ports)

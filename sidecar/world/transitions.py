@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import time
 
-from splitfeed.trainer_client.contract import wellknown, membership, messages
+from splitfeed.trainer_client.contract import wellknown, layout, membership, messages
 
 from . import agreement
 from .settings import SidecarSettings, replica_of, replicas_of
@@ -94,16 +94,21 @@ def lost_world_next(settings: SidecarSettings, lost: messages.WorldLost,
         world_size=lost.replicas * settings.local_world_size, table_version=table_version)
 
 
+def layout_of(settings: SidecarSettings) -> layout.WorldLayout:
+    """The in-place world `settings` serve: where its rendezvous and coordinator are."""
+    host, port = layout.parse_coordinator(settings.coordinator or "")
+    return layout.WorldLayout(
+        epoch=settings.world_epoch, replicas=replicas_of(settings), gpus_per_replica=settings.local_world_size,
+        in_place=True, master_addr=settings.master_addr, master_port=settings.master_port,
+        coordinator_port=port, coordinator_host=None if host == settings.master_addr else host)
+
+
 def _following(settings: SidecarSettings) -> SidecarSettings:
-    """`settings` moved to the next world's epoch and the other port of the pair (membership.next_port)."""
-    epoch = settings.world_epoch
+    """`settings` moved to the next world's epoch and the other port of the pair (WorldLayout.next)."""
     assert settings.coordinator is not None or replicas_of(settings) == 1
-    address = settings.coordinator
-    if address is not None:
-        host, _, port = address.rpartition(":")
-        address = f"{host}:{membership.next_port(int(port), epoch)}"
-    return dataclasses.replace(settings, world_epoch=epoch + 1, coordinator=address,
-                               master_port=membership.next_port(settings.master_port, epoch))
+    following = layout_of(settings).next(replicas_of(settings))
+    return dataclasses.replace(settings, world_epoch=following.epoch, coordinator=following.coordinator or None,
+                               master_port=following.master_port)
 
 
 def adopt_world(settings: SidecarSettings, world: membership.World | None) -> SidecarSettings:
@@ -112,10 +117,7 @@ def adopt_world(settings: SidecarSettings, world: membership.World | None) -> Si
     if (world is None or world.epoch <= settings.world_epoch or world.rank != settings.rank
             or world.state not in (membership.SERVING, membership.CHANGING)):
         return settings
-    address = settings.coordinator
-    if address is not None:
-        host, _, port = address.rpartition(":")
-        address = f"{host}:{membership.world_port(membership.base_port(int(port), settings.world_epoch), world.epoch)}"
+    address = layout_of(settings).later(world.epoch, replicas_of(settings)).coordinator or None
     log.info("this pod runs world %d (its world file), not world %d (its environment): joining world %d",
              world.epoch, settings.world_epoch, world.epoch)
     return dataclasses.replace(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.trainer_client.contract import wellknown, membership
+from splitfeed.trainer_client.contract import wellknown, layout, membership
 from splitfeed.trainer_client.transport import ring, worlds
 from splitfeed.trainer_client.script.client import StreamClient
 from splitfeed.trainer_client.contract.errors import WorldLost
@@ -84,9 +84,9 @@ def test_a_member_killed_mid_world_is_replaced_alone_and_the_others_go_on_in_pla
         # What the operator does: tell world 0's coordinator, then start replica 2's pod of world 1.
         assert worlds.request_drain(coordinator, "replace-w0-r2", "replace", replicas=3, lost=[2]) == "lost"
         host, _, port = coordinator.rpartition(":")
-        following = f"{host}:{membership.next_port(int(port), 0)}"
-        new = start_pod(pods, job, "r2-w1", 2, following, membership.next_port(master_port, 0), 1, "latest")
-        agents.append(agent(new, logs, 2, membership.next_port(master_port, 0), 1, how))
+        following = f"{host}:{layout.next_port(int(port), 0)}"
+        new = start_pod(pods, job, "r2-w1", 2, following, layout.next_port(master_port, 0), 1, "latest")
+        agents.append(agent(new, logs, 2, layout.next_port(master_port, 0), 1, how))
         for proc in (agents[0], agents[1], agents[3]):
             assert proc.wait(180) == 0
         for pod in (sidecars[0], sidecars[1], new):
@@ -134,8 +134,8 @@ def test_a_trainer_that_talks_to_its_sidecar_after_the_world_was_lost_is_told_so
         clients[2].close()
         assert worlds.request_drain(coordinator, "replace-w0-r2", "replace", replicas=3, lost=[2]) == "lost"
         host, _, port = coordinator.rpartition(":")
-        following = f"{host}:{membership.next_port(int(port), 0)}"
-        new = start_pod(pods, job, "r2-w1", 2, following, membership.next_port(master_port, 0), 1, "latest")
+        following = f"{host}:{layout.next_port(int(port), 0)}"
+        new = start_pod(pods, job, "r2-w1", 2, following, layout.next_port(master_port, 0), 1, "latest")
         for pod in sidecars[:2]:
             wait_for(lambda: (w := membership.read(pod.socket_dir)) is not None and w.epoch == 1
                      and w.state == membership.SERVING, 60, f"{pod.dir.name} to serve world 1")

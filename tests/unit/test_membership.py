@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from splitfeed.trainer_client.contract import wellknown, membership
+from splitfeed.trainer_client.contract import wellknown, layout, membership
 from splitfeed.trainer_client.script import groups
 
 
@@ -22,9 +22,9 @@ def world(epoch: int, state: str = membership.SERVING, size: int = 4, port: int 
 
 
 def test_consecutive_worlds_alternate_between_two_ports():
-    ports = [membership.world_port(29500, e) for e in range(4)]
+    ports = [layout.world_port(29500, e) for e in range(4)]
     assert ports == [29500, 29510, 29500, 29510]
-    assert [membership.next_port(ports[e], e) for e in range(3)] == ports[1:]
+    assert [layout.next_port(ports[e], e) for e in range(3)] == ports[1:]
 
 
 def test_a_world_gives_a_trainer_the_environment_a_new_pod_of_it_would_get():

@@ -137,14 +137,14 @@ class WorldLayout:
 
         gpus = number(wellknown.LOCAL_WORLD_SIZE, 1)
         master_addr = environ.get(wellknown.MASTER_ADDR) or wellknown.LOOPBACK
-        host, port = _coordinator(environ.get(wellknown.COORDINATOR_ENV) or "")
+        host, port = parse_coordinator(environ.get(wellknown.COORDINATOR_ENV) or "")
         return cls(epoch=number(wellknown.WORLD_EPOCH_ENV, 0), replicas=max(1, number(wellknown.WORLD_SIZE, gpus) // gpus),
                    gpus_per_replica=gpus, in_place=in_place, master_addr=master_addr,
                    master_port=number(wellknown.MASTER_PORT_ENV, wellknown.MASTER_PORT),
                    coordinator_port=port, coordinator_host=None if host in (None, master_addr) else host)
 
 
-def _coordinator(address: str) -> tuple[str | None, int | None]:
+def parse_coordinator(address: str) -> tuple[str | None, int | None]:
     """(host, port) of `tcp://HOST:PORT` (an IPv6 host in brackets); (None, None) for ""."""
     if not address:
         return None, None

@@ -20,10 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import wellknown, messages
-# The port arithmetic of in-place worlds lives with the world's value (layout.WorldLayout); it is
-# named here too for the callers that still do it by hand (sidecar/main.py, local/running.py).
-from .layout import WORLD_PORT_STRIDE as WORLD_PORT_STRIDE, base_port as base_port
-from .layout import next_port as next_port, world_port as world_port
 
 FILE = "world.json"
 
