@@ -40,15 +40,16 @@ def free_port() -> int:
 
 
 def free_port_pair() -> int:
-    """A free port P whose partner P + WORLD_PORT_STRIDE is free too: the even and odd worlds
-    of an in-place run (WorldLayout.at)."""
+    """A free port P whose partner (the port odd worlds use in place, WorldLayout.at) is free
+    too: the even and odd worlds of an in-place run."""
     for _ in range(100):
         port = free_port()
-        if port + layout.WORLD_PORT_STRIDE > 65535:
+        partner = layout.world_port(port, 1)
+        if partner > 65535:
             continue
         with socket.socket() as s:
             try:
-                s.bind((wellknown.LOOPBACK, port + layout.WORLD_PORT_STRIDE))
+                s.bind((wellknown.LOOPBACK, partner))
             except OSError:
                 continue
         return port

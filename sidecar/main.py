@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from splitfeed.trainer_client.contract import wellknown, membership
+from splitfeed.trainer_client.contract import wellknown, layout, membership
 from splitfeed.trainer_client.transport import stranded
 
 from .world import commitments, identity, transitions
@@ -39,20 +39,19 @@ def settings_from_env(**overrides: Any) -> SidecarSettings:
     not None win (the command line's)."""
     env = os.environ
     who = identity.from_env(env, need_uid=False)
+    world = layout.WorldLayout.from_env(env)  # what the operator's WorldLayout.env gave this pod
     values: dict[str, Any] = {
         "job_uid": who.uid, "world_epoch": who.world_epoch, "table_version": who.table_version,
         "socket_dir": Path(env.get(wellknown.SOCKET_DIR_ENV, wellknown.SOCKET_DIR)),
         "rank": int(env.get(wellknown.RANK, "0")),
-        "world_size": int(env.get(wellknown.WORLD_SIZE, "1")),
-        "local_world_size": int(env.get(wellknown.LOCAL_WORLD_SIZE, "1")),
+        "world_size": world.world_size, "local_world_size": world.gpus_per_replica,
         "resume": env.get(wellknown.RESUME_ENV, wellknown.RESUME_LATEST),
         "resume_step": int(env[wellknown.RESUME_STEP_ENV]) if env.get(wellknown.RESUME_STEP_ENV) else None,
         "replica": int(env[wellknown.NODE_RANK]) if env.get(wellknown.NODE_RANK) else None,
-        "coordinator": env.get(wellknown.COORDINATOR_ENV) or None,
+        "coordinator": world.coordinator or None,
         "checksum": env.get(wellknown.CONFIG_CHECKSUM_ENV) or None,
         "metrics_port": metrics.metrics_port(env) or None,
-        "master_addr": env.get(wellknown.MASTER_ADDR) or None,
-        "master_port": int(env[wellknown.MASTER_PORT_ENV]) if env.get(wellknown.MASTER_PORT_ENV) else None,
+        "master_addr": world.master_addr, "master_port": world.master_port,
         "keys_dir": Path(env[wellknown.KEYS_DIR_ENV]) if env.get(wellknown.KEYS_DIR_ENV) else None,
     }
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from splitfeed.trainer_client.contract import wellknown, errors
+from splitfeed.trainer_client.contract import wellknown, errors, layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,5 @@ def coordinator_addresses(settings: SidecarSettings) -> tuple[str, str]:
                 "SPLITFEED_COORDINATOR is not set: a world of several replicas needs replica 0's "
                 "coordinator address (the operator and `splitfeed local` set it)")
         return f"tcp://{wellknown.LOOPBACK}:*", ""
-    host, sep, port = settings.coordinator.rpartition(":")
-    if not settings.coordinator.startswith("tcp://") or not sep or not port.isdigit():
-        raise errors.UserError(f"SPLITFEED_COORDINATOR={settings.coordinator!r} is not tcp://HOST:PORT")
+    _, port = layout.parse_coordinator(settings.coordinator)  # UserError where it is not tcp://HOST:PORT
     return f"tcp://*:{port}", settings.coordinator
