@@ -40,7 +40,7 @@ bench: install
 	$(PY) -m tests.bench.run
 
 # import-linter cannot follow the editable install's finder: pkg/splitfeed is a committed
-# view of the three folders as splitfeed.* (symlinks), which mypy and editors use too.
+# view of the four folders as splitfeed.* (symlinks), which mypy and editors use too.
 lint: install
 	PYTHONPATH=pkg $(VENV)/bin/lint-imports
 	MYPYPATH=pkg $(PY) -m mypy --config-file pyproject.toml -p splitfeed
