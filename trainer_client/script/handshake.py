@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from ..contract import wellknown, membership, messages, versions
+from ..contract import wellknown, layout, membership, messages, versions
 from ..transport.channel import Channel
 from ..transport import ring
 from ..contract.errors import SidecarUnavailable, VersionMismatch
@@ -137,12 +137,9 @@ class Session:
     def world(self) -> membership.World:
         """The world this process trains in, from its environment."""
         env = os.environ
-        local_world = int(env.get(wellknown.LOCAL_WORLD_SIZE, "1") or 1)
-        world_size = int(env.get(wellknown.WORLD_SIZE, "1") or 1)
+        pod = layout.WorldLayout.from_env(env)  # what the operator's WorldLayout.env gave this pod
         return membership.World(
             epoch=self.world_epoch, state=membership.SERVING,
             rank=int(env.get(wellknown.RANK, "0") or 0) - int(env.get(wellknown.LOCAL_RANK, "0") or 0),
-            world_size=world_size, replicas=max(1, world_size // local_world),
-            master_addr=env.get(wellknown.MASTER_ADDR, wellknown.LOOPBACK),
-            master_port=int(env.get(wellknown.MASTER_PORT_ENV, str(wellknown.MASTER_PORT))),
-            resume_step=self.resume_step)
+            world_size=pod.world_size, replicas=pod.replicas, master_addr=pod.master_addr,
+            master_port=pod.master_port, resume_step=self.resume_step)
